@@ -1,0 +1,562 @@
+"""BERT for pretraining (MLM + NSP), post-LN (classic BERT) or pre-LN (Megatron-style).
+
+Parameter names equal Hugging Face's: post-LN matches `transformers.BertForPreTraining`,
+pre-LN matches `transformers.MegatronBertForPreTraining`, so weights map one to one
+(`save_hf` / `load_hf` at the bottom of this file).
+
+Two departures from the reference implementations, both for speed:
+- the MLM head gathers the masked positions first and only transforms and decodes those
+  (20 of 128 positions in phase 1), instead of decoding every position;
+- attention is `torch.nn.functional.scaled_dot_product_attention`.
+The vocabulary is padded to a multiple of `pad_vocab_size_multiple` inside the model
+(30522 -> 30528); logits, losses and exports only ever see the real `vocab_size` rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+IGNORE_INDEX = -100  # masked_lm_labels value for "no prediction at this slot"
+
+_ACTIVATIONS = {
+    "gelu": lambda x: F.gelu(x),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class ConfigError(ValueError):
+    """A model config that cannot build a model; the message names the file, field and fix."""
+
+
+@dataclass
+class BertConfig:
+    """Model shape. Field names are Hugging Face's BertConfig names; the last three are ours."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str
+    hidden_dropout_prob: float
+    attention_probs_dropout_prob: float
+    max_position_embeddings: int
+    type_vocab_size: int
+    initializer_range: float
+    layer_norm_eps: float
+    pre_layer_norm: bool = False  # pre-LN (Megatron) blocks: stable at 48+ layers
+    next_sentence_prediction: bool = True  # False builds no pooler and no NSP head
+    pad_vocab_size_multiple: int = 8
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, source: str = "BertConfig") -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            expected = {"int": int, "float": (int, float), "str": str, "bool": bool}[str(f.type)]
+            if isinstance(value, bool) and expected is not bool or not isinstance(value, expected):
+                raise ConfigError(f"{source}: field '{f.name}' must be {f.type}, got {value!r}")
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size",
+                     "pad_vocab_size_multiple"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{source}: field '{name}' must be positive, got {getattr(self, name)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(
+                f"{source}: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
+                f"{self.num_attention_heads}; choose heads that divide it "
+                f"(e.g. {[h for h in range(1, 65) if self.hidden_size % h == 0][-4:]})"
+            )
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ConfigError(f"{source}: hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
+        for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ConfigError(f"{source}: field '{name}' must be in [0, 1), got {getattr(self, name)}")
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_size_multiple
+        return int(math.ceil(self.vocab_size / m) * m)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str = "config") -> BertConfig:
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [k for k in values if k not in names]
+        if unknown:
+            hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
+            hint = "; ".join(f"'{k}'" + (f" (did you mean '{v[0]}'?)" if v else "") for k, v in hints.items())
+            raise ConfigError(f"{source}: unknown field(s) {hint}. Known fields: {', '.join(names)}")
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+        missing = [k for k in required if k not in values]
+        if missing:
+            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}; add them to the JSON")
+        config = cls.__new__(cls)
+        for f in dataclasses.fields(cls):
+            setattr(config, f.name, values.get(f.name, f.default))
+        config.validate(source)
+        return config
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> BertConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read model config ({e.strerror})") from e
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+        if not isinstance(values, dict):
+            raise ConfigError(f"{path}: expected a JSON object of config fields")
+        return cls.from_dict(values, source=str(path))
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json_file(self, path: str | os.PathLike) -> None:
+        _atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+@dataclass
+class ActivationCheckpointing:
+    """Recompute encoder activations in backward. `interval` layers form one checkpointed segment."""
+
+    enabled: bool = False
+    interval: int = 1
+    impl: str = "torch"  # "torch" (torch.utils.checkpoint, non-reentrant) or "deepspeed"
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"activation checkpointing interval must be >= 1, got {self.interval}")
+        if self.impl not in ("torch", "deepspeed"):
+            raise ValueError(f"activation checkpointing impl must be 'torch' or 'deepspeed', got {self.impl!r}")
+
+
+@dataclass
+class PreTrainingOutput:
+    loss: torch.Tensor | None
+    mlm_loss: torch.Tensor | None
+    nsp_loss: torch.Tensor | None
+    mlm_accuracy: torch.Tensor | None
+    mlm_logits: torch.Tensor  # [batch, predictions, vocab_size] (or [batch, seq, vocab] with no positions)
+    nsp_logits: torch.Tensor | None  # [batch, 2]
+
+
+# ----------------------------------------------------------------------------- modules
+# Nesting mirrors transformers' modeling_bert / modeling_megatron_bert so names match.
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.padded_vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        # Megatron's pre-LN BERT has no LayerNorm on the embeddings.
+        self.LayerNorm = None if config.pre_layer_norm else nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        x = x + self.position_embeddings(positions)
+        if self.LayerNorm is not None:
+            x = self.LayerNorm(x)
+        return self.dropout(x)
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.head_dim
+        self.query = nn.Linear(config.hidden_size, config.hidden_size)
+        self.key = nn.Linear(config.hidden_size, config.hidden_size)
+        self.value = nn.Linear(config.hidden_size, config.hidden_size)
+        self.dropout_p = config.attention_probs_dropout_prob
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = (proj(x).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+                   for proj in (self.query, self.key, self.value))
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=self.dropout_p if self.training else 0.0
+        )
+        return out.transpose(1, 2).reshape(b, s, h)
+
+
+class BertSelfOutput(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.LayerNorm = None if config.pre_layer_norm else nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(self.dense(x)) + residual
+        return x if self.LayerNorm is None else self.LayerNorm(x)
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_layer_norm else None
+        self.self = BertSelfAttention(config)
+        self.output = BertSelfOutput(config)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        normed = x if self.ln is None else self.ln(x)
+        return self.output(self.self(normed, attn_mask), x)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = _ACTIVATIONS[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.dense(x))
+
+
+class BertOutput(BertSelfOutput):
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.dense = nn.Linear(config.intermediate_size, config.hidden_size)
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_layer_norm else None
+        self.intermediate = BertIntermediate(config)
+        self.output = BertOutput(config)
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        x = self.attention(x, attn_mask)
+        normed = x if self.ln is None else self.ln(x)
+        return self.output(self.intermediate(normed), x)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig, checkpointing: ActivationCheckpointing):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_layer_norm else None
+        self.checkpointing = checkpointing
+
+    def _run_layers(self, start: int, end: int):
+        def run(x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+            for layer in self.layer[start:end]:
+                x = layer(x, attn_mask)
+            return x
+        return run
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        ckpt = self.checkpointing
+        if not (ckpt.enabled and self.training and torch.is_grad_enabled()):
+            x = self._run_layers(0, len(self.layer))(x, attn_mask)
+        else:
+            if ckpt.impl == "deepspeed":
+                import deepspeed  # imported here: only runs that ask for it need DeepSpeed in the model
+
+                checkpoint_fn = deepspeed.checkpointing.checkpoint
+            else:
+                def checkpoint_fn(fn, *args):
+                    return torch_checkpoint(fn, *args, use_reentrant=False)
+            for start in range(0, len(self.layer), ckpt.interval):
+                x = checkpoint_fn(self._run_layers(start, start + ckpt.interval), x, attn_mask)
+        return x if self.ln is None else self.ln(x)
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(x[:, 0]))
+
+
+class BertModel(nn.Module):
+    def __init__(self, config: BertConfig, checkpointing: ActivationCheckpointing):
+        super().__init__()
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config, checkpointing)
+        self.pooler = BertPooler(config) if config.next_sentence_prediction else None
+
+    def forward(self, input_ids, token_type_ids, attention_mask) -> torch.Tensor:
+        x = self.embeddings(input_ids, token_type_ids)
+        # Boolean SDPA mask, True = attend; broadcast over heads and query positions.
+        attn_mask = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
+        return self.encoder(x, attn_mask)
+
+
+class BertPredictionHeadTransform(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+        self.act = _ACTIVATIONS[config.hidden_act]
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.act(self.dense(x)))
+
+
+class BertLMPredictionHead(nn.Module):
+    """Transform + decoder. The decoder weight is the word embedding matrix (tied)."""
+
+    def __init__(self, config: BertConfig, word_embeddings: nn.Embedding):
+        super().__init__()
+        self.transform = BertPredictionHeadTransform(config)
+        self.bias = nn.Parameter(torch.zeros(config.padded_vocab_size))
+        self.vocab_size = config.vocab_size
+        # A plain attribute, not a submodule: the weight is registered once, under embeddings.
+        self._decoder = [word_embeddings]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(self.transform(x), self._decoder[0].weight, self.bias)
+        return logits[..., : self.vocab_size]  # padded vocab rows never reach a softmax
+
+
+class BertPreTrainingHeads(nn.Module):
+    def __init__(self, config: BertConfig, word_embeddings: nn.Embedding):
+        super().__init__()
+        self.predictions = BertLMPredictionHead(config, word_embeddings)
+        self.seq_relationship = nn.Linear(config.hidden_size, 2) if config.next_sentence_prediction else None
+
+
+class BertForPreTraining(nn.Module):
+    def __init__(self, config: BertConfig, checkpointing: ActivationCheckpointing | None = None):
+        super().__init__()
+        self.config = config
+        self.bert = BertModel(config, checkpointing or ActivationCheckpointing())
+        self.cls = BertPreTrainingHeads(config, self.bert.embeddings.word_embeddings)
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, BertLMPredictionHead):
+            nn.init.zeros_(module.bias)
+
+    @property
+    def checkpointing(self) -> ActivationCheckpointing:
+        return self.bert.encoder.checkpointing
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        masked_lm_positions: torch.Tensor | None = None,
+        masked_lm_labels: torch.Tensor | None = None,
+        next_sentence_labels: torch.Tensor | None = None,
+    ) -> PreTrainingOutput:
+        """`masked_lm_positions` / `masked_lm_labels`: [batch, max_predictions]; label -100 marks an
+        unused slot. Without positions, logits are computed for every position (inference)."""
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        hidden = self.bert(input_ids, token_type_ids, attention_mask)
+
+        if masked_lm_positions is not None:
+            index = masked_lm_positions.long().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])
+            hidden_at_masks = torch.gather(hidden, 1, index)
+        else:
+            hidden_at_masks = hidden
+        mlm_logits = self.cls.predictions(hidden_at_masks)
+        nsp_logits = None
+        if self.cls.seq_relationship is not None:
+            nsp_logits = self.cls.seq_relationship(self.bert.pooler(hidden))
+
+        mlm_loss = nsp_loss = accuracy = loss = None
+        if masked_lm_labels is not None:
+            labels = masked_lm_labels.long()
+            flat_logits = mlm_logits.float().reshape(-1, mlm_logits.shape[-1])
+            mlm_loss = F.cross_entropy(flat_logits, labels.reshape(-1), ignore_index=IGNORE_INDEX)
+            with torch.no_grad():
+                valid = labels.reshape(-1) != IGNORE_INDEX
+                hits = (flat_logits.argmax(-1) == labels.reshape(-1)) & valid
+                accuracy = hits.sum().float() / valid.sum().clamp(min=1).float()
+            loss = mlm_loss
+        if next_sentence_labels is not None:
+            if nsp_logits is None:
+                raise ValueError("next_sentence_labels given, but the config has next_sentence_prediction=false")
+            nsp_loss = F.cross_entropy(nsp_logits.float(), next_sentence_labels.long().reshape(-1))
+            loss = nsp_loss if loss is None else loss + nsp_loss
+        return PreTrainingOutput(loss, mlm_loss, nsp_loss, accuracy, mlm_logits, nsp_logits)
+
+
+# ----------------------------------------------------------------------------- Hugging Face interop
+
+
+def _atomic_write_text(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _hf_classes(config: BertConfig):
+    """The transformers classes our config maps to: (config class, model class, model_type)."""
+    import transformers
+
+    if config.pre_layer_norm:
+        cfg_cls, model_type = transformers.MegatronBertConfig, "megatron-bert"
+        model_cls = (transformers.MegatronBertForPreTraining if config.next_sentence_prediction
+                     else transformers.MegatronBertForMaskedLM)
+    else:
+        cfg_cls, model_type = transformers.BertConfig, "bert"
+        model_cls = transformers.BertForPreTraining if config.next_sentence_prediction else transformers.BertForMaskedLM
+    return cfg_cls, model_cls, model_type
+
+
+_HF_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+              "hidden_act", "hidden_dropout_prob", "attention_probs_dropout_prob", "max_position_embeddings",
+              "type_vocab_size", "initializer_range", "layer_norm_eps")
+
+
+def to_hf_state_dict(model: BertForPreTraining) -> dict[str, torch.Tensor]:
+    """Our state dict with the vocab padding stripped and the tied decoder spelled out, as HF names it."""
+    vocab = model.config.vocab_size
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name in ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias"):
+            tensor = tensor[:vocab]
+        state[name] = tensor
+    state["cls.predictions.decoder.weight"] = state["bert.embeddings.word_embeddings.weight"]
+    state["cls.predictions.decoder.bias"] = state["cls.predictions.bias"]
+    return state
+
+
+def to_hf_model(model: BertForPreTraining):
+    """A transformers model (BertForPreTraining / MegatronBertForPreTraining, or *ForMaskedLM
+    without NSP) holding this model's weights."""
+    config = model.config
+    cfg_cls, model_cls, _ = _hf_classes(config)
+    hf_config = cfg_cls(**{k: getattr(config, k) for k in _HF_FIELDS}, pad_token_id=0)
+    hf_config.architectures = [model_cls.__name__]
+    hf_model = model_cls(hf_config)
+    state = {k: v.detach().to(torch.float32).clone() for k, v in to_hf_state_dict(model).items()}
+    missing, unexpected = hf_model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("position_ids") and k != "bert.embeddings.token_type_ids"]
+    if missing or unexpected:
+        raise RuntimeError(f"weight mapping to {model_cls.__name__} failed: missing {missing}, unexpected {unexpected}")
+    hf_model.tie_weights()
+    return hf_model.eval()
+
+
+def save_hf(model: BertForPreTraining, directory: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Write a Hugging Face model directory (config.json + model.safetensors) that
+    `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM) loads.
+    With `tokenizer_dir` (a folder holding vocab.txt), the tokenizer files are written too."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp")
+    hf_model = to_hf_model(model)
+    hf_model.save_pretrained(tmp)
+    if tokenizer_dir is not None:
+        from transformers import BertTokenizerFast
+
+        vocab_file = Path(tokenizer_dir) / "vocab.txt"
+        if not vocab_file.is_file():
+            raise FileNotFoundError(f"{vocab_file}: no vocab.txt to export the tokenizer from")
+        lower = _vocab_is_lowercase(vocab_file)
+        BertTokenizerFast(vocab_file=str(vocab_file), do_lower_case=lower).save_pretrained(tmp)
+    if directory.exists():
+        _replace_dir(tmp, directory)
+    else:
+        os.replace(tmp, directory)
+    return directory
+
+
+def _vocab_is_lowercase(vocab_file: Path) -> bool:
+    words = [w for w in vocab_file.read_text(encoding="utf-8").split("\n") if w and not w.startswith("[")]
+    return not any(w != w.lower() for w in words)
+
+
+def _replace_dir(new: Path, old: Path) -> None:
+    trash = old.with_name(f".{old.name}.old")
+    os.replace(old, trash)
+    os.replace(new, old)
+    import shutil
+
+    shutil.rmtree(trash)
+
+
+def config_from_hf(hf_config, pad_vocab_size_multiple: int = 8) -> BertConfig:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ("bert", "megatron-bert"):
+        raise ConfigError(f"model_type {model_type!r} is not a BERT; expected 'bert' or 'megatron-bert'")
+    if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
+        raise ConfigError(f"position_embedding_type {hf_config.position_embedding_type!r} is not supported")
+    archs = getattr(hf_config, "architectures", None) or []
+    nsp = not any(a.endswith("ForMaskedLM") for a in archs)
+    return BertConfig(**{k: getattr(hf_config, k) for k in _HF_FIELDS}, pre_layer_norm=model_type == "megatron-bert",
+                      next_sentence_prediction=nsp, pad_vocab_size_multiple=pad_vocab_size_multiple)
+
+
+def from_hf_model(hf_model, pad_vocab_size_multiple: int = 8) -> BertForPreTraining:
+    config = config_from_hf(hf_model.config, pad_vocab_size_multiple)
+    model = BertForPreTraining(config)
+    hf_state = hf_model.state_dict()
+    ours = model.state_dict()
+    for name, target in ours.items():
+        if name not in hf_state:
+            raise KeyError(f"Hugging Face model lacks weight '{name}' (architecture {type(hf_model).__name__})")
+        source = hf_state[name]
+        if target.shape != source.shape:  # the padded vocab rows
+            target.zero_()
+            target[: source.shape[0]].copy_(source)
+        else:
+            target.copy_(source)
+    return model
+
+
+def load_hf(directory: str | os.PathLike) -> BertForPreTraining:
+    """Load a Hugging Face BERT / MegatronBERT pretraining (or masked-LM) checkpoint directory."""
+    import transformers
+
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory}: no config.json; expected a Hugging Face model directory")
+    hf_config = transformers.AutoConfig.from_pretrained(directory)
+    archs = getattr(hf_config, "architectures", None) or []
+    if any(a.endswith("ForMaskedLM") for a in archs):
+        hf_model = transformers.AutoModelForMaskedLM.from_pretrained(directory)
+    else:
+        hf_model = transformers.AutoModelForPreTraining.from_pretrained(directory)
+    return from_hf_model(hf_model)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
