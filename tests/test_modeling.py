@@ -1,0 +1,349 @@
+"""modeling.py: shapes, Hugging Face parity both ways, the sparse MLM head, checkpointing, configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+import modeling
+from modeling import ActivationCheckpointing, BertConfig, BertForPreTraining, ConfigError
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_CONFIGS = ROOT / "configs" / "models"
+
+
+def small_config(**overrides) -> BertConfig:
+    values = dict(
+        vocab_size=1001,  # not a multiple of 8: exercises the padding
+        hidden_size=64, num_hidden_layers=3, num_attention_heads=4, intermediate_size=128, hidden_act="gelu",
+        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, max_position_embeddings=64, type_vocab_size=2,
+        initializer_range=0.02, layer_norm_eps=1e-12,
+    )
+    values.update(overrides)
+    return BertConfig(**values)
+
+
+def make_batch(config: BertConfig, batch=3, seq=24, preds=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(5, config.vocab_size, (batch, seq), generator=g)
+    token_type_ids = torch.zeros_like(input_ids)
+    token_type_ids[:, seq // 2:] = 1
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[1, seq - 6:] = 0  # padding in one row
+    positions = torch.stack([torch.randperm(seq - 7, generator=g)[:preds].sort().values + 1 for _ in range(batch)])
+    labels = torch.randint(5, config.vocab_size, (batch, preds), generator=g)
+    labels[2, -2:] = modeling.IGNORE_INDEX  # unused prediction slots
+    positions[2, -2:] = 0
+    nsp = torch.tensor([0, 1, 0])[:batch]
+    return input_ids, token_type_ids, attention_mask, positions, labels, nsp
+
+
+def dense_labels(positions, labels, seq):
+    full = torch.full((positions.shape[0], seq), modeling.IGNORE_INDEX)
+    for b in range(positions.shape[0]):
+        for p in range(positions.shape[1]):
+            if labels[b, p] != modeling.IGNORE_INDEX:
+                full[b, positions[b, p]] = labels[b, p]
+    return full
+
+
+def test_bert_1_5b_parameter_count_on_meta_device():
+    config = BertConfig.from_json_file(MODEL_CONFIGS / "bert-1.5b.json")
+    with torch.device("meta"):
+        model = BertForPreTraining(config)
+    n = modeling.count_parameters(model)
+    # 48 layers x 30,740,800 + embeddings (30528 padded vocab, 512 positions, 2 types) + final LN + heads.
+    assert n == 1_530_388_930
+    assert 1.50e9 <= n <= 1.56e9
+    assert config.pre_layer_norm and config.padded_vocab_size == 30528
+
+
+def test_every_model_config_loads_and_bert_large_is_about_340m():
+    sizes = {}
+    for path in sorted(MODEL_CONFIGS.glob("*.json")):
+        config = BertConfig.from_json_file(path)
+        with torch.device("meta"):
+            sizes[path.stem] = modeling.count_parameters(BertForPreTraining(config))
+    assert {"bert-tiny", "bert-base", "bert-large", "bert-1.5b", "bert-5b"} <= set(sizes)
+    assert 330e6 < sizes["bert-large"] < 345e6
+    assert 108e6 < sizes["bert-base"] < 112e6
+    assert 4.9e9 < sizes["bert-5b"] < 5.2e9
+
+
+@pytest.mark.parametrize("pre_layer_norm", [False, True], ids=["post-ln-bert", "pre-ln-megatron"])
+def test_hf_parity_fp32(pre_layer_norm):
+    config = small_config(pre_layer_norm=pre_layer_norm)
+    torch.manual_seed(1)
+    model = BertForPreTraining(config).eval()
+    hf = modeling.to_hf_model(model)
+    expected_cls = transformers.MegatronBertForPreTraining if pre_layer_norm else transformers.BertForPreTraining
+    assert type(hf) is expected_cls
+    ids, types, mask, positions, labels, nsp = make_batch(config)
+    with torch.no_grad():
+        ours = model(ids, types, mask, positions, labels, nsp)
+        ref = hf(input_ids=ids, token_type_ids=types, attention_mask=mask,
+                 labels=dense_labels(positions, labels, ids.shape[1]), next_sentence_label=nsp)
+    ref_at_masks = torch.gather(ref.prediction_logits, 1,
+                                positions.unsqueeze(-1).expand(-1, -1, config.vocab_size))
+    assert ours.mlm_logits.shape == (3, 5, config.vocab_size)
+    torch.testing.assert_close(ours.mlm_logits, ref_at_masks, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.nsp_logits, ref.seq_relationship_logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.loss, ours.mlm_loss + ours.nsp_loss)
+
+
+@pytest.mark.parametrize("pre_layer_norm", [False, True], ids=["post-ln-bert", "pre-ln-megatron"])
+def test_save_hf_load_hf_round_trip(tmp_path, pre_layer_norm):
+    config = small_config(pre_layer_norm=pre_layer_norm)
+    model = BertForPreTraining(config).eval()
+    batch = make_batch(config)
+    modeling.save_hf(model, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+    saved = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert saved["vocab_size"] == 1001  # the padding is stripped from exports
+    assert saved["model_type"] == ("megatron-bert" if pre_layer_norm else "bert")
+
+    # transformers itself loads it...
+    hf = transformers.AutoModelForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    assert hf.bert.embeddings.word_embeddings.weight.shape[0] == 1001
+    # ...and load_hf gives back a model with identical outputs.
+    loaded = modeling.load_hf(tmp_path / "hf").eval()
+    assert loaded.config == config
+    with torch.no_grad():
+        a, b = model(*batch), loaded(*batch)
+    assert torch.equal(a.mlm_logits, b.mlm_logits)
+    assert torch.equal(a.nsp_logits, b.nsp_logits)
+    assert torch.equal(a.loss, b.loss)
+
+
+def test_load_hf_from_a_transformers_model(tmp_path):
+    """The other direction: a checkpoint written by transformers loads into our model."""
+    hf_config = transformers.BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=64)
+    torch.manual_seed(3)
+    hf = transformers.BertForPreTraining(hf_config).eval()
+    hf.save_pretrained(tmp_path / "from_hf")
+    ours = modeling.load_hf(tmp_path / "from_hf").eval()
+    ids, types, mask, positions, labels, nsp = make_batch(ours.config, seq=20)
+    with torch.no_grad():
+        a = ours(ids, types, mask)
+        b = hf(input_ids=ids, token_type_ids=types, attention_mask=mask)
+    torch.testing.assert_close(a.mlm_logits, b.prediction_logits, atol=1e-5, rtol=1e-5)
+
+
+def test_no_nsp_builds_no_head_and_exports_as_masked_lm(tmp_path):
+    config = small_config(next_sentence_prediction=False)
+    model = BertForPreTraining(config).eval()
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("pooler" in n or "seq_relationship" in n for n in names)
+    ids, types, mask, positions, labels, nsp = make_batch(config)
+    out = model(ids, types, mask, positions, labels)
+    assert out.nsp_loss is None and out.nsp_logits is None
+    assert torch.equal(out.loss, out.mlm_loss)
+    with pytest.raises(ValueError, match="next_sentence_prediction"):
+        model(ids, types, mask, positions, labels, nsp)
+    modeling.save_hf(model, tmp_path / "mlm")
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "mlm")
+    assert type(hf) is transformers.BertForMaskedLM
+    loaded = modeling.load_hf(tmp_path / "mlm").eval()
+    with torch.no_grad():
+        assert torch.equal(loaded(ids, types, mask, positions, labels).loss, model(ids, types, mask, positions, labels).loss)
+
+
+def test_sparse_mlm_head_equals_dense_reference():
+    config = small_config()
+    model = BertForPreTraining(config).eval()
+    ids, types, mask, positions, labels, nsp = make_batch(config)
+    with torch.no_grad():
+        sparse = model(ids, types, mask, positions, labels, nsp)
+        dense = model(ids, types, mask)  # no positions: logits at every position
+    assert dense.mlm_logits.shape == (3, ids.shape[1], config.vocab_size)
+    reference = torch.nn.functional.cross_entropy(
+        dense.mlm_logits.reshape(-1, config.vocab_size), dense_labels(positions, labels, ids.shape[1]).reshape(-1),
+        ignore_index=modeling.IGNORE_INDEX)
+    torch.testing.assert_close(sparse.mlm_loss, reference, atol=1e-6, rtol=1e-6)
+
+
+def test_decoder_is_tied_to_word_embeddings_and_bias_is_separate():
+    config = small_config()
+    model = BertForPreTraining(config)
+    params = dict(model.named_parameters())
+    assert "cls.predictions.bias" in params
+    assert not any("decoder" in n for n in params)  # one matrix, registered once
+    assert params["bert.embeddings.word_embeddings.weight"].shape == (1008, 64)  # padded to a multiple of 8
+    ids, types, mask, positions, labels, nsp = make_batch(config)
+    model(ids, types, mask, positions, labels, nsp).mlm_loss.backward()
+    emb_grad = params["bert.embeddings.word_embeddings.weight"].grad
+    # Rows never used as input still get gradient through the tied decoder; padded rows get none.
+    unused = sorted(set(range(config.vocab_size)) - set(ids.flatten().tolist()))
+    assert emb_grad[unused].abs().sum() > 0
+    assert emb_grad[config.vocab_size:].abs().sum() == 0
+
+
+def test_initialisation():
+    config = BertConfig.from_json_file(MODEL_CONFIGS / "bert-tiny.json")
+    model = BertForPreTraining(config)
+    w = model.bert.encoder.layer[0].intermediate.dense.weight
+    assert abs(w.std().item() - 0.02) < 0.001 and abs(w.mean().item()) < 0.001
+    emb = model.bert.embeddings.word_embeddings.weight
+    assert abs(emb.std().item() - 0.02) < 0.001
+    for module in model.modules():
+        if isinstance(module, torch.nn.LayerNorm):
+            assert torch.all(module.weight == 1) and torch.all(module.bias == 0)
+        if isinstance(module, torch.nn.Linear):
+            assert torch.all(module.bias == 0)
+    assert torch.all(model.cls.predictions.bias == 0)
+
+
+def _loss_and_grads(config, checkpointing, batch, seed=7):
+    torch.manual_seed(0)
+    model = BertForPreTraining(config, checkpointing=checkpointing).train()  # dropout on
+    torch.manual_seed(seed)
+    out = model(*batch)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_checkpointing_matches(impl: str, interval: int, pre_ln: bool) -> None:
+    config = small_config(pre_layer_norm=pre_ln)
+    batch = make_batch(config)
+    loss_ref, grads_ref = _loss_and_grads(config, ActivationCheckpointing(enabled=False), batch)
+    loss, grads = _loss_and_grads(config, ActivationCheckpointing(enabled=True, interval=interval, impl=impl), batch)
+    assert torch.equal(loss, loss_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-7, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("interval,pre_ln", [(1, False), (2, True), (3, False)])
+def test_torch_activation_checkpointing_gives_identical_loss_and_gradients(interval, pre_ln):
+    assert_checkpointing_matches("torch", interval, pre_ln)
+
+
+def test_deepspeed_activation_checkpointing_gives_identical_loss_and_gradients():
+    """DeepSpeed's checkpointing needs an initialised process group: run it in a one-rank child process."""
+    script = textwrap.dedent("""
+        import os, deepspeed
+        from tests.test_modeling import assert_checkpointing_matches
+        deepspeed.init_distributed(dist_backend="gloo")
+        deepspeed.checkpointing.configure(None)
+        assert_checkpointing_matches("deepspeed", 1, False)
+        assert_checkpointing_matches("deepspeed", 2, True)
+        print("identical")
+    """)
+    env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), DS_ACCELERATOR="cpu")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("identical")
+
+
+_PEAK_MEMORY_SCRIPT = textwrap.dedent("""
+    import resource, sys, torch
+    import modeling
+    torch.set_num_threads(1)
+    config = modeling.BertConfig(vocab_size=1024, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+        intermediate_size=1024, hidden_act="gelu", hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
+        max_position_embeddings=512, type_vocab_size=2, initializer_range=0.02, layer_norm_eps=1e-12)
+    model = modeling.BertForPreTraining(config, modeling.ActivationCheckpointing(enabled=sys.argv[1] == "on"))
+    ids = torch.randint(0, 1024, (8, 512))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out = model(ids, torch.zeros_like(ids), torch.ones_like(ids), torch.arange(20).repeat(8, 1),
+                torch.randint(0, 1024, (8, 20)), torch.zeros(8, dtype=torch.long))
+    out.loss.backward()
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)
+""")
+
+
+def test_activation_checkpointing_lowers_peak_memory():
+    """Peak RSS growth of one forward+backward, each setting in a fresh process (8 layers, 8 x 512 tokens)."""
+    growth = {}
+    for setting in ("off", "on"):
+        result = subprocess.run([sys.executable, "-c", _PEAK_MEMORY_SCRIPT, setting], cwd=ROOT, check=True,
+                                capture_output=True, text=True)
+        growth[setting] = int(result.stdout.split()[-1]) * 1024
+    # Without checkpointing every layer keeps ~15 activations of 8x512x256 floats and the 1024-wide FFN ones.
+    assert growth["off"] > 400e6, growth
+    assert growth["on"] < 0.5 * growth["off"], growth
+
+
+def test_bf16_weights_give_fp32_loss_close_to_fp32():
+    config = small_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = BertForPreTraining(config).eval()
+    batch = make_batch(config)
+    with torch.no_grad():
+        ref = model(*batch)
+        out = model.to(torch.bfloat16)(*batch)
+    assert out.mlm_logits.dtype == torch.bfloat16
+    assert out.loss.dtype == torch.float32 and out.mlm_loss.dtype == torch.float32
+    assert torch.isfinite(out.loss)
+    assert abs(out.loss.item() - ref.loss.item()) < 0.05 * ref.loss.item()
+
+
+def test_mlm_accuracy_counts_only_real_predictions():
+    config = small_config()
+    model = BertForPreTraining(config).eval()
+    ids, types, mask, positions, labels, nsp = make_batch(config)
+    with torch.no_grad():
+        logits = model(ids, types, mask, positions).mlm_logits
+    perfect = logits.argmax(-1)
+    perfect[2, -2:] = modeling.IGNORE_INDEX
+    perfect[0, 0] = (perfect[0, 0] + 1) % config.vocab_size  # one wrong out of 13 real predictions
+    with torch.no_grad():
+        out = model(ids, types, mask, positions, perfect)
+    assert out.mlm_accuracy.item() == pytest.approx(12 / 13)
+
+
+# ----------------------------------------------------------------------------- config files
+
+
+def write_config(tmp_path, **changes) -> Path:
+    values = json.loads((MODEL_CONFIGS / "bert-tiny.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            values.pop(key)
+        else:
+            values[key] = value
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(values))
+    return path
+
+
+def test_config_json_round_trip(tmp_path):
+    config = BertConfig.from_json_file(MODEL_CONFIGS / "bert-1.5b.json")
+    config.to_json_file(tmp_path / "out.json")
+    assert BertConfig.from_json_file(tmp_path / "out.json") == config
+    assert json.loads((tmp_path / "out.json").read_text()) == json.loads((MODEL_CONFIGS / "bert-1.5b.json").read_text())
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"hidden_size": 129}, r"hidden_size 129 is not divisible by num_attention_heads 2"),
+    ({"num_hidden_layers": None}, r"missing field\(s\) num_hidden_layers"),
+    ({"hiden_size": 128}, r"unknown field\(s\) 'hiden_size' \(did you mean 'hidden_size'\?\)"),
+    ({"hidden_act": "swish2"}, r"hidden_act 'swish2' is not one of"),
+    ({"num_attention_heads": "2"}, r"field 'num_attention_heads' must be int"),
+    ({"hidden_dropout_prob": 1.5}, r"hidden_dropout_prob' must be in \[0, 1\)"),
+])
+def test_bad_configs_give_clear_errors(tmp_path, changes, message):
+    path = write_config(tmp_path, **changes)
+    with pytest.raises(ConfigError, match=message) as info:
+        BertConfig.from_json_file(path)
+    assert str(path) in str(info.value)
+
+
+def test_unreadable_config_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read model config"):
+        BertConfig.from_json_file(tmp_path / "nope.json")
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"vocab_size": 10,')
+    with pytest.raises(ConfigError, match=r"bad.json: not valid JSON \(line 1"):
+        BertConfig.from_json_file(bad)
