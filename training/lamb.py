@@ -1,0 +1,473 @@
+"""LAMB and LANS with true per-tensor trust ratios, also when DeepSpeed ZeRO-1/2 partitions the parameters.
+
+ZeRO-1/2 flattens every parameter group into one buffer and gives each data-parallel rank one contiguous
+slice of it as a single fp32 tensor. An optimizer that computes ``||w|| / ||update||`` on that slice mixes
+layers and cuts tensors at slice boundaries. Here each optimizer tensor carries a *piece table*: the
+consecutive pieces it is made of, and which original tensor each piece belongs to. Squared norms are summed
+per piece, scattered into a vector with one slot per original tensor, summed over the data-parallel group
+in one all-reduce, and every piece is then scaled by its own tensor's ratio. Without ZeRO every tensor is
+one piece of itself and no communication happens. See docs/LAMB.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as torch_dist
+from torch import nn
+
+__all__ = ["Lamb", "Lans", "bind_to_deepspeed", "build_param_groups"]
+
+
+def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Two parameter groups in the BERT recipe's split: weights decay, biases and LayerNorm parameters do not.
+
+    Optimizer-agnostic (plain ``params``/``weight_decay`` dicts), so AdamW takes them too. LAMB and LANS
+    also skip the trust ratio where ``weight_decay`` is 0, as NVIDIA's BERT LAMB does. Tied parameters
+    are listed once; frozen ones are left out. Empty groups are dropped.
+    """
+    if not (isinstance(weight_decay, int | float) and math.isfinite(weight_decay) and weight_decay >= 0):
+        raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            if name == "bias" or isinstance(module, nn.LayerNorm):
+                no_decay.append(param)
+            else:
+                decay.append(param)
+    groups = [
+        {"params": decay, "weight_decay": float(weight_decay)},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [group for group in groups if group["params"]]
+
+
+@dataclass(frozen=True)
+class _Pieces:
+    """How one optimizer tensor splits into consecutive pieces of original tensors."""
+
+    tensor: torch.Tensor  # the optimizer tensor this table describes (identity check)
+    lengths: list[int]  # element counts; they add up to tensor.numel()
+    owners: torch.Tensor  # int64 on tensor.device: global index of the original tensor, or `padding` slot
+    lengths_t: torch.Tensor  # lengths as an int64 tensor on tensor.device (for repeat_interleave)
+
+
+@dataclass(frozen=True)
+class _Binding:
+    """The partition layout handed over by bind_to_deepspeed."""
+
+    pieces: dict[int, _Pieces] | None  # id(optimizer tensor) -> pieces; None: every tensor is whole
+    num_tensors: int
+    process_group: object | None  # data-parallel group to sum partial norms over; None: no all-reduce
+
+
+class _LayerwiseOptimizer(torch.optim.Optimizer):
+    """Shared machinery: per-tensor squared norms over (possibly partitioned) optimizer tensors."""
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        betas: tuple[float, float],
+        eps: float,
+        weight_decay: float,
+        adapt_no_decay: bool,
+    ):
+        if not lr >= 0.0:
+            raise ValueError(f"lr must be >= 0, got {lr!r}")
+        if not eps > 0.0:
+            raise ValueError(f"eps must be > 0, got {eps!r}")
+        if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
+        if not weight_decay >= 0.0:
+            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        # Optimizer.__init__ calls add_param_group, which records the tensors we were built with.
+        self._constructed: set[int] = set()
+        self._binding: _Binding | None = None
+        defaults = dict(
+            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt_no_decay=adapt_no_decay
+        )
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        self._constructed.update(id(p) for p in self.param_groups[-1]["params"])
+
+    # ------------------------------------------------------------------ binding
+
+    def _bind(self, binding: _Binding) -> None:
+        self._binding = binding
+
+    @staticmethod
+    def _adaptive(group: dict) -> bool:
+        return group["weight_decay"] != 0.0 or group["adapt_no_decay"]
+
+    def _piece_tables(self, params: Sequence[torch.Tensor]) -> tuple[list[_Pieces], int, object | None]:
+        """Piece tables for the tensors of this step, the number of tensor slots, and the group to reduce over."""
+        binding = self._binding
+        if binding is None:
+            foreign = [p for p in params if id(p) not in self._constructed]
+            if foreign:
+                raise RuntimeError(
+                    f"{type(self).__name__}: {len(foreign)} of the tensors it steps are not the parameters it was "
+                    "built with (DeepSpeed ZeRO and mixed-precision wrappers replace them with flat fp32 "
+                    "partitions or copies). Call training.lamb.bind_to_deepspeed(engine) right after "
+                    "deepspeed.initialize, or the trust ratios would be computed per partition, not per tensor."
+                )
+        if binding is None or binding.pieces is None:
+            tables = []
+            for index, p in enumerate(params):
+                device = p.device
+                tables.append(
+                    _Pieces(
+                        p,
+                        [p.numel()],
+                        torch.tensor([index], dtype=torch.int64, device=device),
+                        torch.tensor([p.numel()], dtype=torch.int64, device=device),
+                    )
+                )
+            return tables, len(params), None
+        tables = []
+        for p in params:
+            table = binding.pieces.get(id(p))
+            if table is None or table.tensor is not p:
+                raise RuntimeError(
+                    f"{type(self).__name__} is bound to a DeepSpeed partition layout, but steps a tensor of "
+                    f"{p.numel()} elements that the layout does not know. Call bind_to_deepspeed(engine) again "
+                    "after anything that rebuilds the DeepSpeed optimizer."
+                )
+            tables.append(table)
+        return tables, binding.num_tensors, binding.process_group
+
+    @staticmethod
+    def _sum_squares(
+        tensors: Sequence[torch.Tensor], tables: Sequence[_Pieces], num_tensors: int, out: torch.Tensor
+    ) -> None:
+        """Add, for each original tensor, the squared norm of its pieces found in `tensors` to `out[index]`.
+
+        `out` has num_tensors + 1 slots; the last one collects padding and is never read.
+        """
+        if not tensors:
+            return
+        chunks: list[torch.Tensor] = []
+        owners: list[torch.Tensor] = []
+        for tensor, table in zip(tensors, tables):
+            chunks.extend(torch.split(tensor.reshape(-1), table.lengths))
+            owners.append(table.owners)
+        norms = torch.stack(torch._foreach_norm(chunks)).to(out.dtype)
+        out.index_add_(0, torch.cat(owners).to(out.device), norms.square())
+
+    @staticmethod
+    def _scale_by_piece(tensor: torch.Tensor, table: _Pieces, per_tensor: torch.Tensor) -> None:
+        """tensor *= per_tensor[owner of each element], in place."""
+        factors = per_tensor.to(tensor.device)[table.owners].to(tensor.dtype)
+        if len(table.lengths) == 1:
+            tensor.mul_(factors[0])
+        else:
+            tensor.mul_(
+                torch.repeat_interleave(factors, table.lengths_t, output_size=tensor.numel()).view_as(tensor)
+            )
+
+    @staticmethod
+    def _all_reduce(vector: torch.Tensor, process_group: object | None) -> None:
+        if process_group is not None:
+            torch_dist.all_reduce(vector, op=torch_dist.ReduceOp.SUM, group=process_group)
+
+    @staticmethod
+    def _trust_ratio(weight_sq: torch.Tensor, update_sq: torch.Tensor) -> torch.Tensor:
+        """||w|| / ||u|| per tensor, 1 where either norm is 0 (LAMB paper, NVIDIA apex)."""
+        weight_norm, update_norm = weight_sq.sqrt(), update_sq.sqrt()
+        usable = (weight_norm > 0) & (update_norm > 0)
+        return torch.where(usable, weight_norm / torch.where(usable, update_norm, 1.0), 1.0)
+
+    def _stepped(self) -> list[tuple[dict, list[torch.Tensor]]]:
+        stepped = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if params:
+                for p in params:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                stepped.append((group, params))
+        return stepped
+
+    def _moments(
+        self, p: torch.Tensor, grad: torch.Tensor, group: dict
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Update and return the Adam moments of p from `grad`, and the step count."""
+        state = self.state[p]
+        if not state:
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"] += 1
+        beta1, beta2 = group["betas"]
+        exp_avg, exp_avg_sq = state["exp_avg"], state["exp_avg_sq"]
+        exp_avg.mul_(beta1).add_(grad, alpha=1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        return exp_avg, exp_avg_sq, state["step"]
+
+
+class Lamb(_LayerwiseOptimizer):
+    """LAMB (You et al. 2019) as NVIDIA's BERT recipe runs it (apex FusedLAMB, ``use_nvlamb=False``).
+
+    m, v: Adam moments with bias correction; u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w;
+    w -= lr * (||w|| / ||u||) * u with norms per original tensor. Groups with weight_decay 0 get ratio 1
+    unless ``adapt_no_decay=True`` (apex's ``use_nvlamb``). Gradient clipping is not done here: DeepSpeed's
+    ``gradient_clipping`` clips by the global norm before this step, as the recipe does.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        adapt_no_decay: bool = False,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay, adapt_no_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped = self._stepped()
+        all_params = [p for _, params in stepped for p in params]
+        tables, num_tensors, process_group = self._piece_tables(all_params)
+        table_of = {id(p): t for p, t in zip(all_params, tables)}
+
+        updates: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
+        for group, params in stepped:
+            beta1, beta2 = group["betas"]
+            for p in params:
+                exp_avg, exp_avg_sq, step = self._moments(p, p.grad, group)
+                denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                update = (exp_avg / (1 - beta1**step)).div_(denom)
+                if group["weight_decay"] != 0.0:
+                    update.add_(p, alpha=group["weight_decay"])
+                updates.append((group, p, update))
+
+        adaptive = [(p, u) for group, p, u in updates if self._adaptive(group)]
+        ratio = None
+        if adaptive:
+            device = adaptive[0][0].device
+            sums = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
+            adaptive_tables = [table_of[id(p)] for p, _ in adaptive]
+            self._sum_squares([p for p, _ in adaptive], adaptive_tables, num_tensors, sums[0])
+            self._sum_squares([u for _, u in adaptive], adaptive_tables, num_tensors, sums[1])
+            self._all_reduce(sums, process_group)
+            ratio = self._trust_ratio(sums[0], sums[1])
+
+        for group, p, update in updates:
+            if self._adaptive(group):
+                self._scale_by_piece(update, table_of[id(p)], ratio)
+            p.add_(update, alpha=-group["lr"])
+        return loss
+
+
+class Lans(_LayerwiseOptimizer):
+    """LANS (Zheng et al. 2020), the optimizer of the Gaudi BERT-1.5B recipe, with exact per-tensor norms.
+
+    g_hat = g / (||g|| + eps) per original tensor; m, v: Adam moments of g_hat with bias correction;
+    r_m = m_hat / (sqrt(v_hat) + eps) + wd * w and r_c = g_hat / (sqrt(v_hat) + eps) + wd * w;
+    w -= lr * (beta1 * ||w||/||r_m|| * r_m + (1 - beta1) * ||w||/||r_c|| * r_c).
+    Every tensor's gradient is normalised; the trust ratios are skipped where weight_decay is 0 unless
+    ``adapt_no_decay=True``, as for Lamb. Under ZeRO this takes two small all-reduces per step: the gradient
+    norms are needed before the moments, the update norms after them.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        adapt_no_decay: bool = False,
+    ):
+        super().__init__(params, lr, betas, eps, weight_decay, adapt_no_decay)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped = self._stepped()
+        all_params = [p for _, params in stepped for p in params]
+        if not all_params:
+            return loss
+        tables, num_tensors, process_group = self._piece_tables(all_params)
+        table_of = {id(p): t for p, t in zip(all_params, tables)}
+        device = all_params[0].device
+
+        # Gradient norms of every tensor, and weight norms of the adapted ones, in one all-reduce.
+        first = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
+        self._sum_squares([p.grad for p in all_params], tables, num_tensors, first[0])
+        adaptive_params = [p for group, params in stepped if self._adaptive(group) for p in params]
+        adaptive_tables = [table_of[id(p)] for p in adaptive_params]
+        self._sum_squares(adaptive_params, adaptive_tables, num_tensors, first[1])
+        self._all_reduce(first, process_group)
+        grad_norm = first[0].sqrt()
+
+        pending: list[tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        for group, params in stepped:
+            beta1, beta2 = group["betas"]
+            inverse_norm = 1.0 / (grad_norm + group["eps"])
+            for p in params:
+                grad = p.grad.clone()
+                self._scale_by_piece(grad, table_of[id(p)], inverse_norm)
+                exp_avg, exp_avg_sq, step = self._moments(p, grad, group)
+                denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
+                update_m = (exp_avg / (1 - beta1**step)).div_(denom)
+                update_c = grad.div_(denom)
+                if group["weight_decay"] != 0.0:
+                    update_m.add_(p, alpha=group["weight_decay"])
+                    update_c.add_(p, alpha=group["weight_decay"])
+                pending.append((group, p, update_m, update_c))
+
+        adaptive = [(p, m, c) for group, p, m, c in pending if self._adaptive(group)]
+        ratio_m = ratio_c = None
+        if adaptive:
+            second = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
+            self._sum_squares([m for _, m, _ in adaptive], adaptive_tables, num_tensors, second[0])
+            self._sum_squares([c for _, _, c in adaptive], adaptive_tables, num_tensors, second[1])
+            self._all_reduce(second, process_group)
+            ratio_m = self._trust_ratio(first[1], second[0])
+            ratio_c = self._trust_ratio(first[1], second[1])
+
+        for group, p, update_m, update_c in pending:
+            beta1 = group["betas"][0]
+            if self._adaptive(group):
+                self._scale_by_piece(update_m, table_of[id(p)], ratio_m)
+                self._scale_by_piece(update_c, table_of[id(p)], ratio_c)
+            p.add_(update_m, alpha=-group["lr"] * beta1)
+            p.add_(update_c, alpha=-group["lr"] * (1 - beta1))
+        return loss
+
+
+# ---------------------------------------------------------------------------------------- DeepSpeed
+
+
+def bind_to_deepspeed(engine) -> None:
+    """Tell the engine's client Lamb/Lans where each original tensor lies in its ZeRO partitions.
+
+    Call once right after ``deepspeed.initialize``. The layout survives ``engine.load_checkpoint`` (DeepSpeed
+    copies into the same partition tensors). Supported: ZeRO-1/2 (DeepSpeedZeroOptimizer), bf16 with fp32
+    gradient accumulation (BF16_Optimizer), and the unpartitioned cases (no wrapper, or bf16
+    FP16_UnfusedOptimizer at stage 0), where each tensor stays whole and nothing is communicated.
+    """
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    stage = engine.zero_optimization_stage()
+    if stage >= 3:
+        raise ValueError(
+            f"bind_to_deepspeed: ZeRO stage {stage} partitions each parameter separately and is not supported "
+            "by training.lamb; use zero_optimization.stage 1 or 2 for LAMB/LANS"
+        )
+    wrapper = engine.optimizer
+    if isinstance(wrapper, _LayerwiseOptimizer):
+        wrapper._bind(_Binding(pieces=None, num_tensors=0, process_group=None))
+        return
+    client = getattr(wrapper, "optimizer", None)
+    if not isinstance(client, _LayerwiseOptimizer):
+        raise TypeError(
+            f"bind_to_deepspeed: the engine's optimizer wraps {type(client).__name__}, not training.lamb.Lamb or "
+            "Lans; pass the Lamb/Lans instance as deepspeed.initialize(optimizer=...)"
+        )
+    if isinstance(wrapper, FP16_UnfusedOptimizer):
+        # fp32 copies of each tensor, replicated on every rank: per-tensor norms need no layout.
+        client._bind(_Binding(pieces=None, num_tensors=0, process_group=None))
+        return
+    if isinstance(wrapper, DeepSpeedZeroOptimizer):
+        lp_groups = wrapper.bit16_groups
+    elif isinstance(wrapper, BF16_Optimizer):
+        lp_groups = wrapper.bf16_groups
+    else:
+        raise TypeError(
+            f"bind_to_deepspeed: DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, whose parameter "
+            "layout training.lamb does not know (supported: DeepSpeedZeroOptimizer, BF16_Optimizer, "
+            "FP16_UnfusedOptimizer). fp16 without ZeRO flattens parameters; use bf16 or ZeRO-1/2."
+        )
+    groups = list(wrapper.real_dp_process_group)
+    if any(g is not groups[0] for g in groups):
+        raise ValueError(
+            "bind_to_deepspeed: the parameter groups use different data-parallel groups (MoE experts); "
+            "training.lamb sums partial norms over one group and does not support that"
+        )
+    client._bind(_partition_layout(client, lp_groups, groups[0] if groups else None))
+
+
+def _partition_layout(
+    client: _LayerwiseOptimizer, lp_groups: Sequence[Sequence[torch.Tensor]], process_group
+):
+    """Piece tables for each rank's flat partition, read from the fragment mappings DeepSpeed links into
+    every model parameter (``param._hp_mapping``; the same ones its universal checkpoints use)."""
+    if len(lp_groups) != len(client.param_groups):
+        raise RuntimeError(
+            f"bind_to_deepspeed: DeepSpeed has {len(lp_groups)} parameter groups but the optimizer has "
+            f"{len(client.param_groups)}"
+        )
+    pieces: dict[int, _Pieces] = {}
+    first_index = 0
+    for group_index, (lp_params, group) in enumerate(zip(lp_groups, client.param_groups)):
+        if len(group["params"]) != 1:
+            raise RuntimeError(
+                f"bind_to_deepspeed: optimizer group {group_index} holds {len(group['params'])} tensors; a ZeRO "
+                "partition is one flat tensor. Call bind_to_deepspeed right after deepspeed.initialize."
+            )
+        flat = group["params"][0]
+        fragments = []
+        for index, lp in enumerate(lp_params):
+            mapping = getattr(lp, "_hp_mapping", None)
+            if mapping is None:
+                continue  # this tensor lies entirely in other ranks' partitions
+            address = mapping.get_hp_fragment_address()
+            expected = flat.data_ptr() + address.start * flat.element_size()
+            if mapping.hp_fragment.data_ptr() != expected:
+                raise RuntimeError(
+                    f"bind_to_deepspeed: the fragment of parameter {index} in group {group_index} is not a view "
+                    "of the optimizer's partition tensor; this DeepSpeed version lays partitions out differently"
+                )
+            fragments.append((address.start, address.numel, first_index + index))
+        first_index += len(lp_params)
+        pieces[id(flat)] = fragments  # completed below, once the tensor count is known
+    num_tensors = first_index
+    tables: dict[int, _Pieces] = {}
+    for group in client.param_groups:
+        flat = group["params"][0]
+        lengths: list[int] = []
+        owners: list[int] = []
+        position = 0
+        for start, numel, owner in sorted(pieces[id(flat)]):
+            if start < position:
+                raise RuntimeError("bind_to_deepspeed: overlapping parameter fragments in a ZeRO partition")
+            if start > position:  # alignment padding between tensors
+                lengths.append(start - position)
+                owners.append(num_tensors)
+            lengths.append(numel)
+            owners.append(owner)
+            position = start + numel
+        if position < flat.numel():  # padding at the end of the last partition
+            lengths.append(flat.numel() - position)
+            owners.append(num_tensors)
+        tables[id(flat)] = _Pieces(
+            flat,
+            lengths,
+            torch.tensor(owners, dtype=torch.int64, device=flat.device),
+            torch.tensor(lengths, dtype=torch.int64, device=flat.device),
+        )
+    return _Binding(pieces=tables, num_tensors=num_tensors, process_group=process_group)
