@@ -38,3 +38,37 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# --- data pipeline fixtures (owned by the data pipeline; see docs/DATA.md) ---
+
+@pytest.fixture(scope="session")
+def phase1_shards(tmp_path_factory, sample_dump, bert_vocab) -> Path:
+    """`python -m data.prepare` output on the real sample dump: seq 128, 20 predictions, static masks.
+
+    <dir>/vocab.txt, <dir>/hdf5/training/wikicorpus_en_training_{0,1}.hdf5 and
+    <dir>/hdf5/test/wikicorpus_en_test_0.hdf5. masked_lm_ids 0 marks padding slots.
+    """
+    from data.prepare import PrepareConfig, prepare
+
+    out = tmp_path_factory.mktemp("phase1_shards")
+    prepare(PrepareConfig(input=sample_dump, output_dir=out, vocab_file=bert_vocab, max_seq_length=128,
+                          max_predictions_per_seq=20, dupe_factor=2, num_shards=2, num_test_shards=1,
+                          seed=12345, workers=2, test_fraction=0.1, articles_per_part=40))
+    return out
+
+
+@pytest.fixture(scope="session")
+def dynamic_shards(tmp_path_factory, phase1_shards, sample_dump, bert_vocab) -> Path:
+    """As phase1_shards but without static masks (no masked_lm_* keys; attribute masking="dynamic").
+
+    Reuses phase1_shards' extracted, segmented and tokenized text (the shared --text_dir).
+    """
+    from data.prepare import PrepareConfig, prepare
+
+    out = tmp_path_factory.mktemp("dynamic_shards")
+    prepare(PrepareConfig(input=sample_dump, output_dir=out, vocab_file=bert_vocab,
+                          max_seq_length=128, max_predictions_per_seq=20, dupe_factor=2, num_shards=2,
+                          num_test_shards=1, seed=12345, workers=2, test_fraction=0.1, articles_per_part=40,
+                          static_masking=False, text_dir=phase1_shards / "text"))
+    return out

@@ -1,0 +1,388 @@
+"""Stage 5: tokenized documents -> NSP sentence pairs with (optionally) static MLM masks.
+
+The recipe is BERT's (`create_pretraining_data.py`): per document and per duplicate, sentences
+are packed greedily up to a target length (`max_seq_length - 3`, or with probability
+`short_seq_prob` a random shorter one), split at a random point into A and B, and B is replaced
+by text from a random other document half of the time (NSP label 1). The pair is truncated
+from the longer side, at a random end. `masked_lm_prob` of the tokens (at least one, at most
+`max_predictions_per_seq`) are chosen; 80% become [MASK], 10% a random token, 10% stay.
+
+What differs from the reference is how, not what:
+- only the pair boundaries are planned in a Python loop, over sentence lengths; tokens are never
+  touched there. Every instance is a pair of spans into the part's flat token array, and the
+  instances are built and masked for a whole block at once with numpy.
+- truncation removes the same number of tokens from each side as the reference's one-at-a-time
+  loop; the number taken from the front is drawn as Binomial(k, 0.5), which is the distribution
+  of the reference's k coin flips.
+- the random "next" document is drawn from the same part (2,000 articles by default) rather than
+  from the whole corpus, and every random draw comes from generators seeded by (seed, part,
+  split). The output is therefore identical whatever the number of workers.
+- random replacement tokens exclude [PAD], [UNK], [CLS], [SEP] and [MASK].
+- whole-word masking takes whole words in random order while they fit (it stops at the first
+  word that does not fit, where the reference skips it and tries smaller ones).
+
+A fraction `test_fraction` of each part's documents is held out: their instances (pairs drawn
+only among held-out documents) go to the test split.
+
+Output, per part and split: `<output_dir>/<training|test>/part-NNNNN/<key>.npy` with the HDF5 keys.
+
+    python -m data.create --input_dir text/tokens_xxx --vocab_file out/vocab.txt --output_dir out/instances
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from data import stage
+from data.parallel import bounded_map
+from data.stage import PipelineError
+from data.tokens import TokenizedPart, load_part
+from data.vocab import SPECIAL_TOKENS, load_vocab
+
+SPLITS = ("training", "test")
+KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+DTYPES = {"input_ids": np.int32, "input_mask": np.int8, "segment_ids": np.int8,
+          "masked_lm_positions": np.int32, "masked_lm_ids": np.int32, "next_sentence_labels": np.int8}
+# Instances built per numpy block: bounds the temporaries (about 40 bytes per token slot).
+BLOCK = 8192
+
+
+@dataclass(frozen=True)
+class CreateConfig:
+    input_dir: Path
+    vocab_file: Path
+    output_dir: Path
+    max_seq_length: int = 128
+    max_predictions_per_seq: int = 20
+    dupe_factor: int = 5
+    short_seq_prob: float = 0.1
+    masked_lm_prob: float = 0.15
+    whole_word_masking: bool = False
+    static_masking: bool = True
+    test_fraction: float = 0.02
+    seed: int = 12345
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class CreateResult:
+    instances: dict[str, int]
+    part_counts: dict[str, list[int]]
+    masked_tokens: int
+    seconds: float
+
+
+def validate(cfg: CreateConfig) -> None:
+    if cfg.max_seq_length < 8:
+        raise PipelineError(f"max_seq_length must be at least 8, got {cfg.max_seq_length}")
+    maskable = cfg.max_seq_length - 3
+    if not 1 <= cfg.max_predictions_per_seq <= maskable:
+        raise PipelineError(
+            f"max_predictions_per_seq {cfg.max_predictions_per_seq} is not possible at max_seq_length "
+            f"{cfg.max_seq_length}: at most {maskable} tokens can be masked ([CLS] and two [SEP] never are); "
+            "use 20 at 128 or 80 at 512"
+        )
+    for name in ("short_seq_prob", "masked_lm_prob", "test_fraction"):
+        value = getattr(cfg, name)
+        if not 0.0 <= value < 1.0:
+            raise PipelineError(f"{name} must be in [0, 1), got {value}")
+    if cfg.dupe_factor < 1:
+        raise PipelineError(f"dupe_factor must be >= 1, got {cfg.dupe_factor}")
+
+
+@dataclass(frozen=True)
+class _VocabInfo:
+    cls: int
+    sep: int
+    mask: int
+    size: int
+    is_continuation: np.ndarray  # bool per id: a "##" word piece
+    replacements: np.ndarray  # ids a random replacement may take
+
+
+def _vocab_info(vocab_file: Path) -> _VocabInfo:
+    vocab = load_vocab(vocab_file)
+    index = {t: i for i, t in enumerate(vocab.tokens)}
+    special = np.array([index[t] for t in SPECIAL_TOKENS])
+    return _VocabInfo(
+        cls=index["[CLS]"], sep=index["[SEP]"], mask=index["[MASK]"], size=vocab.size,
+        is_continuation=np.array([t.startswith("##") for t in vocab.tokens]),
+        replacements=np.setdiff1d(np.arange(vocab.size), special).astype(np.int32),
+    )
+
+
+def derive_seed(*values: int) -> int:
+    return int(np.random.SeedSequence(list(values)).generate_state(1, dtype=np.uint64)[0])
+
+
+def plan_pairs(sentence_starts: list[int], sentence_lengths: list[int], doc_first: list[int], docs: list[int],
+               max_num_tokens: int, short_seq_prob: float, dupe_factor: int, rnd: random.Random) -> np.ndarray:
+    """The reference's create_instances_from_document, over sentence lengths only.
+
+    `doc_first[d]` is the first sentence of document d (with a sentinel at the end); `docs` are
+    the documents to use. Returns int64 [n, 5]: a_start, a_len, b_start, b_len, is_random_next
+    (starts are offsets into the part's flat token array).
+    """
+    out: list[tuple[int, int, int, int, int]] = []
+    n_docs = len(docs)
+    for _ in range(dupe_factor):
+        for di, d in enumerate(docs):
+            first, last = doc_first[d], doc_first[d + 1]
+            target = max_num_tokens
+            if rnd.random() < short_seq_prob:
+                target = rnd.randint(2, max_num_tokens)
+            chunk_start = i = first
+            length = 0
+            while i < last:
+                length += sentence_lengths[i]
+                if i == last - 1 or length >= target:
+                    n_chunk = i - chunk_start + 1
+                    a_end = chunk_start + (rnd.randint(1, n_chunk - 1) if n_chunk >= 2 else 1)
+                    a_start = sentence_starts[chunk_start]
+                    a_len = sentence_starts[a_end] - a_start
+                    if n_chunk == 1 or rnd.random() < 0.5:
+                        for _ in range(10):
+                            r = rnd.randint(0, n_docs - 1)
+                            if r != di:
+                                break
+                        rf, rl = doc_first[docs[r]], doc_first[docs[r] + 1]
+                        j = rnd.randint(rf, rl - 1)
+                        b_start, b_len, target_b = sentence_starts[j], 0, target - a_len
+                        while j < rl:
+                            b_len += sentence_lengths[j]
+                            j += 1
+                            if b_len >= target_b:
+                                break
+                        out.append((a_start, a_len, b_start, b_len, 1))
+                        # The unused sentences of this chunk start the next one.
+                        i = a_end - 1
+                    else:
+                        b_start = sentence_starts[a_end]
+                        out.append((a_start, a_len, b_start, sentence_starts[i + 1] - b_start, 0))
+                    chunk_start = i + 1
+                    length = 0
+                i += 1
+    return np.array(out, dtype=np.int64).reshape(-1, 5)
+
+
+def truncate_pairs(pairs: np.ndarray, max_num_tokens: int, rng: np.random.Generator) -> None:
+    """Truncate in place as the reference does: from the longer side (B on ties), at a random end."""
+    a_len, b_len = pairs[:, 1], pairs[:, 3]
+    excess = np.maximum(a_len + b_len - max_num_tokens, 0)
+    cut_a = np.where(a_len > b_len, np.minimum(excess, a_len - b_len), 0)
+    cut_b = np.where(b_len >= a_len, np.minimum(excess, b_len - a_len), 0)
+    rest = excess - cut_a - cut_b
+    cut_a += rest // 2
+    cut_b += (rest + 1) // 2
+    pairs[:, 0] += rng.binomial(cut_a, 0.5)
+    pairs[:, 2] += rng.binomial(cut_b, 0.5)
+    pairs[:, 1] -= cut_a
+    pairs[:, 3] -= cut_b
+
+
+def build_block(pairs: np.ndarray, tokens: np.ndarray, max_seq_length: int, vocab: _VocabInfo
+                ) -> dict[str, np.ndarray]:
+    """[CLS] A [SEP] B [SEP], zero-padded, for every pair at once."""
+    n, seq = len(pairs), max_seq_length
+    col = np.arange(seq)[None, :]
+    a_start, a_len, b_start, b_len = (pairs[:, k:k + 1] for k in range(4))
+    in_a = (col >= 1) & (col <= a_len)
+    in_b = (col >= a_len + 2) & (col <= a_len + b_len + 1)
+    src = np.where(in_a, a_start + col - 1, np.where(in_b, b_start + col - a_len - 2, 0))
+    ids = np.where(in_a | in_b, tokens[src], 0).astype(np.int32)
+    rows = np.arange(n)
+    ids[:, 0] = vocab.cls
+    ids[rows, a_len[:, 0] + 1] = vocab.sep
+    ids[rows, a_len[:, 0] + b_len[:, 0] + 2] = vocab.sep
+    total = a_len + b_len + 3
+    return {
+        "input_ids": ids,
+        "input_mask": (col < total).astype(np.int8),
+        "segment_ids": ((col >= a_len + 2) & (col < total)).astype(np.int8),
+        "next_sentence_labels": pairs[:, 4].astype(np.int8),
+        "_candidates": in_a | in_b,
+        "_total": total[:, 0],
+    }
+
+
+def mask_block(block: dict[str, np.ndarray], cfg: CreateConfig, vocab: _VocabInfo, rng: np.random.Generator
+               ) -> None:
+    """Choose and replace the masked tokens of a block in place; adds the two masked_lm keys."""
+    ids, cand = block["input_ids"], block["_candidates"]
+    n, seq = ids.shape
+    n_pred = np.minimum(cfg.max_predictions_per_seq,
+                        np.maximum(1, np.round(block["_total"] * cfg.masked_lm_prob).astype(np.int64)))
+    keys = rng.random((n, seq))
+    keys[~cand] = 2.0
+    col = np.arange(seq)
+    if cfg.whole_word_masking:
+        # A "##" piece joins the word before it (never across [SEP]); a word takes its first key.
+        cont = vocab.is_continuation[ids] & cand
+        cont[:, 1:] &= cand[:, :-1]
+        word_start = np.maximum.accumulate(np.where(cont, 0, col[None, :]), axis=1)
+        keys = np.take_along_axis(keys, word_start, axis=1)
+        order = np.lexsort((np.broadcast_to(col, (n, seq)), keys), axis=-1)
+        starts_sorted = np.take_along_axis(word_start, order, axis=1)
+        rank = np.broadcast_to(col + 1, (n, seq))
+        word_end = np.ones((n, seq), dtype=bool)
+        word_end[:, :-1] = starts_sorted[:, 1:] != starts_sorted[:, :-1]
+        end_rank = np.where(word_end, rank, seq + 1)
+        taken_through = np.minimum.accumulate(end_rank[:, ::-1], axis=1)[:, ::-1]
+        chosen_sorted = (taken_through <= n_pred[:, None]) & np.take_along_axis(cand, order, axis=1)
+        selected = np.zeros((n, seq), dtype=bool)
+        np.put_along_axis(selected, order, chosen_sorted, axis=1)
+    else:
+        order = np.argsort(keys, axis=1)
+        ranks = np.empty_like(order)
+        np.put_along_axis(ranks, order, np.broadcast_to(col, (n, seq)), axis=1)
+        selected = (ranks < n_pred[:, None]) & cand
+    # Sorted positions, zero-padded: selected columns first (stable), then the rest as 0.
+    positions = np.sort(np.where(selected, col[None, :], seq), axis=1)[:, :cfg.max_predictions_per_seq]
+    valid = positions < seq
+    positions = np.where(valid, positions, 0).astype(np.int32)
+    masked_ids = np.where(valid, np.take_along_axis(ids, positions, axis=1), 0).astype(np.int32)
+    rows, cols = np.nonzero(selected)
+    action = rng.random(len(rows))
+    replace_mask = action < 0.8
+    replace_random = action >= 0.9
+    ids[rows[replace_mask], cols[replace_mask]] = vocab.mask
+    ids[rows[replace_random], cols[replace_random]] = vocab.replacements[
+        rng.integers(0, len(vocab.replacements), int(replace_random.sum()))]
+    block["masked_lm_positions"] = positions
+    block["masked_lm_ids"] = masked_ids
+
+
+def create_instances(part: TokenizedPart, part_index: int, cfg: CreateConfig, vocab: _VocabInfo
+                     ) -> dict[str, dict[str, np.ndarray]]:
+    """All instances of one tokenized part, per split, shuffled, as HDF5-ready arrays."""
+    sentence_starts = np.zeros(len(part.sentence_lengths) + 1, dtype=np.int64)
+    np.cumsum(part.sentence_lengths, out=sentence_starts[1:])
+    doc_first = np.zeros(len(part.doc_sentences) + 1, dtype=np.int64)
+    np.cumsum(part.doc_sentences, out=doc_first[1:])
+    is_test = np.random.default_rng(derive_seed(cfg.seed, part_index, 0)).random(len(part.doc_sentences)) < cfg.test_fraction
+    starts_list, lengths_list, first_list = sentence_starts.tolist(), part.sentence_lengths.tolist(), doc_first.tolist()
+    keys = KEYS if cfg.static_masking else tuple(k for k in KEYS if not k.startswith("masked_lm"))
+    result = {}
+    for split_index, split in enumerate(SPLITS):
+        docs = np.flatnonzero(is_test if split == "test" else ~is_test).tolist()
+        rnd = random.Random(derive_seed(cfg.seed, part_index, split_index, 1))
+        rng = np.random.default_rng(derive_seed(cfg.seed, part_index, split_index, 2))
+        pairs = plan_pairs(starts_list, lengths_list, first_list, docs, cfg.max_seq_length - 3,
+                           cfg.short_seq_prob, cfg.dupe_factor, rnd) if docs else np.zeros((0, 5), np.int64)
+        truncate_pairs(pairs, cfg.max_seq_length - 3, rng)
+        pairs = pairs[rng.permutation(len(pairs))]
+        blocks = []
+        for lo in range(0, len(pairs), BLOCK):
+            block = build_block(pairs[lo:lo + BLOCK], part.ids, cfg.max_seq_length, vocab)
+            if cfg.static_masking:
+                mask_block(block, cfg, vocab, rng)
+            blocks.append(block)
+        result[split] = {
+            k: (np.concatenate([b[k] for b in blocks]) if blocks else
+                np.zeros((0,) if k == "next_sentence_labels" else
+                         (0, cfg.max_predictions_per_seq if k.startswith("masked_lm") else cfg.max_seq_length),
+                         dtype=DTYPES[k]))
+            for k in keys
+        }
+    return result
+
+
+def part_index_of(path: Path) -> int:
+    return int(path.stem.split("-")[-1])
+
+
+def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
+    src, cfg = task
+    out = {split: cfg.output_dir / split / src.stem for split in SPLITS}
+    if not all(d.is_dir() for d in out.values()):
+        arrays = create_instances(load_part(src), part_index_of(src), cfg, _vocab_info(cfg.vocab_file))
+        for split, directory in out.items():
+            if directory.is_dir():
+                continue
+            with stage.atomic_path(directory) as tmp:
+                tmp.mkdir()
+                for key, value in arrays[split].items():
+                    np.save(tmp / f"{key}.npy", value)
+    counts, masked = {}, 0
+    for split, directory in out.items():
+        labels = np.load(directory / "next_sentence_labels.npy", mmap_mode="r")
+        counts[split] = len(labels)
+        if cfg.static_masking:
+            masked += int(np.count_nonzero(np.load(directory / "masked_lm_ids.npy", mmap_mode="r")))
+    return counts, masked
+
+
+def stage_params(cfg: CreateConfig) -> dict:
+    params = asdict(cfg)
+    params.pop("workers")
+    params["vocab_file"] = stage.file_identity(cfg.vocab_file)
+    params["input_dir"] = str(cfg.input_dir.resolve())
+    params["output_dir"] = str(cfg.output_dir.resolve())
+    return params
+
+
+def create(cfg: CreateConfig) -> CreateResult:
+    validate(cfg)
+    if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
+        raise PipelineError(f"{cfg.input_dir} is not a complete tokenization; run data.tokens into it first")
+    _vocab_info(cfg.vocab_file)
+    sources = sorted(cfg.input_dir.glob("part-*.npz"))
+    params = stage_params(cfg)
+    done = stage.begin(cfg.output_dir, params)
+    if done is not None:
+        return CreateResult(**done)
+    start = time.perf_counter()
+    part_counts: dict[str, list[int]] = {split: [] for split in SPLITS}
+    masked = 0
+    with tqdm(total=len(sources), desc="create", unit=" parts", dynamic_ncols=True) as bar:
+        for counts, m in bounded_map(_create_part, [(s, cfg) for s in sources], cfg.workers):
+            for split in SPLITS:
+                part_counts[split].append(counts[split])
+            masked += m
+            bar.update(1)
+            bar.set_postfix(instances=sum(part_counts["training"]) + sum(part_counts["test"]))
+    instances = {split: sum(c) for split, c in part_counts.items()}
+    if instances["training"] == 0:
+        raise PipelineError(f"{cfg.input_dir}: the corpus yields no training instances")
+    summary = {"instances": instances, "part_counts": part_counts, "masked_tokens": masked,
+               "seconds": round(time.perf_counter() - start, 3)}
+    return CreateResult(**stage.finish(cfg.output_dir, params, summary))
+
+
+def add_masking_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dupe_factor", type=int, default=5, help="instances made from each document, each with new masks")
+    p.add_argument("--short_seq_prob", type=float, default=0.1)
+    p.add_argument("--masked_lm_prob", type=float, default=0.15)
+    p.add_argument("--whole_word_masking", action="store_true")
+    p.add_argument("--dynamic_masking", action="store_true",
+                   help="write no static masks (no masked_lm_* keys); the loader masks at load time")
+    p.add_argument("--test_fraction", type=float, default=0.02, help="fraction of documents held out for test")
+    p.add_argument("--seed", type=int, default=12345)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input_dir", type=Path, required=True, help="output of data.tokens")
+    p.add_argument("--vocab_file", type=Path, required=True)
+    p.add_argument("--output_dir", type=Path, required=True)
+    p.add_argument("--max_seq_length", type=int, default=128)
+    p.add_argument("--max_predictions_per_seq", type=int, default=20)
+    add_masking_arguments(p)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    a = p.parse_args(argv)
+    r = create(CreateConfig(a.input_dir, a.vocab_file, a.output_dir, a.max_seq_length, a.max_predictions_per_seq,
+                            a.dupe_factor, a.short_seq_prob, a.masked_lm_prob, a.whole_word_masking,
+                            not a.dynamic_masking, a.test_fraction, a.seed, a.workers))
+    print(f"create: {r.instances['training']} training + {r.instances['test']} test instances, {r.seconds:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

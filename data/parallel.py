@@ -1,0 +1,35 @@
+"""An ordered parallel map that never holds more than a fixed number of tasks in memory.
+
+`multiprocessing.Pool.imap` drains its input iterator as fast as it can, so a generator over a
+90 GB dump would be read into memory ahead of the workers. Here at most `2 * workers` tasks are
+submitted at once; the producer waits for the oldest before it reads more input.
+"""
+
+from __future__ import annotations
+
+import collections
+import multiprocessing
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ProcessPoolExecutor
+from typing import TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Iterator[R]:
+    """Yield fn(item) for each item, in input order. workers <= 1 runs in this process."""
+    if workers <= 1:
+        for item in items:
+            yield fn(item)
+        return
+    # fork: workers inherit the imported modules, so there is no per-worker start-up import cost.
+    ctx = multiprocessing.get_context("fork")
+    pending: collections.deque[Future[R]] = collections.deque()
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().result()
+        while pending:
+            yield pending.popleft().result()

@@ -1,0 +1,179 @@
+"""The whole data pipeline in one command: Wikipedia dump -> vocab + sharded HDF5.
+
+    python -m data.prepare --input <dump path or http(s) URL> --output_dir <dir> --vocab_file <vocab.txt> \\
+        --max_seq_length 128 --max_predictions_per_seq 20 [--dupe_factor 5] [--num_shards N] [--seed S] \\
+        [--workers W] [--phase 1|2]
+
+Stages (each also runs alone: python -m data.<stage> --help):
+  download  -> <text_dir>/download/       only when --input is a URL or --dump_date is given
+  extract   -> <text_dir>/extracted/      article text (wikiextractor as a library)
+  segment   -> <text_dir>/sentences/      one sentence per line (blingfire)
+  vocab     -> <output_dir>/vocab.txt     the given vocab, or one trained on the corpus
+  tokens    -> <text_dir>/tokens_<vocab>/ token ids (Rust WordPiece, batched)
+  create    -> <output_dir>/instances/    NSP pairs + MLM masks (numpy, parallel, seeded per part)
+  shard     -> <output_dir>/hdf5/{training,test}/*.hdf5
+
+`<text_dir>` defaults to `<output_dir>/text`; give phase 1 and phase 2 the same --text_dir to
+extract, segment and tokenize once. Every stage skips complete work, so rerunning the same
+command after an interruption finishes the job with identical output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data.create import CreateConfig, add_masking_arguments, create, validate
+from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_url
+from data.extract import ExtractConfig, extract
+from data.segment import SegmentConfig, segment
+from data.shard import ShardConfig, shard
+from data.stage import PipelineError
+from data.tokens import TokenizeConfig, tokenize
+from data.vocab import VocabConfig, build_vocab
+
+PHASES = {1: (128, 20), 2: (512, 80)}
+
+
+@dataclass(frozen=True)
+class PrepareConfig:
+    input: Path | str
+    output_dir: Path
+    vocab_file: Path | None = None
+    max_seq_length: int = 128
+    max_predictions_per_seq: int = 20
+    dupe_factor: int = 5
+    num_shards: int = 256
+    num_test_shards: int = 1
+    seed: int = 12345
+    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    text_dir: Path | None = None
+    short_seq_prob: float = 0.1
+    masked_lm_prob: float = 0.15
+    whole_word_masking: bool = False
+    static_masking: bool = True
+    test_fraction: float = 0.02
+    lower_case: bool = True
+    vocab_size: int = 30522
+    articles_per_part: int = 2000
+    name: str = "wikicorpus_en"
+
+
+@dataclass(frozen=True)
+class PrepareResult:
+    output_dir: Path
+    vocab_file: Path
+    articles: int
+    documents: int
+    sentences: int
+    tokens: int
+    instances: dict[str, int]
+    shards: dict[str, int]
+    text_bytes: int
+    hdf5_bytes: int
+    stage_seconds: dict[str, float]
+    seconds: float
+
+    def summary(self) -> str:
+        mb = self.text_bytes / 1e6
+        return (
+            f"prepare: {self.articles} articles, {self.documents} documents, {self.sentences} sentences, "
+            f"{self.tokens} tokens -> {self.instances['training']} training + {self.instances['test']} test "
+            f"instances in {self.shards['training']} + {self.shards['test']} shards "
+            f"({self.hdf5_bytes / 1e6:.1f} MB) under {self.output_dir / 'hdf5'}\n"
+            f"  {mb:.1f} MB of text in {self.seconds:.1f} s = {mb / max(self.seconds, 1e-9):.2f} MB/s; "
+            "stage seconds (0 = already complete): "
+            + ", ".join(f"{k} {v:.1f}" for k, v in self.stage_seconds.items())
+        )
+
+
+def prepare(cfg: PrepareConfig) -> PrepareResult:
+    start = time.perf_counter()
+    text_dir = cfg.text_dir or cfg.output_dir / "text"
+    create_cfg = CreateConfig(
+        input_dir=Path(), vocab_file=Path(), output_dir=cfg.output_dir / "instances",
+        max_seq_length=cfg.max_seq_length, max_predictions_per_seq=cfg.max_predictions_per_seq,
+        dupe_factor=cfg.dupe_factor, short_seq_prob=cfg.short_seq_prob, masked_lm_prob=cfg.masked_lm_prob,
+        whole_word_masking=cfg.whole_word_masking, static_masking=cfg.static_masking,
+        test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
+    validate(create_cfg)  # before any long stage runs
+    if cfg.vocab_file is not None and not Path(cfg.vocab_file).is_file():
+        raise PipelineError(f"{cfg.vocab_file}: no such vocab file")
+    seconds: dict[str, float] = {}
+
+    def timed(name, fn, *args):
+        t = time.perf_counter()
+        out = fn(*args)
+        seconds[name] = round(time.perf_counter() - t, 3)
+        return out
+
+    dump = cfg.input
+    if isinstance(dump, str) and dump.startswith(("http://", "https://")):
+        dump = timed("download", download, DownloadConfig(url=dump, output_dir=text_dir / "download"))
+    dump = Path(dump)
+    ex = timed("extract", extract, ExtractConfig(dump, text_dir / "extracted", cfg.workers, cfg.articles_per_part))
+    seg = timed("segment", segment, SegmentConfig(text_dir / "extracted", text_dir / "sentences", cfg.workers))
+    vocab = timed("vocab", build_vocab, VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences",
+                                                    cfg.vocab_size, cfg.lower_case))
+    digest = hashlib.sha1(vocab.path.read_bytes()).hexdigest()[:10]
+    tokens_dir = text_dir / f"tokens_{digest}_{'uncased' if cfg.lower_case else 'cased'}"
+    tok = timed("tokens", tokenize, TokenizeConfig(text_dir / "sentences", vocab.path, tokens_dir,
+                                                    cfg.lower_case, cfg.workers))
+    create_cfg = CreateConfig(**{**create_cfg.__dict__, "input_dir": tokens_dir, "vocab_file": vocab.path})
+    timed("create", create, create_cfg)
+    sh = timed("shard", shard, ShardConfig(create_cfg.output_dir, cfg.output_dir / "hdf5", cfg.num_shards,
+                                           cfg.num_test_shards, cfg.name, cfg.workers))
+    return PrepareResult(
+        output_dir=cfg.output_dir, vocab_file=vocab.path, articles=ex.articles, documents=tok.documents,
+        sentences=tok.sentences, tokens=tok.tokens, instances=sh.instances, shards=sh.shards,
+        text_bytes=seg.text_bytes, hdf5_bytes=sh.bytes_written, stage_seconds=seconds,
+        seconds=round(time.perf_counter() - start, 3))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--input", help="a MediaWiki dump (.xml.bz2 or .xml) path, or an http(s) URL to download")
+    src.add_argument("--dump_date", help=f"download enwiki-<date>-pages-articles.xml.bz2, e.g. {DEFAULT_DUMP_DATE}")
+    p.add_argument("--mirror", default=DEFAULT_MIRROR, help="dump mirror used with --dump_date")
+    p.add_argument("--output_dir", type=Path, required=True)
+    p.add_argument("--text_dir", type=Path, help="where text stages go (default <output_dir>/text)")
+    p.add_argument("--vocab_file", type=Path, help="BERT vocab.txt; without it a WordPiece vocab is trained")
+    p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
+    p.add_argument("--no_lower_case", dest="lower_case", action="store_false", help="keep case and accents")
+    p.add_argument("--phase", type=int, choices=sorted(PHASES), default=1,
+                   help="1: seq 128 / 20 predictions, 2: seq 512 / 80 (explicit flags override)")
+    p.add_argument("--max_seq_length", type=int)
+    p.add_argument("--max_predictions_per_seq", type=int)
+    add_masking_arguments(p)
+    p.add_argument("--num_shards", type=int, default=256, help="training shards")
+    p.add_argument("--num_test_shards", type=int, default=1)
+    p.add_argument("--articles_per_part", type=int, default=2000, help="articles per parallel work unit")
+    p.add_argument("--name", default="wikicorpus_en", help="shard file name prefix")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    a = p.parse_args(argv)
+    seq, pred = PHASES[a.phase]
+    source: Path | str = a.input if a.input else dump_url(a.mirror, a.dump_date)
+    if isinstance(source, str) and not source.startswith(("http://", "https://")):
+        source = Path(source)
+    cfg = PrepareConfig(
+        input=source, output_dir=a.output_dir, vocab_file=a.vocab_file,
+        max_seq_length=a.max_seq_length or seq, max_predictions_per_seq=a.max_predictions_per_seq or pred,
+        dupe_factor=a.dupe_factor, num_shards=a.num_shards, num_test_shards=a.num_test_shards, seed=a.seed,
+        workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
+        whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
+        test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
+        articles_per_part=a.articles_per_part, name=a.name)
+    try:
+        result = prepare(cfg)
+    except PipelineError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    print(result.summary())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""Stage 6: instances -> balanced HDF5 shards in the NVIDIA/Habana format.
+
+Every part's instances (already shuffled within the part) are cut into `num_shards` contiguous
+slices whose sizes differ by at most one; the part that gets the extra rows rotates, so shard
+sizes over the whole corpus differ by at most one instance. A shard is assembled from its slice
+of every part (read through memory maps), shuffled with a seed of its own, and written to a
+temporary name, then renamed. Memory per worker is one shard.
+
+Files: `<output_dir>/{training,test}/<name>_{training,test}_<i>.hdf5`, keys and dtypes as in
+docs/ARCHITECTURE.md, attributes max_seq_length, max_predictions_per_seq, vocab_size, masking.
+
+    python -m data.shard --instances_dir out/instances --output_dir out/hdf5 --num_shards 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+from tqdm import tqdm
+
+from data import stage
+from data.create import DTYPES, SPLITS, derive_seed
+from data.parallel import bounded_map
+from data.stage import PipelineError
+from data.vocab import load_vocab
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    instances_dir: Path
+    output_dir: Path
+    num_shards: int = 256
+    num_test_shards: int = 1
+    name: str = "wikicorpus_en"
+    workers: int = 1
+
+
+@dataclass(frozen=True)
+class ShardResult:
+    shards: dict[str, int]
+    instances: dict[str, int]
+    shard_sizes: dict[str, list[int]]
+    bytes_written: int
+    seconds: float
+
+
+def plan_slices(part_counts: list[int], num_shards: int) -> list[list[tuple[int, int, int]]]:
+    """For each shard, the (part, start, stop) slices it takes. Shard totals differ by at most one."""
+    plan: list[list[tuple[int, int, int]]] = [[] for _ in range(num_shards)]
+    offset = 0
+    for part, n in enumerate(part_counts):
+        q, r = divmod(n, num_shards)
+        extra = np.zeros(num_shards, dtype=np.int64)
+        extra[(offset + np.arange(r)) % num_shards] = 1
+        stops = np.cumsum(q + extra)
+        starts = stops - (q + extra)
+        for s in range(num_shards):
+            if stops[s] > starts[s]:
+                plan[s].append((part, int(starts[s]), int(stops[s])))
+        offset = (offset + r) % num_shards
+    return plan
+
+
+@dataclass(frozen=True)
+class _ShardTask:
+    path: Path
+    part_dirs: list[Path]
+    slices: list[tuple[int, int, int]]
+    keys: tuple[str, ...]
+    attrs: dict
+    seed: int
+
+
+def _write_shard(task: _ShardTask) -> tuple[int, int]:
+    if not task.path.is_file():
+        arrays = {}
+        for key in task.keys:
+            pieces = [np.load(task.part_dirs[p] / f"{key}.npy", mmap_mode="r")[lo:hi] for p, lo, hi in task.slices]
+            arrays[key] = np.concatenate(pieces)
+        order = np.random.default_rng(task.seed).permutation(len(arrays[task.keys[0]]))
+        with stage.atomic_path(task.path) as tmp, h5py.File(tmp, "w") as f:
+            for key in task.keys:
+                f.create_dataset(key, data=arrays[key][order], dtype=DTYPES[key])
+            for k, v in task.attrs.items():
+                f.attrs[k] = v
+    with h5py.File(task.path, "r") as f:
+        return len(f["next_sentence_labels"]), task.path.stat().st_size
+
+
+def shard(cfg: ShardConfig) -> ShardResult:
+    complete = cfg.instances_dir / stage.COMPLETE_FILE
+    if not complete.is_file():
+        raise PipelineError(f"{cfg.instances_dir} is not a complete data.create output; run data.create first")
+    created = json.loads(complete.read_text(encoding="utf-8"))
+    cp, summary = created["params"], created["summary"]
+    counts = {"training": cfg.num_shards, "test": cfg.num_test_shards}
+    for split, n in counts.items():
+        total = summary["instances"][split]
+        if n < 0 or (n == 0 and split == "training"):
+            raise PipelineError(f"the number of {split} shards must be positive, got {n}")
+        if n > total:
+            raise PipelineError(
+                f"{cfg.instances_dir} has {total} {split} instances, too few for {n} {split} shards; "
+                f"use fewer shards{' or a larger --test_fraction' if split == 'test' else ''}"
+            )
+    attrs = {"max_seq_length": cp["max_seq_length"], "max_predictions_per_seq": cp["max_predictions_per_seq"],
+             "vocab_size": load_vocab(Path(cp["vocab_file"]["path"])).size,
+             "masking": "static" if cp["static_masking"] else "dynamic"}
+    keys = tuple(k for k in DTYPES if cp["static_masking"] or not k.startswith("masked_lm"))
+    params = {"instances_dir": str(cfg.instances_dir.resolve()), "created": cp, "num_shards": cfg.num_shards,
+              "num_test_shards": cfg.num_test_shards, "name": cfg.name}
+    done = stage.begin(cfg.output_dir, params)
+    if done is not None:
+        return ShardResult(**done)
+    start = time.perf_counter()
+    tasks = []
+    for split_index, split in enumerate(SPLITS):
+        if counts[split] == 0:
+            continue
+        part_dirs = sorted((cfg.instances_dir / split).glob("part-*"))
+        part_dirs = [d for d in part_dirs if d.is_dir() and not d.name.startswith(".")]
+        for s, slices in enumerate(plan_slices(summary["part_counts"][split], counts[split])):
+            tasks.append(_ShardTask(cfg.output_dir / split / f"{cfg.name}_{split}_{s}.hdf5", part_dirs, slices,
+                                    keys, attrs, derive_seed(cp["seed"], split_index, s, 3)))
+    for split in SPLITS:
+        (cfg.output_dir / split).mkdir(parents=True, exist_ok=True)
+    sizes: dict[str, list[int]] = {split: [] for split in SPLITS}
+    written = 0
+    with tqdm(total=len(tasks), desc="shard", unit=" shards", dynamic_ncols=True) as bar:
+        for task, (n, nbytes) in zip(tasks, bounded_map(_write_shard, tasks, cfg.workers)):
+            sizes[task.path.parent.name].append(n)
+            written += nbytes
+            bar.update(1)
+    summary_out = {"shards": {s: len(v) for s, v in sizes.items()},
+                   "instances": {s: sum(v) for s, v in sizes.items()}, "shard_sizes": sizes,
+                   "bytes_written": written, "seconds": round(time.perf_counter() - start, 3)}
+    return ShardResult(**stage.finish(cfg.output_dir, params, summary_out))
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--instances_dir", type=Path, required=True, help="output of data.create")
+    p.add_argument("--output_dir", type=Path, required=True, help="the hdf5 directory")
+    p.add_argument("--num_shards", type=int, default=256, help="training shards")
+    p.add_argument("--num_test_shards", type=int, default=1)
+    p.add_argument("--name", default="wikicorpus_en", help="file name prefix")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    a = p.parse_args(argv)
+    r = shard(ShardConfig(a.instances_dir, a.output_dir, a.num_shards, a.num_test_shards, a.name, a.workers))
+    print(f"shard: {r.shards} shards, {r.instances} instances, {r.bytes_written / 1e6:.1f} MB, {r.seconds:.1f} s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Bookkeeping shared by every pipeline stage: atomic writes, a parameter record and a completion marker.
+
+A stage directory holds `_PARAMS.json` (written when the stage starts) and `_COMPLETE.json`
+(written last, atomically). A rerun with the same parameters skips a complete stage and, inside
+an incomplete one, every part file that already exists (parts are themselves written to a
+temporary name and renamed). A rerun with different parameters is refused rather than mixing
+outputs made with two settings.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+PARAMS_FILE = "_PARAMS.json"
+COMPLETE_FILE = "_COMPLETE.json"
+
+
+class PipelineError(RuntimeError):
+    """Bad input or an inconsistent output directory; the message names the file and the fix."""
+
+
+def _tmp_name(final: Path) -> Path:
+    return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+@contextlib.contextmanager
+def atomic_path(final: Path) -> Iterator[Path]:
+    """Yield a temporary path beside `final`; on success rename it to `final`, on error remove it.
+
+    Works for a file or a directory written at the temporary path.
+    """
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_name(final)
+    _remove(tmp)
+    try:
+        yield tmp
+    except BaseException:
+        _remove(tmp)
+        raise
+    if final.is_dir() and tmp.is_dir():
+        # os.replace cannot replace a non-empty directory; the old copy is complete output from
+        # the same parameters, so the new one is equal and the old one can go first.
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path)
+    elif path.exists():
+        path.unlink()
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _normalise(params: dict[str, Any]) -> dict[str, Any]:
+    # A JSON round trip so that tuples/lists and Paths compare equal to what was stored.
+    return json.loads(json.dumps(params, sort_keys=True, default=str))
+
+
+def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
+    """The stored summary when `stage_dir` is complete for `params`, else None.
+
+    Raises PipelineError when the directory holds output made with other parameters.
+    """
+    params = _normalise(params)
+    for name in (COMPLETE_FILE, PARAMS_FILE):
+        path = stage_dir / name
+        if not path.is_file():
+            continue
+        try:
+            stored = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PipelineError(f"{path} is unreadable ({exc}); delete {stage_dir} to redo this stage") from exc
+        if stored.get("params") != params:
+            raise PipelineError(
+                f"{stage_dir} holds output made with other settings:\n  stored: {stored.get('params')}\n"
+                f"  now:    {params}\nUse another output directory, or delete {stage_dir} to redo this stage."
+            )
+        if name == COMPLETE_FILE:
+            return stored["summary"]
+    return None
+
+
+def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
+    """Start (or resume) a stage. Returns the stored summary if it is already complete."""
+    summary = completed(stage_dir, params)
+    if summary is not None:
+        return summary
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    if not (stage_dir / PARAMS_FILE).is_file():
+        write_json_atomic(stage_dir / PARAMS_FILE, {"params": _normalise(params)})
+    return None
+
+
+def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
+    write_json_atomic(stage_dir / COMPLETE_FILE, {"params": _normalise(params), "summary": summary})
+    return summary
+
+
+def file_identity(path: Path) -> dict[str, Any]:
+    """What identifies an input file for the skip logic: its resolved path and size."""
+    return {"path": str(path.resolve()), "bytes": path.stat().st_size}

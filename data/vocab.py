@@ -1,0 +1,121 @@
+"""Stage 4: the WordPiece vocabulary: a given vocab.txt (checked) or one trained on the corpus.
+
+    python -m data.vocab --vocab_file bert-base-uncased-vocab.txt --output_dir out
+    python -m data.vocab --corpus_dir text/sentences --vocab_size 30522 --output_dir out [--no_lower_case]
+
+The vocab used is always written to `<output_dir>/vocab.txt`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import BertWordPieceTokenizer
+
+from data import stage
+from data.extract import list_parts
+from data.stage import PipelineError
+
+SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+
+
+@dataclass(frozen=True)
+class Vocab:
+    path: Path
+    tokens: list[str]
+
+    @property
+    def size(self) -> int:
+        return len(self.tokens)
+
+    def id(self, token: str) -> int:
+        return self.tokens.index(token)
+
+
+@dataclass(frozen=True)
+class VocabConfig:
+    output_dir: Path
+    vocab_file: Path | None = None
+    corpus_dir: Path | None = None
+    vocab_size: int = 30522
+    lower_case: bool = True
+    min_frequency: int = 2
+
+
+def load_vocab(path: Path) -> Vocab:
+    """Read a vocab.txt (one token per line, id = line number) and check the special tokens."""
+    if not path.is_file():
+        raise PipelineError(f"{path}: no such vocab file; pass a BERT vocab.txt with --vocab_file")
+    try:
+        tokens = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise PipelineError(f"{path} is not UTF-8 text; a vocab.txt has one token per line") from exc
+    missing = [t for t in SPECIAL_TOKENS if t not in tokens]
+    if missing:
+        raise PipelineError(
+            f"{path} lacks the special token(s) {', '.join(missing)}; a BERT vocab.txt needs "
+            f"{', '.join(SPECIAL_TOKENS)} (the standard uncased vocab has them at ids 0, 100-103)"
+        )
+    if tokens[0] != "[PAD]":
+        raise PipelineError(f"{path}: [PAD] must be the first line (id 0), since the HDF5 shards pad with 0")
+    return Vocab(path, tokens)
+
+
+def make_tokenizer(vocab_path: Path, lower_case: bool) -> BertWordPieceTokenizer:
+    # Note: transformers.BertTokenizer(vocab_file=...) silently ignores the file in transformers 5.x.
+    return BertWordPieceTokenizer(str(vocab_path), lowercase=lower_case, strip_accents=lower_case)
+
+
+def build_vocab(cfg: VocabConfig) -> Vocab:
+    """Write `<output_dir>/vocab.txt` (copied or trained) and return it."""
+    target = cfg.output_dir / "vocab.txt"
+    if cfg.vocab_file is not None:
+        vocab = load_vocab(cfg.vocab_file)
+        if not (target.is_file() and target.read_bytes() == cfg.vocab_file.read_bytes()):
+            with stage.atomic_path(target) as tmp:
+                shutil.copyfile(cfg.vocab_file, tmp)
+        return Vocab(target, vocab.tokens)
+    if cfg.corpus_dir is None:
+        raise PipelineError("no vocab: pass --vocab_file vocab.txt, or a corpus to train one on")
+    files = [str(p) for p in list_parts(cfg.corpus_dir)]
+    if not files:
+        raise PipelineError(f"{cfg.corpus_dir}: no part-*.txt files to train a vocab on; run data.segment first")
+    params = {"corpus_dir": str(cfg.corpus_dir.resolve()), "vocab_size": cfg.vocab_size,
+              "lower_case": cfg.lower_case, "min_frequency": cfg.min_frequency}
+    stage_dir = cfg.output_dir / "vocab_training"
+    if stage.begin(stage_dir, params) is None or not target.is_file():
+        tokenizer = BertWordPieceTokenizer(lowercase=cfg.lower_case, strip_accents=cfg.lower_case)
+        tokenizer.train(files, vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+                        special_tokens=list(SPECIAL_TOKENS), show_progress=True)
+        with stage.atomic_path(stage_dir / "model") as tmp:
+            tmp.mkdir()
+            tokenizer.save_model(str(tmp))
+        os.replace(stage_dir / "model" / "vocab.txt", target)
+        stage.finish(stage_dir, params, {"vocab_size": len(load_vocab(target).tokens)})
+    return load_vocab(target)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output_dir", type=Path, required=True)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--vocab_file", type=Path, help="use this BERT vocab.txt")
+    src.add_argument("--corpus_dir", type=Path, help="train a WordPiece vocab on this data.segment output")
+    p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
+    p.add_argument("--min_frequency", type=int, default=2, help="minimum pair frequency when training")
+    p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
+                   help="keep case (and accents) when training the vocab and tokenizing")
+    a = p.parse_args(argv)
+    if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2):
+        p.error("--vocab_size/--min_frequency apply only when training (--corpus_dir), not with --vocab_file")
+    v = build_vocab(VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case,
+                                a.min_frequency))
+    print(f"vocab: {v.size} tokens -> {v.path}")
+
+
+if __name__ == "__main__":
+    main()
