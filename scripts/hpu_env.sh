@@ -1,0 +1,27 @@
+# shellcheck shell=bash
+# Environment for Intel Gaudi (HPU) runs: the only place this project sets Habana variables.
+# Sourced by scripts/launch.sh on every node (and written to the DeepSpeed launcher's environment
+# file, so that pdsh carries it to the other nodes). Each value can be overridden by exporting the
+# variable before launching. These variables are read only by Habana's PyTorch bridge and HCCL, so
+# they change nothing on CUDA or CPU.
+# Reference: https://docs.habana.ai/en/latest/PyTorch/Reference/Runtime_Flags.html
+
+# Execution mode. 1 = lazy mode: ops are accumulated into a graph that runs at each mark_step()
+# (training/accelerator.py calls it after backward and after the optimizer step); this is how the
+# reference BERT-1.5B recipe ran. 0 = eager mode, where training/accelerator.py compiles the model
+# with torch.compile(backend="hpu_backend") instead.
+export PT_HPU_LAZY_MODE="${PT_HPU_LAZY_MODE:-1}"
+
+# Cache compiled graph recipes on local disk so that the 8 ranks of a node compile each graph once
+# instead of 8 times. Format: <path>,<delete at start>,<max size MB>. Keep it on a local disk, never
+# on NFS (Habana: the cache relies on file locks).
+export PT_HPU_RECIPE_CACHE_CONFIG="${PT_HPU_RECIPE_CACHE_CONFIG:-/tmp/bert_pretraining_recipe_cache,false,8192}"
+
+# Not set here because they are site specific; export them yourself when they apply:
+#   HCCL_SOCKET_IFNAME=<nic>   the host interface HCCL uses for its control plane (e.g. eth0)
+#   HABANA_VISIBLE_MODULES=0,1 restrict a node to some of its cards
+#   LOG_LEVEL_ALL=3 ENABLE_CONSOLE=true   Habana software logs on the console when debugging
+
+# The variables above, for launch.sh to forward to other nodes.
+HPU_ENV_VARS=(PT_HPU_LAZY_MODE PT_HPU_RECIPE_CACHE_CONFIG HCCL_SOCKET_IFNAME HABANA_VISIBLE_MODULES
+              LOG_LEVEL_ALL ENABLE_CONSOLE)

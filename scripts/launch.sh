@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# Launch run_pretraining.py with a preset on 1..N nodes.
+#
+#   scripts/launch.sh --preset NAME --nodes N --input_dir DIR --output_dir DIR [options] [-- extra run_pretraining flags]
+#
+# Launchers (--launcher):
+#   deepspeed  (default) Run once, on the first node. DeepSpeed's launcher starts every node over pdsh/ssh
+#              (ssh port 3022 as in Habana's containers). Needs --hostfile, or --hosts to build one.
+#   torchrun   Run once per node with --node_rank 0..N-1; static rendezvous at --master_addr:--master_port.
+#   slurm      Run once inside an sbatch allocation: starts one task per node with srun, each of which
+#              runs torchrun with node rank SLURM_NODEID and the allocation's first host as master.
+#   aws-batch  Run by every node of an AWS Batch multi-node parallel job: the node rank, node count and
+#              master address come from AWS_BATCH_JOB_NODE_INDEX, AWS_BATCH_JOB_NUM_NODES and
+#              AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS (unset on the main node, which uses its own address).
+#
+# Options:
+#   --devices_per_node D   devices (ranks) per node; default: the preset's (8)
+#   --device_kind K        picks the preset's micro batch for a device kind (e.g. gaudi1 = 32 GB first-gen Gaudi)
+#   --hostfile F           DeepSpeed/MPI-style hostfile ("host slots=8" per line)
+#   --hosts h1,h2,...      build the hostfile from a host list (written to <output_dir>/launch/hostfile)
+#   --node_rank R          this node's rank (torchrun)
+#   --master_addr A        rendezvous host; default: the first host, or 127.0.0.1 on one node
+#   --master_port P        rendezvous port; default 29500
+#   --ssh_port P           sshd port of the other nodes (deepspeed launcher); default 3022
+#   --init_checkpoint DIR  phase-1 output directory, for phase-2 presets
+#   --set FIELD=VALUE      override a preset field (max_steps, learning_rate, ...; see training/presets.py)
+#   --dry_run              resolve the preset and print the command without running it
+# Environment: PYTHON (default python3) is the interpreter on every node; scripts/hpu_env.sh sets the HPU variables.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+PYTHON="${PYTHON:-python3}"
+ORIGINAL_ARGS=("$@")
+
+die() { echo "launch.sh: error: $*" >&2; exit 2; }
+abspath() { realpath -m -- "$1"; }
+
+PRESET="" NODES="" DEVICES="" DEVICE_KIND="default" LAUNCHER="deepspeed" HOSTFILE="" HOSTS="" NODE_RANK=""
+MASTER_ADDR_ARG="" MASTER_PORT_ARG="29500" SSH_PORT="3022" INPUT_DIR="" OUTPUT_DIR="" INIT_CHECKPOINT="" DRY_RUN=0
+OVERRIDES=() EXTRA=()
+need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --preset) need "$@"; PRESET="$2"; shift 2 ;;
+    --nodes) need "$@"; NODES="$2"; shift 2 ;;
+    --devices_per_node) need "$@"; DEVICES="$2"; shift 2 ;;
+    --device_kind) need "$@"; DEVICE_KIND="$2"; shift 2 ;;
+    --launcher) need "$@"; LAUNCHER="$2"; shift 2 ;;
+    --hostfile) need "$@"; HOSTFILE="$(abspath "$2")"; shift 2 ;;
+    --hosts) need "$@"; HOSTS="$2"; shift 2 ;;
+    --node_rank) need "$@"; NODE_RANK="$2"; shift 2 ;;
+    --master_addr) need "$@"; MASTER_ADDR_ARG="$2"; shift 2 ;;
+    --master_port) need "$@"; MASTER_PORT_ARG="$2"; shift 2 ;;
+    --ssh_port) need "$@"; SSH_PORT="$2"; shift 2 ;;
+    --input_dir) need "$@"; INPUT_DIR="$(abspath "$2")"; shift 2 ;;
+    --output_dir) need "$@"; OUTPUT_DIR="$(abspath "$2")"; shift 2 ;;
+    --init_checkpoint) need "$@"; INIT_CHECKPOINT="$(abspath "$2")"; shift 2 ;;
+    --set) need "$@"; OVERRIDES+=(--set "$2"); shift 2 ;;
+    --dry_run) DRY_RUN=1; shift ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) die "unknown option '$1' (flags for run_pretraining.py go after '--'; see --help)" ;;
+  esac
+done
+
+[[ -n "$PRESET" ]] || die "--preset is required (see configs/presets/)"
+[[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got '${NODES}'"
+[[ -n "$INPUT_DIR" ]] || die "--input_dir is required (the directory holding the HDF5 shards)"
+[[ -n "$OUTPUT_DIR" ]] || die "--output_dir is required"
+[[ -d "$INPUT_DIR" ]] || die "--input_dir $INPUT_DIR does not exist"
+[[ -z "$DEVICES" || "$DEVICES" =~ ^[1-9][0-9]*$ ]] || die "--devices_per_node must be a positive integer"
+[[ -z "$HOSTFILE" || -z "$HOSTS" ]] || die "give --hostfile or --hosts, not both"
+[[ -z "$HOSTFILE" || -f "$HOSTFILE" ]] || die "hostfile $HOSTFILE does not exist"
+
+LAUNCH_DIR="$OUTPUT_DIR/launch"
+mkdir -p "$LAUNCH_DIR"
+
+# shellcheck source=scripts/hpu_env.sh
+source "$ROOT/scripts/hpu_env.sh"
+
+# ---- the cluster shape, from the launcher's environment --------------------------------------------------
+first_host() {  # the first host of the hostfile or host list, if any
+  if [[ -n "$HOSTS" ]]; then echo "${HOSTS%%,*}"
+  elif [[ -n "$HOSTFILE" ]]; then awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE"
+  fi
+}
+NNODES="$NODES"
+case "$LAUNCHER" in
+  deepspeed)
+    [[ -z "$NODE_RANK" ]] || die "--node_rank is for torchrun; the deepspeed launcher ranks the hostfile's nodes itself" ;;
+  torchrun)
+    if [[ "$NODES" -gt 1 && -z "$NODE_RANK" ]]; then die "torchrun on $NODES nodes needs --node_rank (0..$((NODES - 1))) on each node"; fi
+    NODE_RANK="${NODE_RANK:-0}" ;;
+  slurm)
+    if [[ -z "${BERT_LAUNCH_SRUN_TASK:-}" ]]; then
+      [[ -n "${SLURM_JOB_ID:-}" ]] || die "--launcher slurm runs inside an allocation (sbatch or salloc); SLURM_JOB_ID is not set"
+      CMD=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1
+           env BERT_LAUNCH_SRUN_TASK=1 "$ROOT/scripts/launch.sh" "${ORIGINAL_ARGS[@]}")
+      if [[ "$DRY_RUN" == 1 ]]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
+      exec "${CMD[@]}"
+    fi
+    NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}"
+    NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set inside the srun task}"
+    if [[ -z "$MASTER_ADDR_ARG" ]]; then
+      MASTER_ADDR_ARG="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | head -n 1)"
+    fi ;;
+  aws-batch)
+    NNODES="${AWS_BATCH_JOB_NUM_NODES:?AWS_BATCH_JOB_NUM_NODES is not set: run this as an AWS Batch multi-node parallel job}"
+    NODE_RANK="${AWS_BATCH_JOB_NODE_INDEX:?AWS_BATCH_JOB_NODE_INDEX is not set}"
+    if [[ -z "$MASTER_ADDR_ARG" ]]; then
+      if [[ "$NODE_RANK" == "${AWS_BATCH_JOB_MAIN_NODE_INDEX:-0}" ]]; then
+        MASTER_ADDR_ARG="$(hostname -I | awk '{print $1}')"  # Batch does not give the main node its own address
+      else
+        MASTER_ADDR_ARG="${AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS:?AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS is not set}"
+      fi
+    fi ;;
+  *) die "--launcher must be deepspeed, torchrun, slurm or aws-batch, got '$LAUNCHER'" ;;
+esac
+[[ "$NNODES" == "$NODES" ]] || die "--nodes is $NODES but the $LAUNCHER job has $NNODES nodes"
+[[ "$NODE_RANK" == "" || ( "$NODE_RANK" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NODES" ) ]] \
+  || die "node rank '$NODE_RANK' is not in 0..$((NODES - 1))"
+MASTER_ADDR_ARG="${MASTER_ADDR_ARG:-$(first_host)}"
+if [[ -z "$MASTER_ADDR_ARG" ]]; then
+  [[ "$NODES" == 1 ]] || die "$NODES nodes need --master_addr, --hosts or --hostfile"
+  MASTER_ADDR_ARG="127.0.0.1"
+fi
+
+cd "$ROOT"  # the deepspeed launcher starts remote ranks in the same directory, so it must be the project root
+
+# ---- the preset, resolved for this cluster ----------------------------------------------------------------
+RESOLVE=("$PYTHON" -m training.presets resolve --preset "$PRESET" --num_nodes "$NODES" --device_kind "$DEVICE_KIND"
+         --deepspeed_config_out "$LAUNCH_DIR/deepspeed_config.json" --format shell "${OVERRIDES[@]}")
+[[ -z "$DEVICES" ]] || RESOLVE+=(--devices_per_node "$DEVICES")
+[[ -z "$INIT_CHECKPOINT" ]] || RESOLVE+=(--init_checkpoint "$INIT_CHECKPOINT")
+RESOLVED="$("${RESOLVE[@]}")" || die "could not resolve preset '$PRESET' (message above)"
+DEVICES_PER_NODE="" RUN_ARGS=()
+eval "$RESOLVED"  # sets DEVICES_PER_NODE and RUN_ARGS, shell-quoted by training/presets.py
+DEVICES="$DEVICES_PER_NODE"
+
+SCRIPT=("$ROOT/run_pretraining.py" --input_dir "$INPUT_DIR" --output_dir "$OUTPUT_DIR" "${RUN_ARGS[@]}" "${EXTRA[@]}")
+
+# ---- the command ------------------------------------------------------------------------------------------
+case "$LAUNCHER" in
+  deepspeed)
+    DS=("$PYTHON" -m deepspeed.launcher.runner --num_nodes "$NODES" --num_gpus "$DEVICES"
+        --master_addr "$MASTER_ADDR_ARG" --master_port "$MASTER_PORT_ARG")
+    if [[ -n "$HOSTS" ]]; then
+      HOSTFILE="$LAUNCH_DIR/hostfile"
+      tr ',' '\n' <<<"$HOSTS" | awk -v slots="$DEVICES" 'NF {print $1 " slots=" slots}' >"$HOSTFILE.tmp.$$"
+      mv "$HOSTFILE.tmp.$$" "$HOSTFILE"
+    fi
+    if [[ -n "$HOSTFILE" ]]; then
+      listed="$(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l)"
+      [[ "$listed" -ge "$NODES" ]] || die "hostfile $HOSTFILE lists $listed host(s), fewer than --nodes $NODES"
+      # pdsh starts the remote ranks; DeepSpeed exports the variables named in this file on every node.
+      ENV_FILE="$LAUNCH_DIR/deepspeed_env"
+      : >"$ENV_FILE.tmp.$$"
+      for var in "${HPU_ENV_VARS[@]}" PYTHONPATH DS_ACCELERATOR; do
+        [[ -z "${!var:-}" ]] || echo "$var=${!var}" >>"$ENV_FILE.tmp.$$"
+      done
+      mv "$ENV_FILE.tmp.$$" "$ENV_FILE"
+      export DS_ENV_FILE="$ENV_FILE"
+      DS+=(--hostfile "$HOSTFILE" --launcher pdsh --ssh_port "$SSH_PORT")
+    elif [[ "$NODES" -gt 1 ]]; then
+      die "the deepspeed launcher on $NODES nodes needs --hostfile or --hosts"
+    fi
+    CMD=("${DS[@]}" "${SCRIPT[@]}") ;;
+  *)
+    CMD=("$PYTHON" -m torch.distributed.run --nnodes "$NODES" --nproc_per_node "$DEVICES" --node_rank "$NODE_RANK"
+         --master_addr "$MASTER_ADDR_ARG" --master_port "$MASTER_PORT_ARG" "${SCRIPT[@]}") ;;
+esac
+
+echo "[launch] $LAUNCHER: $NODES node(s) x $DEVICES device(s)${NODE_RANK:+, node rank $NODE_RANK}, master $MASTER_ADDR_ARG:$MASTER_PORT_ARG" >&2
+if [[ "$DRY_RUN" == 1 ]]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
+exec "${CMD[@]}"

@@ -1,0 +1,66 @@
+"""The demo's generated dump: a real MediaWiki export that the pipeline's extractor cleans."""
+
+from __future__ import annotations
+
+import bz2
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from data.demo_dump import generate_demo_dump
+
+NS = "{http://www.mediawiki.org/xml/export-0.10/}"
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory) -> Path:
+    return generate_demo_dump(tmp_path_factory.mktemp("dump") / "demo.xml.bz2", articles=60, seed=7).path
+
+
+def test_is_a_mediawiki_export_with_markup_redirects_and_other_namespaces(dump: Path):
+    raw = bz2.decompress(dump.read_bytes())
+    root = ET.fromstring(raw)
+    assert root.tag == f"{NS}mediawiki" and root.get("version") == "0.10"
+    pages = root.findall(f"{NS}page")
+    articles = [p for p in pages if p.findtext(f"{NS}ns") == "0" and p.find(f"{NS}redirect") is None]
+    redirects = [p for p in pages if p.find(f"{NS}redirect") is not None]
+    others = [p for p in pages if p.findtext(f"{NS}ns") != "0"]
+    assert len(articles) == 60 and len(redirects) > 10 and len(others) >= 4
+    titles = [p.findtext(f"{NS}title") for p in pages]
+    assert len(titles) == len(set(titles)), "page titles must be unique, as in a real dump"
+    for page in redirects:  # every redirect points to an article that exists
+        target = page.find(f"{NS}redirect").get("title")
+        assert target in titles
+        assert page.findtext(f"{NS}revision/{NS}text").startswith(f"#REDIRECT [[{target}]]")
+    wikitext = "\n".join(p.findtext(f"{NS}revision/{NS}text") for p in articles)
+    for markup in ("{{Infobox", "{| class=\"wikitable\"", "<ref>", "{{cite book", "[[Category:", "[[File:",
+                   "== History ==", "'''", "* [[", "|}"):
+        assert markup in wikitext, f"the demo dump lacks {markup!r}, which extraction must strip"
+    ids = [int(p.findtext(f"{NS}id")) for p in pages]
+    assert ids == sorted(ids) and len(set(ids)) == len(ids)
+
+
+def test_deterministic_for_a_seed(dump: Path, tmp_path: Path):
+    again = generate_demo_dump(tmp_path / "again.xml.bz2", articles=60, seed=7).path
+    other = generate_demo_dump(tmp_path / "other.xml.bz2", articles=60, seed=8).path
+    assert again.read_bytes() == dump.read_bytes()
+    assert other.read_bytes() != dump.read_bytes()
+    assert not list(tmp_path.glob(".*")), "no temporary file is left behind"
+
+
+def test_the_pipeline_extractor_strips_everything(dump: Path):
+    from data.extract import clean_article, iter_articles
+
+    articles = list(iter_articles(dump))
+    assert len(articles) == 60  # redirects and template/category pages skipped
+    text = "\n".join(p for title, wikitext in articles for p in clean_article(title, wikitext))
+    for leftover in ("{{", "}}", "[[", "]]", "<ref", "|}", "{|", "'''", "Category:", "File:", "thumb|"):
+        assert leftover not in text, f"{leftover!r} survived extraction"
+    assert "is a city in" in text and "was founded in" in text and "flows into the" in text
+    assert len(text.split()) > 60 * 50
+
+
+def test_rejects_too_few_articles(tmp_path: Path):
+    with pytest.raises(ValueError, match="articles must be >= 4"):
+        generate_demo_dump(tmp_path / "x.xml.bz2", articles=2)

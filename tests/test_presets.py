@@ -1,0 +1,173 @@
+"""Presets: every shipped preset loads and resolves on 1..16 nodes; the published figures come out;
+bad presets fail with the file and the field named."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from training import presets
+from training.presets import PresetError, gradient_accumulation, load_preset, resolve
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = presets.list_presets()
+
+
+def test_the_issue_presets_exist():
+    names = {p.stem for p in SHIPPED}
+    assert {"bert-large-phase1", "bert-large-phase2", "bert-1.5b-phase1", "bert-1.5b-phase2",
+            "bert-5b-phase1"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_preset_loads_and_resolves(path: Path, tmp_path: Path):
+    preset = load_preset(path)
+    assert preset.name == path.stem
+    assert preset.source and preset.model_config.is_file() and preset.deepspeed_config.is_file()
+    base_ds = json.loads(preset.deepspeed_config.read_text())
+    for nodes in (1, 2, 4, 8, 16):
+        for kind in preset.micro_batch_per_device:
+            try:
+                run = resolve(preset, nodes, device_kind=kind)
+            except PresetError as e:  # a recipe may not divide on every shape, but it must say so clearly
+                assert "not divisible" in str(e) and str(preset.path) in str(e)
+                continue
+            assert run.micro_batch_per_device * run.gradient_accumulation_steps * run.world_size \
+                == preset.global_batch_size
+            ds = run.deepspeed_config
+            assert ds["train_batch_size"] == preset.global_batch_size
+            assert ds["train_micro_batch_size_per_gpu"] == run.micro_batch_per_device
+            assert ds["gradient_accumulation_steps"] == run.gradient_accumulation_steps
+            for key, value in base_ds.items():  # everything else is the training engineer's config, untouched
+                if key not in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+                    assert ds[key] == value
+    init = str(tmp_path) if preset.phase == 2 else None
+    args = resolve(preset, 8).run_args(tmp_path / "ds.json", init_checkpoint=init)
+    assert args[args.index("--max_seq_length") + 1] == str(preset.max_seq_length)
+    assert ("--phase2" in args) == (preset.phase == 2)
+
+
+def test_gaudi_1_5b_recipe_figures():
+    preset = load_preset("bert-1.5b-phase1")
+    assert (preset.max_seq_length, preset.max_predictions_per_seq, preset.global_batch_size) == (128, 20, 12288)
+    assert (preset.warmup_proportion, preset.constant_proportion) == (0.05, 0.30)
+    # The blog's figure: 384 sequences per device per step = micro batch 16 x 24 accumulation steps,
+    # on 32 first-generation Gaudi devices (4 nodes).
+    blog = resolve(preset, 4, device_kind="gaudi1")
+    assert (blog.micro_batch_per_device, blog.gradient_accumulation_steps) == (16, 24)
+    assert blog.sequences_per_device_per_step == 384
+    one_node = resolve(preset, 1)
+    assert (one_node.micro_batch_per_device, one_node.gradient_accumulation_steps) == (32, 48)
+    assert resolve(preset, 8).learning_rate == 0.0015
+    assert resolve(preset, 16).learning_rate == 0.003
+    assert resolve(preset, 16).gradient_accumulation_steps == 3
+
+
+def test_nvidia_bert_large_phase2_figures(tmp_path: Path):
+    preset = load_preset("bert-large-phase2")
+    run = resolve(preset, 1)  # NVIDIA's DGX: 8 GPUs x 4096 sequences per GPU in 256 accumulation steps
+    assert (run.micro_batch_per_device, run.gradient_accumulation_steps, run.learning_rate) == (16, 256, 0.004)
+    assert (preset.max_seq_length, preset.max_predictions_per_seq, preset.max_steps) == (512, 80, 1563)
+    with pytest.raises(PresetError, match="phase-2 recipe; pass the phase-1 output"):
+        run.run_args(tmp_path / "ds.json")
+
+
+def test_gradient_accumulation_that_cannot_divide():
+    assert gradient_accumulation(12288, 32, 64) == 6
+    with pytest.raises(PresetError, match=r"global batch 12288 is not divisible by micro batch 32 x 40 devices"):
+        gradient_accumulation(12288, 32, 40, source="x.json")
+    with pytest.raises(PresetError, match=r"not divisible") as err:
+        resolve(load_preset("bert-1.5b-phase1"), 5)  # 5 nodes x 8 devices
+    assert "bert-1.5b-phase1.json on 5 node(s) x 8 devices" in str(err.value)
+    assert "no micro batch divides 12288 on 40 devices; change the node count" in str(err.value)
+    with pytest.raises(PresetError, match=r"micro batches that divide on 8 devices: \[6, 8, 12, 16\]"):
+        resolve(load_preset("bert-1.5b-phase1", {"micro_batch_per_device": 20}), 1)
+
+
+def _write(tmp_path: Path, **changes) -> Path:
+    values = json.loads((ROOT / "configs/presets/bert-large-phase1.json").read_text())
+    for key, value in changes.items():
+        if value is None:
+            values.pop(key)
+        else:
+            values[key] = value
+    path = tmp_path / "custom.json"
+    path.write_text(json.dumps(values))
+    return path
+
+
+@pytest.mark.parametrize("changes, field, message", [
+    ({"global_batch_size": None}, "global_batch_size", "missing field"),
+    ({"global_batch_size": "64k"}, "global_batch_size", "must be an integer"),
+    ({"global_btach_size": 4}, "global_btach_size", "unknown field"),
+    ({"model_config": "configs/models/nope.json"}, "model_config", "does not exist"),
+    ({"max_predictions_per_seq": 200}, "max_predictions_per_seq", "more than a sequence of 128 can hold"),
+    ({"warmup_proportion": 1.5}, "warmup_proportion", "in [0, 1]"),
+    ({"warmup_proportion": 0.1, "constant_proportion": 0.05}, "constant_proportion", "where the constant phase ENDS"),
+    ({"learning_rate": {"8": 0.001}}, "learning_rate", "without a \"default\" entry"),
+    ({"learning_rate": {"default": 0.001, "eight": 0.002}}, "learning_rate.eight", "node count"),
+    ({"micro_batch_per_device": {"default": 0}}, "micro_batch_per_device.default", "positive integer"),
+    ({"optimizer": "sgd"}, "optimizer", "must be one of lamb, adamw"),
+    ({"phase": 3}, "phase", "must be 1 or 2"),
+    ({"source": []}, "source", "must name where the recipe comes from"),
+    ({"max_seq_length": 1024}, "max_seq_length", "max_position_embeddings 512"),
+])
+def test_bad_presets_name_file_and_field(tmp_path: Path, changes: dict, field: str, message: str):
+    path = _write(tmp_path, **changes)
+    with pytest.raises(PresetError) as err:
+        load_preset(path)
+    text = str(err.value)
+    assert str(path) in text and field in text and message in text
+
+
+def test_bad_json_and_unknown_names(tmp_path: Path):
+    path = tmp_path / "broken.json"
+    path.write_text('{"name": "x",\n "phase": }')
+    with pytest.raises(PresetError, match=r"broken.json: not valid JSON \(line 2"):
+        load_preset(path)
+    with pytest.raises(PresetError, match="unknown preset 'bert-huge'; known presets: .*bert-1.5b-phase1"):
+        load_preset("bert-huge")
+    with pytest.raises(PresetError, match="no entry for device kind 'tpu'"):
+        resolve(load_preset("bert-1.5b-phase1"), 8, device_kind="tpu")
+
+
+def test_overrides_are_validated_like_the_file():
+    preset = load_preset("bert-large-phase1", {"max_steps": 10, "learning_rate": 0.001})
+    assert (preset.max_steps, preset.learning_rate) == (10, {"default": 0.001})
+    with pytest.raises(PresetError, match="field 'max_steps' must be an integer >= 1, got 0"):
+        load_preset("bert-large-phase1", {"max_steps": 0})
+    with pytest.raises(PresetError, match="cannot override max_seq_length"):
+        load_preset("bert-large-phase1", {"max_seq_length": 64})
+    assert presets.parse_override("max_steps=7") == ("max_steps", 7)
+    assert presets.parse_override("model_config=configs/models/bert-tiny.json") == \
+        ("model_config", "configs/models/bert-tiny.json")
+
+
+def test_cli_writes_the_deepspeed_config_and_prints_the_flags(tmp_path: Path, capsys):
+    out = tmp_path / "launch" / "ds.json"
+    rc = presets.main(["resolve", "--preset", "bert-1.5b-phase1", "--num_nodes", "4", "--device_kind", "gaudi1",
+                       "--deepspeed_config_out", str(out), "--set", "max_steps=1000", "--format", "shell"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    assert "gradient accumulation 24 (384 sequences per device per step)" in captured.err
+    lines = captured.out.splitlines()
+    assert lines[0] == "DEVICES_PER_NODE=8"
+    args = shlex.split(lines[1][len("RUN_ARGS=("):-1])
+    assert args[args.index("--max_steps") + 1] == "1000"
+    assert args[args.index("--deepspeed_config") + 1] == str(out.resolve())
+    ds = json.loads(out.read_text())
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) \
+        == (12288, 16, 24)
+    assert presets.main(["resolve", "--preset", "bert-1.5b-phase1", "--num_nodes", "5",
+                         "--deepspeed_config_out", str(out)]) == 2
+    assert "not divisible" in capsys.readouterr().err
+
+
+def test_list_prints_a_table_of_every_preset(capsys):
+    assert presets.main(["list"]) == 0
+    table = capsys.readouterr().out
+    for path in SHIPPED:
+        assert f"| {path.stem} |" in table

@@ -1,0 +1,418 @@
+"""Training presets: published recipes tied to a model config, a DeepSpeed config and run arguments.
+
+A preset (configs/presets/*.json) fixes what a recipe fixes: the global batch, the sequence length,
+the learning-rate schedule, the number of steps. What depends on the cluster, the number of nodes
+and the device, is resolved at launch time:
+
+    gradient_accumulation_steps = global_batch_size / (micro_batch_per_device * nodes * devices_per_node)
+
+`resolve` returns the run flags for run_pretraining.py and the DeepSpeed JSON with the batch fields
+filled in; `python -m training.presets resolve ...` is what scripts/launch.sh calls.
+
+Relative paths inside a preset (model_config, deepspeed_config) are relative to the project root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PRESET_DIR = PROJECT_ROOT / "configs" / "presets"
+OPTIMIZERS = ("lamb", "adamw")
+DEFAULT_KEY = "default"
+# Fields a user may override at launch (--set name=value); the recipe's identity fields are not among them.
+OVERRIDABLE = ("model_config", "deepspeed_config", "max_steps", "num_steps_per_checkpoint", "learning_rate", "micro_batch_per_device",
+               "global_batch_size", "warmup_proportion", "constant_proportion", "devices_per_node",
+               "checkpoint_activations", "optimizer")
+
+
+class PresetError(ValueError):
+    """A preset that cannot be used; the message names the file, the field and the fix."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    path: Path
+    description: str
+    source: tuple[str, ...]
+    model_config: Path
+    deepspeed_config: Path
+    phase: int
+    max_seq_length: int
+    max_predictions_per_seq: int
+    global_batch_size: int
+    devices_per_node: int
+    micro_batch_per_device: dict[str, int]  # device kind -> micro batch; "default" always present
+    learning_rate: dict[str, float]  # node count (as a string) -> lr; "default" always present
+    warmup_proportion: float
+    constant_proportion: float
+    max_steps: int
+    num_steps_per_checkpoint: int
+    optimizer: str
+    checkpoint_activations: bool = False
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class ResolvedRun:
+    """A preset resolved for one cluster shape."""
+
+    preset: Preset
+    num_nodes: int
+    devices_per_node: int
+    device_kind: str
+    micro_batch_per_device: int
+    gradient_accumulation_steps: int
+    learning_rate: float
+    deepspeed_config: dict = field(repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.devices_per_node
+
+    @property
+    def sequences_per_device_per_step(self) -> int:
+        return self.micro_batch_per_device * self.gradient_accumulation_steps
+
+    def run_args(self, deepspeed_config_path: str | os.PathLike, init_checkpoint: str | None = None) -> list[str]:
+        """Flags for run_pretraining.py (input and output directories come from the caller)."""
+        p = self.preset
+        args = [
+            "--config_file", str(p.model_config),
+            "--max_seq_length", str(p.max_seq_length),
+            "--max_predictions_per_seq", str(p.max_predictions_per_seq),
+            "--max_steps", str(p.max_steps),
+            "--learning_rate", repr(self.learning_rate),
+            "--warmup_proportion", repr(p.warmup_proportion),
+            "--constant_proportion", repr(p.constant_proportion),
+            "--num_steps_per_checkpoint", str(p.num_steps_per_checkpoint),
+            "--optimizer", p.optimizer,
+            "--deepspeed", "--deepspeed_config", str(deepspeed_config_path),
+        ]
+        if p.checkpoint_activations:
+            args.append("--checkpoint_activations")
+        if p.phase == 2:
+            if not init_checkpoint:
+                raise PresetError(f"{p.path}: preset '{p.name}' is a phase-2 recipe; pass the phase-1 output "
+                                  "directory as init_checkpoint (launch.sh: --init_checkpoint <dir>)")
+            args += ["--phase2", "--init_checkpoint", str(init_checkpoint)]
+        elif init_checkpoint:
+            raise PresetError(f"{p.path}: preset '{p.name}' is phase 1 and starts from scratch; "
+                              "--init_checkpoint is only for phase-2 presets")
+        return args
+
+
+# ----------------------------------------------------------------------------------------------------
+# Loading and validation
+
+
+def _fail(path: Path, name: str, message: str) -> PresetError:
+    return PresetError(f"{path}: field '{name}' {message}")
+
+
+def _int(values: dict, path: Path, name: str, minimum: int = 1) -> int:
+    value = values[name]
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _fail(path, name, f"must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _proportion(values: dict, path: Path, name: str) -> float:
+    value = values[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value <= 1.0:
+        raise _fail(path, name, f"must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
+def _keyed(values: dict, path: Path, name: str, kind: type, key_hint: str) -> dict:
+    """A number, or an object {"default": number, "<key>": number, ...}."""
+    value = values[name]
+
+    def check(v, where: str):
+        ok = isinstance(v, int) and not isinstance(v, bool) if kind is int else (
+            isinstance(v, (int, float)) and not isinstance(v, bool))
+        if not ok or v <= 0:
+            raise _fail(path, where, f"must be a positive {'integer' if kind is int else 'number'}, got {v!r}")
+        return kind(v)
+
+    if not isinstance(value, dict):
+        return {DEFAULT_KEY: check(value, name)}
+    if DEFAULT_KEY not in value:
+        raise _fail(path, name, f"is an object without a \"{DEFAULT_KEY}\" entry; add one "
+                                f"(keys are {key_hint}, e.g. {{\"default\": ..., ...}})")
+    return {str(k): check(v, f"{name}.{k}") for k, v in value.items()}
+
+
+def _config_path(values: dict, path: Path, name: str) -> Path:
+    value = values[name]
+    if not isinstance(value, str) or not value:
+        raise _fail(path, name, f"must be a path string, got {value!r}")
+    resolved = Path(value) if Path(value).is_absolute() else PROJECT_ROOT / value
+    if not resolved.is_file():
+        raise _fail(path, name, f"points to {resolved}, which does not exist; fix the path "
+                                f"(relative paths are relative to {PROJECT_ROOT})")
+    return resolved
+
+
+REQUIRED = ("name", "description", "source", "model_config", "deepspeed_config", "phase", "max_seq_length",
+            "max_predictions_per_seq", "global_batch_size", "devices_per_node", "micro_batch_per_device",
+            "learning_rate", "warmup_proportion", "constant_proportion", "max_steps",
+            "num_steps_per_checkpoint", "optimizer")
+OPTIONAL = ("checkpoint_activations", "notes")
+
+
+def preset_from_dict(values: dict, path: Path) -> Preset:
+    """Validate every field of a preset; errors name the file and the field."""
+    if not isinstance(values, dict):
+        raise PresetError(f"{path}: expected a JSON object of preset fields")
+    unknown = sorted(set(values) - set(REQUIRED) - set(OPTIONAL))
+    if unknown:
+        raise PresetError(f"{path}: unknown field(s) {', '.join(unknown)}; known fields: "
+                          f"{', '.join(REQUIRED + OPTIONAL)}")
+    missing = [k for k in REQUIRED if k not in values]
+    if missing:
+        raise PresetError(f"{path}: missing field(s) {', '.join(missing)}; add them to the JSON")
+    for name in ("name", "description"):
+        if not isinstance(values[name], str) or not values[name].strip():
+            raise _fail(path, name, "must be a non-empty string")
+    source = values["source"]
+    if isinstance(source, str):
+        source = [source]
+    if not isinstance(source, list) or not source or not all(isinstance(s, str) and s for s in source):
+        raise _fail(path, "source", "must name where the recipe comes from (a string or a list of strings)")
+    phase = values["phase"]
+    if phase not in (1, 2) or isinstance(phase, bool):
+        raise _fail(path, "phase", f"must be 1 or 2, got {phase!r}")
+    seq = _int(values, path, "max_seq_length", minimum=8)
+    preds = _int(values, path, "max_predictions_per_seq")
+    if preds > seq - 3:  # [CLS] and two [SEP] are never masked
+        raise _fail(path, "max_predictions_per_seq",
+                    f"is {preds}, more than a sequence of {seq} can hold ({seq - 3} maskable tokens)")
+    warmup = _proportion(values, path, "warmup_proportion")
+    constant = _proportion(values, path, "constant_proportion")
+    if 0.0 < constant < warmup:
+        raise _fail(path, "constant_proportion",
+                    f"is {constant}, inside the warm-up ({warmup}): it is where the constant phase ENDS "
+                    "(0.30 = constant until 30% of the steps; see training/schedule.py); use 0 for no constant phase")
+    optimizer = values["optimizer"]
+    if optimizer not in OPTIMIZERS:
+        raise _fail(path, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    checkpoint_activations = values.get("checkpoint_activations", False)
+    if not isinstance(checkpoint_activations, bool):
+        raise _fail(path, "checkpoint_activations", f"must be true or false, got {checkpoint_activations!r}")
+    notes = values.get("notes", "")
+    if not isinstance(notes, str):
+        raise _fail(path, "notes", "must be a string")
+    learning_rate = _keyed(values, path, "learning_rate", float, "node counts")
+    for key in learning_rate:
+        if key != DEFAULT_KEY and not (key.isdigit() and int(key) > 0):
+            raise _fail(path, f"learning_rate.{key}", "must be keyed by a node count (\"8\", \"16\") or \"default\"")
+    preset = Preset(
+        name=values["name"], path=path, description=values["description"], source=tuple(source),
+        model_config=_config_path(values, path, "model_config"),
+        deepspeed_config=_config_path(values, path, "deepspeed_config"),
+        phase=phase, max_seq_length=seq, max_predictions_per_seq=preds,
+        global_batch_size=_int(values, path, "global_batch_size"),
+        devices_per_node=_int(values, path, "devices_per_node"),
+        micro_batch_per_device=_keyed(values, path, "micro_batch_per_device", int, "device kinds"),
+        learning_rate=learning_rate, warmup_proportion=warmup, constant_proportion=constant,
+        max_steps=_int(values, path, "max_steps"),
+        num_steps_per_checkpoint=_int(values, path, "num_steps_per_checkpoint"),
+        optimizer=optimizer, checkpoint_activations=checkpoint_activations, notes=notes,
+    )
+    _check_model_fits(preset)
+    return preset
+
+
+def _check_model_fits(preset: Preset) -> None:
+    from modeling import BertConfig, ConfigError
+
+    try:
+        model = BertConfig.from_json_file(preset.model_config)
+    except ConfigError as e:
+        raise PresetError(f"{preset.path}: field 'model_config': {e}") from e
+    if preset.max_seq_length > model.max_position_embeddings:
+        raise _fail(preset.path, "max_seq_length", f"is {preset.max_seq_length} but {preset.model_config} "
+                    f"has max_position_embeddings {model.max_position_embeddings}")
+
+
+def preset_path(name_or_path: str | os.PathLike) -> Path:
+    """A preset name (configs/presets/<name>.json) or a path to a preset file."""
+    candidate = Path(name_or_path)
+    if candidate.suffix == ".json" or candidate.exists():
+        if not candidate.is_file():
+            raise PresetError(f"{candidate}: preset file not found")
+        return candidate
+    path = PRESET_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        known = ", ".join(p.stem for p in list_presets())
+        raise PresetError(f"unknown preset '{name_or_path}'; known presets: {known}")
+    return path
+
+
+def load_preset(name_or_path: str | os.PathLike, overrides: dict | None = None) -> Preset:
+    """Load and validate a preset; `overrides` replace fields before validation (see OVERRIDABLE)."""
+    path = preset_path(name_or_path)
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PresetError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+    except OSError as e:
+        raise PresetError(f"{path}: cannot read preset ({e.strerror})") from e
+    if overrides:
+        bad = sorted(set(overrides) - set(OVERRIDABLE))
+        if bad:
+            raise PresetError(f"{path}: cannot override {', '.join(bad)}; overridable fields: {', '.join(OVERRIDABLE)}")
+        if isinstance(values, dict):
+            values = {**values, **overrides}
+    preset = preset_from_dict(values, path)
+    expected = path.stem
+    if path.parent.resolve() == PRESET_DIR.resolve() and preset.name != expected:
+        raise _fail(path, "name", f"is '{preset.name}' but the file is {path.name}; make them equal")
+    return preset
+
+
+def list_presets(directory: Path = PRESET_DIR) -> list[Path]:
+    return sorted(directory.glob("*.json"))
+
+
+def parse_override(text: str) -> tuple[str, object]:
+    """'max_steps=10' -> ('max_steps', 10). Values are read as JSON (numbers, true/false, objects);
+    anything that is not JSON is a string (a path for model_config or deepspeed_config)."""
+    name, sep, raw = text.partition("=")
+    if not sep or not name:
+        raise PresetError(f"override '{text}' must look like name=value (e.g. max_steps=100)")
+    try:
+        return name, json.loads(raw)
+    except json.JSONDecodeError:
+        return name, raw
+
+
+# ----------------------------------------------------------------------------------------------------
+# Resolution for a cluster shape
+
+
+def gradient_accumulation(global_batch: int, micro_batch: int, devices: int, source: str = "preset") -> int:
+    """global = micro * devices * accumulation, exactly; anything else is an error with the fix."""
+    per_step = micro_batch * devices
+    if global_batch % per_step:
+        divisors = [m for m in range(1, micro_batch + 1) if global_batch % (m * devices) == 0]
+        hint = (f"micro batches that divide on {devices} devices: {divisors[-4:]}" if divisors else
+                f"no micro batch divides {global_batch} on {devices} devices; change the node count or the global batch")
+        raise PresetError(f"{source}: global batch {global_batch} is not divisible by micro batch {micro_batch} x "
+                          f"{devices} devices = {per_step}; {hint}")
+    return global_batch // per_step
+
+
+def resolve(preset: Preset, num_nodes: int, devices_per_node: int | None = None,
+            device_kind: str = DEFAULT_KEY) -> ResolvedRun:
+    if num_nodes < 1:
+        raise PresetError(f"{preset.path}: number of nodes must be >= 1, got {num_nodes}")
+    devices_per_node = devices_per_node or preset.devices_per_node
+    micro = preset.micro_batch_per_device.get(device_kind)
+    if micro is None:
+        raise PresetError(f"{preset.path}: field 'micro_batch_per_device' has no entry for device kind "
+                          f"'{device_kind}'; known kinds: {', '.join(preset.micro_batch_per_device)}")
+    lr = preset.learning_rate.get(str(num_nodes), preset.learning_rate[DEFAULT_KEY])
+    accumulation = gradient_accumulation(preset.global_batch_size, micro, num_nodes * devices_per_node,
+                                         source=f"{preset.path} on {num_nodes} node(s) x {devices_per_node} devices")
+    ds_config = _read_json(preset.deepspeed_config)
+    ds_config.update({
+        "train_batch_size": preset.global_batch_size,
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accumulation,
+    })
+    return ResolvedRun(preset=preset, num_nodes=num_nodes, devices_per_node=devices_per_node,
+                       device_kind=device_kind, micro_batch_per_device=micro,
+                       gradient_accumulation_steps=accumulation, learning_rate=lr, deepspeed_config=ds_config)
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        values = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise PresetError(f"{path}: not valid JSON (line {e.lineno}, column {e.colno}: {e.msg})") from e
+    if not isinstance(values, dict):
+        raise PresetError(f"{path}: expected a JSON object (a DeepSpeed config)")
+    return values
+
+
+def write_json_atomic(values: dict, path: Path) -> Path:
+    """Write to a unique temporary name in the same directory, then rename: nodes sharing a file
+    system may write the same file at the same time."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        json.dump(values, f, indent=2)
+        f.write("\n")
+    os.chmod(tmp, 0o644)  # mkstemp creates 0600; other nodes' users may read this file
+    os.replace(tmp, path)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# CLI
+
+
+def _table(paths: list[Path]) -> str:
+    rows = ["| preset | model | phase | seq / preds | global batch | micro batch | lr | steps | source |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for path in paths:
+        p = load_preset(path)
+        micro = ", ".join(f"{k}: {v}" for k, v in p.micro_batch_per_device.items())
+        lr = ", ".join(f"{k}: {v:g}" if k == DEFAULT_KEY else f"{k} nodes: {v:g}" for k, v in p.learning_rate.items())
+        rows.append(f"| {p.name} | {p.model_config.name} | {p.phase} | {p.max_seq_length} / {p.max_predictions_per_seq}"
+                    f" | {p.global_batch_size} | {micro} | {lr} | {p.max_steps} | {p.source[0]} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.presets", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="print every preset as a Markdown table")
+    res = sub.add_parser("resolve", help="resolve a preset for a cluster: write the DeepSpeed JSON, print the run flags")
+    res.add_argument("--preset", required=True, help="preset name (configs/presets/<name>.json) or path")
+    res.add_argument("--num_nodes", type=int, required=True)
+    res.add_argument("--devices_per_node", type=int, help="default: the preset's devices_per_node")
+    res.add_argument("--device_kind", default=DEFAULT_KEY,
+                     help="key into the preset's micro_batch_per_device (e.g. gaudi1 for 32 GB first-gen Gaudi)")
+    res.add_argument("--deepspeed_config_out", type=Path, required=True, help="where to write the DeepSpeed JSON")
+    res.add_argument("--init_checkpoint", help="phase-1 output directory (phase-2 presets only)")
+    res.add_argument("--format", choices=("args", "shell"), default="args",
+                     help="args: the run flags on one line; shell: DEVICES_PER_NODE=... and RUN_ARGS=(...) for eval")
+    res.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
+                     help=f"override a preset field; one of {', '.join(OVERRIDABLE)}")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "list":
+            print(_table(list_presets()))
+            return 0
+        overrides = dict(parse_override(o) for o in args.overrides)
+        run = resolve(load_preset(args.preset, overrides), args.num_nodes, args.devices_per_node, args.device_kind)
+        out = write_json_atomic(run.deepspeed_config, args.deepspeed_config_out)
+        flags = run.run_args(out.resolve(), args.init_checkpoint)
+    except PresetError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"[presets] {run.preset.name}: {run.num_nodes} node(s) x {run.devices_per_node} devices, micro batch "
+          f"{run.micro_batch_per_device}, gradient accumulation {run.gradient_accumulation_steps} "
+          f"({run.sequences_per_device_per_step} sequences per device per step), lr {run.learning_rate:g}",
+          file=sys.stderr)
+    if args.format == "shell":
+        print(f"DEVICES_PER_NODE={run.devices_per_node}")
+        print(f"RUN_ARGS=({shlex.join(flags)})")
+    else:
+        print(shlex.join(flags))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
