@@ -1,1 +1,466 @@
+"""Pretrain BERT (MLM + NSP) with DeepSpeed ZeRO-1 + BF16 on HPU, CUDA or CPU.
 
+    deepspeed run_pretraining.py --deepspeed --deepspeed_config configs/deepspeed/zero1-bf16.json \\
+        --input_dir <shards> --output_dir <run> --config_file configs/models/bert-large.json ...
+
+`torchrun` and plain `python` (one process) work the same way. Rerunning the same command
+resumes from `<output_dir>/checkpoints/latest` at the exact sample. See docs/TRAINING.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from modeling import ActivationCheckpointing, BertConfig, BertForPreTraining, ConfigError, count_parameters
+from training import accelerator as accel
+from training import checkpoint
+from training.checkpoint import CheckpointError, atomic_write_text
+from training.loader import DataConfigError, RankSampler, make_loader, open_split
+from training.metrics import MetricsWriter, Throughput, peak_tflops
+from training.planner import training_flops_per_sequence
+from training.schedule import ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay
+
+ROOT = Path(__file__).resolve().parent
+DEFAULT_DS_CONFIG = ROOT / "configs" / "deepspeed" / "zero1-bf16.json"
+
+
+class RunConfigError(ValueError):
+    """Flags or a DeepSpeed JSON that cannot run; the message names the flag/field and the fix."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """Too many consecutive micro batches with a non-finite loss."""
+
+
+# ----------------------------------------------------------------------------- command line
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("data and model")
+    g.add_argument("--input_dir", type=Path, required=True,
+                   help="shards: *training*.hdf5 for training, *test*.hdf5 for evaluation (searched recursively)")
+    g.add_argument("--output_dir", type=Path, required=True, help="checkpoints, metrics, model_config.json")
+    g.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
+    g.add_argument("--max_seq_length", type=int, default=128, help="must equal the shards' sequence length")
+    g.add_argument("--max_predictions_per_seq", type=int, default=20,
+                   help="masked positions per sequence; must equal static-mask shards")
+    g.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--max_steps", type=int, required=True, help="optimizer steps in this phase")
+    g.add_argument("--optimizer", choices=("lamb", "adamw"), default="lamb")
+    g.add_argument("--learning_rate", type=float, default=6e-3)
+    g.add_argument("--weight_decay", type=float, default=0.01, help="not applied to biases and LayerNorm")
+    g.add_argument("--warmup_proportion", type=float, default=0.2843,
+                   help="fraction of --max_steps with linear warm-up")
+    g.add_argument("--constant_proportion", type=float, default=0.0,
+                   help="hold the peak learning rate until this fraction of --max_steps (Gaudi 1.5B: 0.3)")
+    g.add_argument("--poly_power", type=float, default=0.5, help="decay exponent after warm-up/constant (1 = linear)")
+    g.add_argument("--seed", type=int, default=12439, help="weights, data order, masks and dropout")
+    g.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
+    g.add_argument("--max_nonfinite_steps", type=int, default=10,
+                   help="stop after this many consecutive micro batches with a non-finite loss")
+    g = p.add_argument_group("phases and checkpoints")
+    g.add_argument("--phase2", action="store_true", help="start from --init_checkpoint's weights, fresh optimizer")
+    g.add_argument("--init_checkpoint", type=Path, help="--output_dir of the phase-1 run (with --phase2)")
+    g.add_argument("--num_steps_per_checkpoint", type=int, default=200)
+    g.add_argument("--keep_checkpoints", type=int, default=3, help="how many newest checkpoints to keep")
+    g = p.add_argument_group("logging and evaluation")
+    g.add_argument("--log_freq", type=int, default=10, help="log every N steps")
+    g.add_argument("--eval_freq", type=int, default=0,
+                   help="evaluate on the test shards every N steps (0: only at the end of the run)")
+    g.add_argument("--num_eval_samples", type=int, default=1024, help="test samples per evaluation")
+    g = p.add_argument_group("DeepSpeed")
+    g.add_argument("--deepspeed", action="store_true", required=True,
+                   help="required: this script runs on DeepSpeed (kept so DeepSpeed-style commands work as is)")
+    g.add_argument("--deepspeed_config", type=Path, default=DEFAULT_DS_CONFIG)
+    g.add_argument("--local_rank", type=int, default=None,
+                   help="set by the deepspeed launcher; LOCAL_RANK in the environment wins")
+    args = p.parse_args(argv)
+    check_args(args)
+    return args
+
+
+def check_args(args: argparse.Namespace) -> None:
+    if args.phase2 != (args.init_checkpoint is not None):
+        raise RunConfigError("--phase2 and --init_checkpoint go together: phase 2 starts from the phase-1 "
+                             "run given by --init_checkpoint")
+    if args.init_checkpoint is not None and args.init_checkpoint.resolve() == args.output_dir.resolve():
+        raise RunConfigError("--init_checkpoint must be the phase-1 run, not this run's --output_dir")
+    for name in ("max_steps", "num_steps_per_checkpoint", "keep_checkpoints", "log_freq", "max_nonfinite_steps",
+                 "max_seq_length", "max_predictions_per_seq"):
+        if getattr(args, name) < 1:
+            raise RunConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    for name in ("eval_freq", "num_eval_samples", "num_workers"):
+        if getattr(args, name) < 0:
+            raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
+
+
+# ----------------------------------------------------------------------------- DeepSpeed JSON
+
+
+@dataclass(frozen=True)
+class BatchSizes:
+    train_batch_size: int  # sequences per optimizer step, all ranks
+    micro_batch: int  # sequences per forward, per rank
+    grad_accum: int
+
+
+def resolve_batch_sizes(ds_config: dict, world_size: int, source: str) -> BatchSizes:
+    """DeepSpeed's rule train_batch_size = micro x accumulation x world size, with the missing
+    one derived; a clear error when the numbers do not divide."""
+    t = ds_config.get("train_batch_size")
+    m = ds_config.get("train_micro_batch_size_per_gpu")
+    g = ds_config.get("gradient_accumulation_steps")
+    for name, value in (("train_batch_size", t), ("train_micro_batch_size_per_gpu", m),
+                        ("gradient_accumulation_steps", g)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise RunConfigError(f"{source}: '{name}' must be a positive integer, got {value!r}")
+    hint = (f"train_batch_size must equal train_micro_batch_size_per_gpu x gradient_accumulation_steps x "
+            f"world size ({world_size})")
+    if t is None and m is None:
+        raise RunConfigError(f"{source}: set train_batch_size or train_micro_batch_size_per_gpu")
+    if t is None:
+        g = g or 1
+        t = m * g * world_size
+    elif m is None:
+        g = g or 1
+        if t % (g * world_size):
+            raise RunConfigError(f"{source}: train_batch_size {t} is not divisible by gradient_accumulation_steps "
+                                 f"{g} x world size {world_size}; {hint}")
+        m = t // (g * world_size)
+    elif g is None:
+        if t % (m * world_size):
+            raise RunConfigError(f"{source}: train_batch_size {t} is not divisible by train_micro_batch_size_per_gpu "
+                                 f"{m} x world size {world_size}; {hint}")
+        g = t // (m * world_size)
+    elif t != m * g * world_size:
+        raise RunConfigError(f"{source}: train_batch_size {t} != {m} x {g} x {world_size}; {hint}. "
+                             f"For {world_size} ranks use e.g. gradient_accumulation_steps "
+                             f"{max(1, t // (m * world_size))} with train_batch_size "
+                             f"{m * max(1, t // (m * world_size)) * world_size}")
+    return BatchSizes(train_batch_size=t, micro_batch=m, grad_accum=g)
+
+
+def load_ds_config(path: Path, world_size: int) -> tuple[dict, BatchSizes]:
+    try:
+        config = json.loads(path.read_text())
+    except OSError as e:
+        raise RunConfigError(f"--deepspeed_config {path}: cannot read it ({e.strerror})") from e
+    except json.JSONDecodeError as e:
+        raise RunConfigError(f"--deepspeed_config {path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+    for key, flag in (("optimizer", "--optimizer/--learning_rate"), ("scheduler", "--warmup_proportion etc.")):
+        if key in config:
+            raise RunConfigError(f"{path}: remove the '{key}' section; this script builds it from {flag}")
+    if config.get("fp16", {}).get("enabled"):
+        raise RunConfigError(f"{path}: fp16 is not supported; use \"bf16\": {{\"enabled\": true}}")
+    if config.get("bf16", {}).get("enabled") and config.get("data_types", {}).get("grad_accum_dtype") != "fp32":
+        raise RunConfigError(f"{path}: bf16 needs \"data_types\": {{\"grad_accum_dtype\": \"fp32\"}} so that "
+                             "gradients accumulate in fp32 (bf16 accumulation loses small gradients)")
+    sizes = resolve_batch_sizes(config, world_size, str(path))
+    config.update(train_batch_size=sizes.train_batch_size, train_micro_batch_size_per_gpu=sizes.micro_batch,
+                  gradient_accumulation_steps=sizes.grad_accum)
+    return config, sizes
+
+
+def check_fp32_accumulation(engine) -> str:
+    """bf16 runs must accumulate gradients in fp32 (DeepSpeed's BF16_Optimizer buffers). Returns
+    the accumulation dtype's name."""
+    _, accum = engine.get_data_types()
+    if engine.bfloat16_enabled():
+        from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+        buffers = getattr(engine.optimizer, "fp32_groups_gradients_flat", None)
+        if not isinstance(engine.optimizer, BF16_Optimizer) or buffers is None or \
+                any(b.dtype != torch.float32 for b in buffers):
+            raise RuntimeError(f"bf16 run without fp32 gradient accumulation (optimizer wrapper "
+                               f"{type(engine.optimizer).__name__}); use ZeRO stage 1 with "
+                               "data_types.grad_accum_dtype fp32")
+        return "float32"
+    return str(accum).removeprefix("torch.")
+
+
+# ----------------------------------------------------------------------------- pieces of the loop
+
+
+def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+    from training.lamb import Lamb, build_param_groups
+
+    groups = build_param_groups(model, args.weight_decay)
+    if args.optimizer == "lamb":
+        return Lamb(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-6, weight_decay=args.weight_decay)
+    return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-6,
+                             weight_decay=args.weight_decay)
+
+
+def seed_micro_step(seed: int, position: int, rank: int) -> None:
+    """Dropout randomness as a function of (seed, stream position, rank): a resumed run draws
+    the same masks as an uninterrupted one without saving generator states."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, position, rank]).generate_state(1, np.uint64)[0] >> 1))
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag; the loop checks it (all ranks agree) and saves, then exits 0."""
+
+    def __init__(self) -> None:
+        self.signal: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, _frame) -> None:
+        self.signal = signum
+
+
+class NonFiniteGuard:
+    """Counts micro batches whose loss is non-finite; `limit` in a row stops the run."""
+
+    def __init__(self, limit: int, skipped: int = 0):
+        self.limit, self.skipped, self.in_a_row = limit, skipped, 0
+
+    def update(self, finite: bool, step: int) -> None:
+        if finite:
+            self.in_a_row = 0
+            return
+        self.skipped += 1
+        self.in_a_row += 1
+        if self.in_a_row >= self.limit:
+            raise NonFiniteLossError(
+                f"{self.in_a_row} micro batches in a row had a non-finite loss at step {step} "
+                f"({self.skipped} in total); the run has diverged. Resume from an earlier checkpoint with a "
+                "lower --learning_rate or a longer --warmup_proportion")
+
+
+def _model_inputs(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+
+
+def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -> dict:
+    """Mean losses and MLM accuracy over the first --num_eval_samples test samples (all ranks)."""
+    limit = min(args.num_eval_samples, len(dataset))
+    sampler = RankSampler(0, sizes.micro_batch, dist.get_rank(), dist.get_world_size(), limit=limit)
+    sums = torch.zeros(5, dtype=torch.float64, device=acc.device)
+    engine.eval()
+    with torch.no_grad():
+        for batch in make_loader(dataset, sampler, sizes.micro_batch, num_workers=0):
+            out = engine(**_model_inputs(batch, acc.device))
+            n = batch["input_ids"].shape[0]
+            sums += torch.stack([out.loss.double() * n, out.mlm_loss.double() * n, out.nsp_loss.double() * n,
+                                 out.mlm_accuracy.double() * n, torch.tensor(n, dtype=torch.float64,
+                                                                             device=acc.device)])
+            acc.mark_step()
+    engine.train()
+    dist.all_reduce(sums)
+    n = sums[4].item()
+    return {"loss": sums[0].item() / n, "mlm_loss": sums[1].item() / n, "nsp_loss": sums[2].item() / n,
+            "mlm_accuracy": sums[3].item() / n, "samples": int(n)}
+
+
+def write_run_files(args: argparse.Namespace, config: BertConfig) -> None:
+    """What export_hf needs beside the checkpoints: the model config and the vocabulary."""
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(args.output_dir / "model_config.json")
+    vocab = args.input_dir / "vocab.txt"
+    if vocab.is_file():
+        tmp = args.output_dir / ".vocab.txt.tmp"
+        shutil.copyfile(vocab, tmp)
+        tmp.replace(args.output_dir / "vocab.txt")
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def train(args: argparse.Namespace) -> dict:
+    """One phase of pretraining. Returns a summary (also written to <output_dir>/run_info.json)."""
+    acc = accel.setup(args.local_rank)
+    import deepspeed
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ds_config, sizes = load_ds_config(args.deepspeed_config, world)
+    config = BertConfig.from_json_file(args.config_file)
+    if args.max_seq_length > config.max_position_embeddings:
+        raise RunConfigError(f"--max_seq_length {args.max_seq_length} exceeds max_position_embeddings "
+                             f"{config.max_position_embeddings} of {args.config_file}")
+    train_set = open_split(args.input_dir, "training", args.max_seq_length, args.max_predictions_per_seq,
+                           config.vocab_size, args.seed, shuffle=True)
+    if train_set is None:
+        raise DataConfigError(f"--input_dir {args.input_dir}: no *training*.hdf5 files found under it")
+    eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,
+                          config.vocab_size, args.seed, shuffle=False)
+
+    ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
+    resume = checkpoint.find_resume(ckpt_dir)
+    if resume is not None and resume[1].seed != args.seed:
+        raise RunConfigError(f"{ckpt_dir / resume[0]} was trained with --seed {resume[1].seed}; resuming with "
+                             f"--seed {args.seed} would change the data order. Pass --seed {resume[1].seed}")
+    if resume is not None and resume[1].world_size != world:
+        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = BertForPreTraining(config, checkpointing=ActivationCheckpointing(enabled=args.checkpoint_activations))
+    init_from = None
+    if args.phase2 and resume is None:
+        init_from = checkpoint.load_module_weights(model, args.init_checkpoint)
+    schedule_cfg = ScheduleConfig(base_lr=args.learning_rate, total_steps=args.max_steps,
+                                  warmup_proportion=args.warmup_proportion,
+                                  constant_proportion=args.constant_proportion, power=args.poly_power)
+    engine, _, _, scheduler = deepspeed.initialize(
+        model=model, optimizer=build_optimizer(model, args), config=ds_config,
+        lr_scheduler=lambda opt: WarmupConstantDecay(opt, schedule_cfg))
+    if args.optimizer == "lamb":
+        from training.lamb import bind_to_deepspeed
+
+        bind_to_deepspeed(engine)
+    accum_dtype = check_fp32_accumulation(engine)
+
+    step, consumed, skipped = 0, 0, 0
+    if resume is not None:
+        tag, state = resume
+        if state.world_size != world:
+            tag = checkpoint.universal_tag(ckpt_dir, tag)
+        checkpoint.load(engine, ckpt_dir, tag)
+        step, consumed, skipped = state.step, state.consumed_samples, state.skipped_batches
+        if scheduler.step_count != step:
+            raise CheckpointError(f"{ckpt_dir / tag}: lr schedule is at step {scheduler.step_count} but the run "
+                                  f"state says {step}; the checkpoint is inconsistent")
+    if rank == 0:
+        write_run_files(args, config)
+
+    info = {
+        "world_size": world, "accelerator": acc.name, "backend": acc.backend, "device_name": acc.device_name,
+        "train_batch_size": sizes.train_batch_size, "micro_batch": sizes.micro_batch,
+        "gradient_accumulation_steps": sizes.grad_accum, "zero_stage": engine.zero_optimization_stage(),
+        "bf16": engine.bfloat16_enabled(), "grad_accum_dtype": accum_dtype,
+        "optimizer": args.optimizer, "optimizer_wrapper": type(engine.optimizer).__name__,
+        "parameters": count_parameters(model), "resumed_from": resume[0] if resume else None,
+        "resumed_world_size": resume[1].world_size if resume else None, "init_checkpoint": init_from,
+        "start_step": step, "start_consumed_samples": consumed,
+    }
+    if rank == 0:
+        atomic_write_text(args.output_dir / "run_info.json", json.dumps(info, indent=1) + "\n")
+
+    stop = StopRequest()
+    guard = NonFiniteGuard(args.max_nonfinite_steps, skipped)
+    flops_per_seq = training_flops_per_sequence(config, args.max_seq_length, args.max_predictions_per_seq)
+    peak = peak_tflops(acc.device_name, "bf16" if engine.bfloat16_enabled() else "fp32")
+    writer = MetricsWriter(args.output_dir, args.max_steps, step, enabled=rank == 0)
+    meter = Throughput(warmup=min(2, max(args.max_steps - step - 1, 0)))
+    micro_samples = sizes.micro_batch * world
+    last_saved = step
+    consumed_at_step = consumed  # stream position at the end of the last complete step
+    stopped = False
+
+    loader = make_loader(train_set, RankSampler(consumed, sizes.micro_batch, rank, world), sizes.micro_batch,
+                         args.num_workers, pin_memory=acc.name == "cuda")
+    batches = iter(loader)
+    engine.train()
+    try:
+        while step < args.max_steps:
+            lr = scheduler.get_last_lr()[0]
+            # [loss, mlm_loss, nsp_loss, mlm_accuracy] summed over accepted micro batches and ranks
+            totals = torch.zeros(4, dtype=torch.float64)
+            accepted = 0
+            while accepted < sizes.grad_accum:
+                batch = next(batches)
+                seed_micro_step(args.seed, consumed, rank)
+                consumed += micro_samples
+                out = engine(**_model_inputs(batch, acc.device))
+                # One all-reduce per micro batch: non-finite flag, stop request, the four metrics.
+                local = torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach(),
+                                     out.mlm_accuracy.detach()]).double().cpu()
+                finite = bool(torch.isfinite(local).all())
+                flags = torch.cat([torch.tensor([0.0 if finite else 1.0, 1.0 if stop.signal else 0.0],
+                                                dtype=torch.float64), local if finite else torch.zeros(4,
+                                                dtype=torch.float64)]).to(acc.device)
+                dist.all_reduce(flags)
+                flags = flags.cpu()
+                stopped = stopped or flags[1].item() > 0
+                if flags[0].item() > 0:  # dropped on every rank: no backward, the window takes the next batch
+                    guard.update(False, step)
+                    del out
+                else:
+                    guard.update(True, step)
+                    engine.backward(out.loss)
+                    acc.mark_step()
+                    engine.step()
+                    acc.mark_step()
+                    totals += flags[2:]
+                    accepted += 1
+                if stopped:
+                    break
+            if accepted < sizes.grad_accum:  # stopped mid-window: the partial gradients are never applied
+                break
+            step += 1
+            consumed_at_step = consumed
+            meter.update(sizes.train_batch_size)
+            writer.advance(step)
+            if step % args.log_freq == 0 or step == args.max_steps:
+                mean = (totals / (sizes.grad_accum * world)).tolist()
+                seq_per_s = meter.take()
+                tflops = None if seq_per_s is None else flops_per_seq * seq_per_s / world / 1e12
+                grad_norm = engine.get_global_grad_norm()
+                writer.log({
+                    "step": step, "loss": mean[0], "mlm_loss": mean[1], "nsp_loss": mean[2],
+                    "mlm_accuracy": mean[3], "lr": lr,
+                    "grad_norm": None if grad_norm is None else float(grad_norm),
+                    "seq_per_s": seq_per_s,
+                    "tokens_per_s": None if seq_per_s is None else seq_per_s * args.max_seq_length,
+                    "tflops_per_device": tflops,
+                    "mfu": None if tflops is None or peak is None else tflops / peak,
+                    "peak_memory_bytes": acc.max_memory_bytes(),
+                    "consumed_samples": consumed, "skipped_batches": guard.skipped,
+                })
+            if eval_set is not None and args.eval_freq and step % args.eval_freq == 0 and step < args.max_steps:
+                writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
+            if step % args.num_steps_per_checkpoint == 0 or step == args.max_steps:
+                checkpoint.save(engine, ckpt_dir, step, consumed, args.seed, guard.skipped, args.keep_checkpoints)
+                last_saved = step
+            if stopped:
+                break
+        if stopped:
+            # Preempted: keep everything up to the last complete step. The samples of a partial
+            # window are read again on resume, as an uninterrupted run reads them.
+            if step != last_saved:
+                checkpoint.save(engine, ckpt_dir, step, consumed_at_step, args.seed, guard.skipped,
+                                args.keep_checkpoints)
+            if rank == 0:
+                print(f"stop requested (signal {stop.signal or 'on another rank'}) at step {step}: "
+                      f"checkpoint {checkpoint.tag_for(step)} is saved; rerun the command to resume",
+                      file=sys.stderr)
+        elif eval_set is not None:
+            writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
+    finally:
+        writer.close()
+    return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped, "skipped_batches": guard.skipped}
+
+
+USER_ERRORS = (RunConfigError, DataConfigError, CheckpointError, ConfigError, ScheduleMismatchError,
+               NonFiniteLossError)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+        summary = train(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if summary["rank"] == 0 and not summary["stopped_by_signal"]:
+        print(f"done: step {summary['final_step']} of {args.max_steps}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

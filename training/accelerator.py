@@ -1,0 +1,104 @@
+"""Device and process-group setup. Every HPU (Gaudi) and CUDA specific lives in this module.
+
+DeepSpeed chooses the accelerator (`deepspeed.accelerator.get_accelerator()`): "hpu" with the
+hccl backend on Gaudi, "cuda" with nccl on NVIDIA, "cpu" with gloo elsewhere. Only the CPU path
+was run in this project; the HPU path follows Habana's documented PyTorch API:
+- `import habana_frameworks.torch.core as htcore` registers the device;
+- lazy mode (PT_HPU_LAZY_MODE=1) builds a graph that `htcore.mark_step()` executes, once after
+  backward and once after the optimizer step;
+- eager mode (PT_HPU_LAZY_MODE=0) gets its speed from `torch.compile(backend="hpu_backend")`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+SUPPORTED = {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}  # accelerator -> expected backend
+
+
+@dataclass
+class Accelerator:
+    name: str  # "hpu", "cuda" or "cpu"
+    backend: str
+    device: torch.device
+    device_name: str  # marketing name used to look up peak FLOPs ("H100", "GAUDI2", "cpu")
+    hpu_lazy: bool
+
+    def mark_step(self) -> None:
+        """Execute the accumulated lazy-mode graph (HPU lazy mode only; a no-op elsewhere)."""
+        if self.hpu_lazy:
+            import habana_frameworks.torch.core as htcore
+
+            htcore.mark_step()
+
+    def compile(self, model: nn.Module) -> nn.Module | Callable:
+        """HPU eager mode runs the model through torch.compile with Habana's backend."""
+        if self.name == "hpu" and not self.hpu_lazy:
+            return torch.compile(model, backend="hpu_backend")
+        return model
+
+    def max_memory_bytes(self) -> int:
+        """Peak device memory of this process (peak resident set size on CPU)."""
+        if self.name == "cpu":
+            import resource
+
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+        from deepspeed.accelerator import get_accelerator
+
+        return int(get_accelerator().max_memory_allocated())
+
+
+def set_single_process_defaults() -> None:
+    """Plain `python run_pretraining.py` is a one-rank job: give torch.distributed the variables
+    a launcher would have set (otherwise DeepSpeed tries MPI discovery)."""
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def setup(local_rank: int | None = None) -> Accelerator:
+    """Import the device runtime, set this rank's device and initialise the process group."""
+    if local_rank is not None and "LOCAL_RANK" not in os.environ:
+        os.environ["LOCAL_RANK"] = str(local_rank)
+    set_single_process_defaults()
+    hpu_lazy = False
+    if _habana_installed():
+        import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device with torch)
+
+        hpu_lazy = os.environ.get("PT_HPU_LAZY_MODE", "1") == "1"
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    acc = get_accelerator()
+    name = acc.device_name()
+    if name not in SUPPORTED:
+        raise RuntimeError(f"DeepSpeed selected accelerator {name!r}; this project supports {', '.join(SUPPORTED)}")
+    local = int(os.environ["LOCAL_RANK"])
+    if name != "cpu":
+        acc.set_device(local)
+    deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
+    device = torch.device(name, local) if name != "cpu" else torch.device("cpu")
+    return Accelerator(name=name, backend=acc.communication_backend_name(), device=device,
+                       device_name=_device_name(name, local), hpu_lazy=hpu_lazy and name == "hpu")
+
+
+def _habana_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def _device_name(name: str, local: int) -> str:
+    if name == "cuda":
+        return torch.cuda.get_device_name(local)
+    if name == "hpu":
+        return torch.hpu.get_device_name(local)
+    return "cpu"

@@ -1,0 +1,268 @@
+"""Checkpoints: save, `latest`, keep-K, resume, phase-2 initialisation, change of world size.
+
+Layout under `<output_dir>/checkpoints/`:
+    step00000100/                    one DeepSpeed checkpoint (tag), written by every rank
+        mp_rank_00_model_states.pt     module weights, lr scheduler, client state
+        *zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r's ZeRO optimizer partition
+        run_state.json                 ours, written last: step, consumed samples, world size,
+                                       the size of every file (the completeness manifest)
+    step00000100_universal/          made on demand when resuming on another world size
+    latest                           the tag to resume from; only ever names a complete tag
+
+Save order: DeepSpeed writes the tag (`save_latest=False`), every rank reaches a barrier,
+rank 0 checks that every rank's partition is there, fsyncs the files, writes run_state.json,
+then replaces `latest` atomically, then deletes tags beyond the newest K. A crash at any
+point leaves `latest` naming the previous complete tag. Anything that does not check out on
+load is a `CheckpointError`; a run never falls back to a fresh start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+CHECKPOINTS = "checkpoints"
+RUN_STATE = "run_state.json"
+LATEST = "latest"
+MODEL_STATES = "mp_rank_00_model_states.pt"
+UNIVERSAL_SUFFIX = "_universal"
+_TAG = re.compile(r"^step(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the path and what to do."""
+
+
+@dataclass
+class RunState:
+    step: int  # optimizer steps completed in this phase
+    consumed_samples: int  # stream positions consumed (see training/loader.py)
+    world_size: int
+    seed: int
+    skipped_batches: int  # micro batches dropped for a non-finite loss
+    files: dict[str, int]  # relative path -> size in bytes, every file of the tag
+
+
+def tag_for(step: int) -> str:
+    return f"step{step:08d}"
+
+
+def checkpoint_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / CHECKPOINTS
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write to a temporary name in the same directory, fsync, then rename over `path`."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def read_latest(ckpt_dir: Path) -> str | None:
+    path = ckpt_dir / LATEST
+    if not path.exists():
+        return None
+    tag = path.read_text().strip()
+    if not tag:
+        raise CheckpointError(f"{path} is empty; write the tag to resume from into it (e.g. step00000100)")
+    return tag
+
+
+def complete_tags(ckpt_dir: Path) -> list[str]:
+    """Tags with a run_state.json, oldest first."""
+    if not ckpt_dir.is_dir():
+        return []
+    tags = [p.name for p in ckpt_dir.iterdir() if _TAG.match(p.name) and (p / RUN_STATE).is_file()]
+    return sorted(tags)
+
+
+def _expected_partitions(tag_dir: Path, world_size: int) -> list[str]:
+    missing = []
+    for rank in range(world_size):
+        if not list(tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")):
+            missing.append(f"optimizer partition of rank {rank}")
+    if not (tag_dir / MODEL_STATES).is_file():
+        missing.append(MODEL_STATES)
+    return missing
+
+
+def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int) -> RunState:
+    """Rank 0, after every rank saved `tag`: verify, manifest, point `latest` at it, prune."""
+    tag_dir = ckpt_dir / tag
+    missing = _expected_partitions(tag_dir, state_fields["world_size"])
+    if missing:
+        raise CheckpointError(f"{tag_dir}: DeepSpeed did not write {', '.join(missing)}; 'latest' was left "
+                              "at the previous checkpoint")
+    files = {}
+    for path in sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != RUN_STATE):
+        _fsync_file(path)
+        files[str(path.relative_to(tag_dir))] = path.stat().st_size
+    state = RunState(**state_fields, files=files)
+    atomic_write_text(tag_dir / RUN_STATE, json.dumps(asdict(state), indent=1) + "\n")
+    atomic_write_text(ckpt_dir / LATEST, tag + "\n")
+    prune(ckpt_dir, keep)
+    return state
+
+
+def prune(ckpt_dir: Path, keep: int) -> None:
+    """Keep the newest `keep` complete tags (and `latest`'s); drop older tags, their universal
+    copies, and unfinished tags left by a crash."""
+    latest = read_latest(ckpt_dir)
+    tags = complete_tags(ckpt_dir)
+    keep_set = set(tags[-keep:]) | ({latest} if latest else set())
+    for path in ckpt_dir.iterdir():
+        base = path.name.removesuffix(UNIVERSAL_SUFFIX)
+        if _TAG.match(base) and path.is_dir() and base not in keep_set:
+            shutil.rmtree(path)
+
+
+def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, skipped_batches: int,
+         keep: int) -> str:
+    """Collective: every rank calls it. Returns the tag."""
+    tag = tag_for(step)
+    rank = dist.get_rank()
+    if rank == 0:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        if (ckpt_dir / tag).exists():  # left over from a crash after this step was last saved
+            shutil.rmtree(ckpt_dir / tag)
+    dist.barrier()
+    # The universal-checkpoint info lets ds_to_universal convert this tag for another world size.
+    client_state = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
+    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    dist.barrier()
+    error = None
+    if rank == 0:
+        try:
+            commit(ckpt_dir, tag, {"step": step, "consumed_samples": consumed_samples,
+                                   "world_size": dist.get_world_size(), "seed": seed,
+                                   "skipped_batches": skipped_batches}, keep)
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)
+    if errors[0]:
+        raise CheckpointError(errors[0])
+    return tag
+
+
+def find_resume(ckpt_dir: Path) -> tuple[str, RunState] | None:
+    """The tag and state to resume from, None for a fresh run; CheckpointError for anything broken."""
+    latest = read_latest(ckpt_dir)
+    if latest is None:
+        tags = complete_tags(ckpt_dir)
+        if tags:
+            raise CheckpointError(f"{ckpt_dir} holds checkpoints ({', '.join(tags)}) but no '{LATEST}' file. "
+                                  f"Write the tag to resume from into {ckpt_dir / LATEST}, or use a new --output_dir")
+        return None
+    tag_dir = ckpt_dir / latest
+    state_file = tag_dir / RUN_STATE
+    if not state_file.is_file():
+        raise CheckpointError(f"{ckpt_dir / LATEST} names {latest!r} but {state_file} does not exist: the "
+                              "checkpoint is incomplete or was deleted. Point 'latest' at a complete tag")
+    try:
+        state = RunState(**json.loads(state_file.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(f"{state_file} is corrupt ({e}); point {ckpt_dir / LATEST} at an older tag") from e
+    verify_files(tag_dir, state)
+    return latest, state
+
+
+def verify_files(tag_dir: Path, state: RunState) -> None:
+    for name, size in state.files.items():
+        path = tag_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"{path} is missing from checkpoint {tag_dir}; point 'latest' at an older tag")
+        if path.stat().st_size != size:
+            raise CheckpointError(f"{path} has {path.stat().st_size} bytes but was saved with {size}: the "
+                                  f"checkpoint is corrupt. Point {tag_dir.parent / LATEST} at an older tag")
+
+
+# torch.load raises these on truncated or overwritten files.
+LOAD_ERRORS = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError, ValueError)
+
+
+def load(engine, ckpt_dir: Path, tag: str) -> None:
+    """Restore module, optimizer partitions and lr schedule of `tag` into the engine."""
+    try:
+        path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    except LOAD_ERRORS as e:
+        raise CheckpointError(f"{ckpt_dir / tag}: cannot load the checkpoint ({type(e).__name__}: {e}). "
+                              "It is corrupt; point 'latest' at an older tag") from e
+    if path is None:
+        raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed found no checkpoint to load")
+
+
+def universal_tag(ckpt_dir: Path, tag: str) -> str:
+    """Collective: convert `tag` to DeepSpeed's universal format once (rank 0), return its tag."""
+    target = ckpt_dir / (tag + UNIVERSAL_SUFFIX)
+    error = None
+    if dist.get_rank() == 0 and not (target / MODEL_STATES).is_file():
+        tmp = ckpt_dir / f".{target.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+               str(ckpt_dir / tag), "--output_folder", str(tmp), "--num_extract_workers", "1",
+               "--num_merge_workers", "1"]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            error = (f"converting {ckpt_dir / tag} to a universal checkpoint failed "
+                     f"({' '.join(cmd)}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+        else:
+            os.replace(tmp, target)
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)
+    if errors[0]:
+        raise CheckpointError(errors[0])
+    return target.name
+
+
+def load_module_weights(model: torch.nn.Module, init_dir: Path) -> str:
+    """Phase 2: the weights of `init_dir`'s latest checkpoint, read in place (memory-mapped) into
+    `model` before DeepSpeed wraps it. Optimizer state and schedule are not touched."""
+    ckpt_dir = checkpoint_dir(init_dir)
+    found = find_resume(ckpt_dir)
+    if found is None:
+        raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
+                              "the --output_dir of a finished phase-1 run")
+    tag, _ = found
+    path = ckpt_dir / tag / MODEL_STATES
+    try:
+        # Our own file, written by DeepSpeed: it holds non-tensor objects, so weights_only is off.
+        states = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
+        module = states["module"]
+    except LOAD_ERRORS as e:
+        raise CheckpointError(f"{path}: cannot read phase-1 weights ({type(e).__name__}: {e})") from e
+    try:
+        model.load_state_dict({k: v.to(torch.float32) for k, v in module.items()}, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{path}: the phase-1 weights do not fit --config_file ({e}). Use the phase-1 "
+                              "model config") from e
+    return f"{ckpt_dir / tag}"

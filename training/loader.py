@@ -1,0 +1,306 @@
+"""HDF5 pretraining data: lazy, split across ranks, in an order that resumes to the exact sample.
+
+The sample stream is a pure function of (seed, position). Position p (0, 1, 2, ... over the
+whole run, across epochs) maps to epoch p // N and, within that epoch, to a shard (shards are
+shuffled per epoch) and a row (rows are shuffled per epoch and shard). Every micro step takes
+the next `micro_batch * world_size` positions; rank r gets the r-th block of `micro_batch`.
+So a run resumed at `consumed_samples` sees exactly the samples an uninterrupted run would
+have seen, on any number of ranks. Rows are read one at a time from files each DataLoader
+worker opens itself: no rank loads a whole shard.
+
+Shards are ours (data/prepare.py) or NVIDIA's / Habana's (same keys, any integer dtype, no
+file attributes). Shards with `masked_lm_positions` / `masked_lm_ids` use those static masks;
+shards without them are masked here, deterministically per position (BERT's 80/10/10 rule).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from modeling import IGNORE_INDEX
+
+REQUIRED_KEYS = ("input_ids", "input_mask", "segment_ids", "next_sentence_labels")
+MASK_KEYS = ("masked_lm_positions", "masked_lm_ids")
+MASKED_LM_PROB = 0.15
+
+
+class DataConfigError(ValueError):
+    """Shards that do not match the run's configuration; the message names the file, field and fix."""
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    path: str
+    num_samples: int
+    static_masks: bool
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    cls: int
+    sep: int
+    mask: int
+
+    @classmethod
+    def from_vocab(cls, vocab_file: Path) -> SpecialTokens:
+        words = vocab_file.read_text(encoding="utf-8").split("\n")
+        index = {w.strip(): i for i, w in enumerate(words)}
+        missing = [t for t in ("[CLS]", "[SEP]", "[MASK]") if t not in index]
+        if missing:
+            raise DataConfigError(f"{vocab_file}: no {', '.join(missing)} token; use a BERT WordPiece vocab")
+        return cls(cls=index["[CLS]"], sep=index["[SEP]"], mask=index["[MASK]"])
+
+
+def find_shards(input_dir: Path, split: str) -> list[Path]:
+    """All `*<split>*.hdf5` files under input_dir (recursively), sorted by path."""
+    return sorted(p for p in Path(input_dir).rglob(f"*{split}*.hdf5") if p.is_file())
+
+
+def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_size: int) -> ShardInfo:
+    """Check a shard's keys, shapes, dtypes and attributes against the run; read no samples."""
+    try:
+        f = h5py.File(path, "r")
+    except OSError as e:
+        raise DataConfigError(f"{path}: not a readable HDF5 file ({e})") from e
+    with f:
+        missing = [k for k in REQUIRED_KEYS if k not in f]
+        if missing:
+            raise DataConfigError(f"{path}: missing dataset(s) {', '.join(missing)}; "
+                                  f"a pretraining shard needs {', '.join(REQUIRED_KEYS)}")
+        present = [k for k in MASK_KEYS if k in f]
+        if len(present) == 1:
+            raise DataConfigError(f"{path}: has '{present[0]}' but not its partner; static masks need both "
+                                  f"{' and '.join(MASK_KEYS)}")
+        static = len(present) == 2
+        n = f["input_ids"].shape[0]
+        for key in REQUIRED_KEYS + tuple(present):
+            ds = f[key]
+            if not np.issubdtype(ds.dtype, np.integer):
+                raise DataConfigError(f"{path}: dataset '{key}' has dtype {ds.dtype}; expected an integer dtype")
+            if ds.shape[0] != n:
+                raise DataConfigError(f"{path}: dataset '{key}' has {ds.shape[0]} rows but input_ids has {n}")
+        for key in ("input_ids", "input_mask", "segment_ids"):
+            if f[key].shape[1:] != (max_seq_length,):
+                raise DataConfigError(
+                    f"{path}: '{key}' has sequence length {f[key].shape[1:]} but --max_seq_length is "
+                    f"{max_seq_length}; pass --max_seq_length {f[key].shape[-1]} or use shards made for {max_seq_length}")
+        if static:
+            for key in MASK_KEYS:
+                if f[key].shape[1:] != (max_predictions,):
+                    raise DataConfigError(
+                        f"{path}: '{key}' holds {f[key].shape[1:]} predictions per sequence but "
+                        f"--max_predictions_per_seq is {max_predictions}; pass --max_predictions_per_seq "
+                        f"{f[key].shape[-1]}")
+        attrs = dict(f.attrs)
+    _check_attrs(path, attrs, static, max_seq_length, max_predictions, vocab_size)
+    return ShardInfo(path=str(path), num_samples=int(n), static_masks=static)
+
+
+def _check_attrs(path: Path, attrs: dict, static: bool, seq: int, preds: int, vocab_size: int) -> None:
+    """Our shards carry their parameters as attributes; reference shards carry none."""
+    if "vocab_size" in attrs and int(attrs["vocab_size"]) != vocab_size:
+        raise DataConfigError(
+            f"{path}: shards were made with a vocabulary of {int(attrs['vocab_size'])} tokens but the model "
+            f"config has vocab_size {vocab_size}; set vocab_size to {int(attrs['vocab_size'])} in --config_file")
+    if "max_seq_length" in attrs and int(attrs["max_seq_length"]) != seq:
+        raise DataConfigError(f"{path}: attribute max_seq_length={int(attrs['max_seq_length'])} but "
+                              f"--max_seq_length is {seq}")
+    if static and "max_predictions_per_seq" in attrs and int(attrs["max_predictions_per_seq"]) != preds:
+        raise DataConfigError(f"{path}: attribute max_predictions_per_seq={int(attrs['max_predictions_per_seq'])} "
+                              f"but --max_predictions_per_seq is {preds}")
+    masking = attrs.get("masking")
+    if isinstance(masking, bytes):
+        masking = masking.decode()
+    if masking is not None and (masking == "static") != static:
+        raise DataConfigError(f"{path}: attribute masking={masking!r} but the mask datasets are "
+                              f"{'present' if static else 'absent'}; the shard is inconsistent, recreate it")
+
+
+def inspect_shards(paths: list[Path], max_seq_length: int, max_predictions: int, vocab_size: int) -> list[ShardInfo]:
+    shards = [inspect_shard(p, max_seq_length, max_predictions, vocab_size) for p in paths]
+    kinds = {s.static_masks for s in shards}
+    if len(kinds) > 1:
+        raise DataConfigError("the input mixes shards with static masks and shards without; "
+                              "use one kind per --input_dir")
+    empty = [s.path for s in shards if s.num_samples == 0]
+    if empty:
+        raise DataConfigError(f"{empty[0]}: the shard holds no samples; remove it")
+    return shards
+
+
+class PretrainingDataset(Dataset):
+    """Map-style dataset indexed by stream position (any non-negative integer, across epochs)."""
+
+    def __init__(self, shards: list[ShardInfo], seed: int, max_predictions: int, vocab_size: int,
+                 special: SpecialTokens | None, shuffle: bool = True):
+        if not shards:
+            raise DataConfigError("no shards given")
+        if not shards[0].static_masks and special is None:
+            raise DataConfigError("shards without static masks are masked at load time, which needs the "
+                                  "vocabulary: put vocab.txt in --input_dir")
+        self.shards = shards
+        self.seed = seed
+        self.max_predictions = max_predictions
+        self.vocab_size = vocab_size
+        self.special = special
+        self.shuffle = shuffle
+        self.sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
+        self.epoch_size = int(self.sizes.sum())
+        self._order_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._rows_cache: dict[tuple[int, int], np.ndarray] = {}
+        self._files: dict[int, h5py.File] = {}
+        self._files_pid = -1
+
+    def __len__(self) -> int:
+        return self.epoch_size
+
+    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(shard order, cumulative end offsets in that order) for an epoch."""
+        if epoch not in self._order_cache:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
+            else:
+                order = np.arange(len(self.shards))
+            if len(self._order_cache) > 2:
+                self._order_cache.clear()
+            self._order_cache[epoch] = (order, np.cumsum(self.sizes[order]))
+        return self._order_cache[epoch]
+
+    def _row_order(self, epoch: int, shard: int) -> np.ndarray:
+        key = (epoch, shard)
+        if key not in self._rows_cache:
+            n = int(self.sizes[shard])
+            rows = (np.random.default_rng([self.seed, epoch, shard, 1]).permutation(n) if self.shuffle
+                    else np.arange(n))
+            if len(self._rows_cache) > 4:
+                self._rows_cache.clear()
+            self._rows_cache[key] = rows
+        return self._rows_cache[key]
+
+    def locate(self, position: int) -> tuple[int, int]:
+        """(shard index, row) of a stream position."""
+        if position < 0:
+            raise IndexError(f"stream position must be >= 0, got {position}")
+        epoch, within = divmod(int(position), self.epoch_size)
+        order, ends = self._epoch_order(epoch)
+        k = int(np.searchsorted(ends, within, side="right"))
+        start = int(ends[k - 1]) if k else 0
+        shard = int(order[k])
+        return shard, int(self._row_order(epoch, shard)[within - start])
+
+    def _file(self, shard: int) -> h5py.File:
+        if self._files_pid != os.getpid():  # handles must not cross a fork into DataLoader workers
+            self._files, self._files_pid = {}, os.getpid()
+        if shard not in self._files:
+            self._files[shard] = h5py.File(self.shards[shard].path, "r")
+        return self._files[shard]
+
+    def __getitem__(self, position: int) -> dict[str, np.ndarray]:
+        shard, row = self.locate(position)
+        f = self._file(shard)
+        input_ids = f["input_ids"][row].astype(np.int64)
+        if input_ids.max(initial=0) >= self.vocab_size or input_ids.min(initial=0) < 0:
+            raise DataConfigError(
+                f"{self.shards[shard].path}: row {row} holds token id {int(input_ids.max())}, outside the model's "
+                f"vocab_size {self.vocab_size}; the shards were made with another vocabulary, set vocab_size "
+                "in --config_file to match it")
+        sample = {
+            "input_ids": input_ids,
+            "token_type_ids": f["segment_ids"][row].astype(np.int64),
+            "attention_mask": f["input_mask"][row].astype(np.int64),
+            "next_sentence_labels": np.asarray(f["next_sentence_labels"][row], dtype=np.int64).reshape(()),
+        }
+        if self.shards[shard].static_masks:
+            positions = f["masked_lm_positions"][row].astype(np.int64)
+            ids = f["masked_lm_ids"][row].astype(np.int64)
+        else:
+            positions, ids = self._mask(sample, position)
+        sample["masked_lm_positions"] = positions
+        sample["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
+        return sample
+
+    def _mask(self, sample: dict[str, np.ndarray], position: int) -> tuple[np.ndarray, np.ndarray]:
+        """BERT's dynamic masking, seeded by the stream position so a resumed run masks alike."""
+        assert self.special is not None
+        ids = sample["input_ids"]
+        rng = np.random.default_rng([self.seed, position, 2])
+        candidates = np.flatnonzero((sample["attention_mask"] == 1) & (ids != self.special.cls) & (ids != self.special.sep))
+        count = min(self.max_predictions, max(1, int(round(len(candidates) * MASKED_LM_PROB))), len(candidates))
+        chosen = np.sort(rng.choice(candidates, size=count, replace=False))
+        originals = ids[chosen].copy()
+        action = rng.random(count)
+        replaced = ids.copy()
+        replaced[chosen[action < 0.8]] = self.special.mask
+        random_slots = chosen[(action >= 0.8) & (action < 0.9)]
+        replaced[random_slots] = rng.integers(0, self.vocab_size, size=len(random_slots))
+        sample["input_ids"] = replaced
+        positions = np.zeros(self.max_predictions, dtype=np.int64)
+        labels = np.zeros(self.max_predictions, dtype=np.int64)
+        positions[:count] = chosen
+        labels[:count] = originals
+        return positions, labels
+
+
+class RankSampler(Sampler[int]):
+    """Stream positions for one rank, starting at `start` (the run's consumed sample count).
+
+    Each micro step across all ranks takes `micro_batch * world_size` consecutive positions.
+    With `limit`, stops before that position (evaluation); otherwise endless (training)."""
+
+    def __init__(self, start: int, micro_batch: int, rank: int, world_size: int, limit: int | None = None):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} outside world size {world_size}")
+        self.start, self.micro, self.rank, self.world, self.limit = start, micro_batch, rank, world_size, limit
+
+    def __iter__(self) -> Iterator[int]:
+        base = self.start
+        while self.limit is None or base < self.limit:
+            first = base + self.rank * self.micro
+            stop = first + self.micro if self.limit is None else min(first + self.micro, self.limit)
+            yield from range(first, stop)
+            base += self.micro * self.world
+
+    def __len__(self) -> int:
+        if self.limit is None:
+            raise TypeError("the training sampler is endless")
+        return sum(1 for _ in iter(self))
+
+
+def _worker_init(_: int) -> None:
+    # Ctrl-C reaches the whole process group; the main process turns it into a checkpoint and a
+    # clean exit, which needs its workers alive until then (they exit with their parent).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def make_loader(dataset: PretrainingDataset, sampler: RankSampler, micro_batch: int, num_workers: int,
+                pin_memory: bool = False) -> DataLoader:
+    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, num_workers=num_workers,
+                      prefetch_factor=4 if num_workers else None, worker_init_fn=_worker_init if num_workers else None,
+                      pin_memory=pin_memory)
+
+
+def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions: int, vocab_size: int,
+               seed: int, shuffle: bool) -> PretrainingDataset | None:
+    """The dataset of one split ("training" or "test"), or None when the directory has no such shards."""
+    paths = find_shards(input_dir, split)
+    if not paths:
+        return None
+    shards = inspect_shards(paths, max_seq_length, max_predictions, vocab_size)
+    special = None
+    if not shards[0].static_masks:
+        vocab = Path(input_dir) / "vocab.txt"
+        if not vocab.is_file():
+            raise DataConfigError(f"{input_dir}: the shards have no static masks and there is no vocab.txt beside "
+                                  "them to find [CLS], [SEP] and [MASK]; copy the vocabulary there")
+        special = SpecialTokens.from_vocab(vocab)
+    return PretrainingDataset(shards, seed=seed, max_predictions=max_predictions, vocab_size=vocab_size,
+                              special=special, shuffle=shuffle)

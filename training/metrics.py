@@ -1,0 +1,120 @@
+"""Training metrics: model FLOPs, MFU, metrics.jsonl, TensorBoard and the console progress line."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from training.planner import device_peak_tflops
+
+# torch's device names ("NVIDIA H100 80GB HBM3", "GAUDI2") -> training.planner's device keys.
+_PLANNER_KEYS = (("GAUDI3", "gaudi3"), ("GAUDI2", "gaudi2"), ("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+
+
+def peak_tflops(device_name: str, dtype: str) -> float | None:
+    """Peak dense TFLOP/s of the device running this process (from training.planner's table),
+    None where unknown, CPUs among them."""
+    upper = device_name.upper()
+    for marker, key in _PLANNER_KEYS:
+        if marker in upper:
+            return device_peak_tflops(key, dtype)
+    return None
+
+
+def format_duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}"
+
+
+class Throughput:
+    """Sequences per second over the steps since the last report, skipping the first `warmup`
+    steps (compilation, allocator growth and worker start-up would distort them)."""
+
+    def __init__(self, warmup: int):
+        self.warmup = warmup
+        self.steps_seen = 0
+        self._t0: float | None = None
+        self._sequences = 0
+
+    def update(self, sequences: int) -> None:
+        self.steps_seen += 1
+        if self.steps_seen == self.warmup or (self.warmup == 0 and self._t0 is None):
+            self._t0, self._sequences = time.perf_counter(), 0
+            if self.warmup:
+                return
+        if self._t0 is not None:
+            self._sequences += sequences
+
+    def take(self) -> float | None:
+        """Sequences/s since the previous take (None until past warm-up); restarts the window."""
+        if self._t0 is None or self._sequences == 0:
+            return None
+        now = time.perf_counter()
+        rate = self._sequences / (now - self._t0)
+        self._t0, self._sequences = now, 0
+        return rate
+
+
+class MetricsWriter:
+    """Rank 0's sinks: `<output_dir>/metrics.jsonl` (one object per logged step), `eval.jsonl`,
+    TensorBoard under `<output_dir>/tensorboard`, and a tqdm progress bar."""
+
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, enabled: bool):
+        self.enabled = enabled
+        self.bar = None
+        self.tb = None
+        self.start_time = time.perf_counter()
+        self.start_step = start_step
+        self.total_steps = total_steps
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        # Both files live as long as the run; records are appended, so a resumed run continues them.
+        self.jsonl = open(Path(output_dir) / "metrics.jsonl", "a")  # noqa: SIM115
+        self.eval_jsonl = open(Path(output_dir) / "eval.jsonl", "a")  # noqa: SIM115
+        self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+        self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def advance(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.update(step - self.bar.n)
+
+    def log(self, record: dict, prefix: str = "train") -> None:
+        """`prefix` "train" goes to metrics.jsonl, "eval" to eval.jsonl; both to TensorBoard."""
+        if not self.enabled:
+            return
+        sink = self.jsonl if prefix == "train" else self.eval_jsonl
+        sink.write(json.dumps(record) + "\n")
+        sink.flush()
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
+                self.tb.add_scalar(f"{prefix}/{key}", value, step)
+        self.bar.write(self.progress_line(record, prefix))
+
+    def progress_line(self, record: dict, prefix: str) -> str:
+        step = record["step"]
+        parts = [f"{prefix} step {step}/{self.total_steps}", f"loss {record['loss']:.4f}"]
+        if "lr" in record:
+            parts.append(f"lr {record['lr']:.3e}")
+        if record.get("seq_per_s"):
+            parts.append(f"{record['seq_per_s']:.1f} seq/s")
+        done = step - self.start_step
+        if prefix == "train" and done > 0:
+            eta = (time.perf_counter() - self.start_time) / done * (self.total_steps - step)
+            parts.append(f"ETA {format_duration(eta)}")
+        return " | ".join(parts)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        self.bar.close()
+        self.tb.close()
+        self.jsonl.close()
+        self.eval_jsonl.close()
