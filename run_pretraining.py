@@ -1,6 +1,6 @@
 """Pretrain BERT (MLM + NSP) with DeepSpeed ZeRO-1 + BF16 on HPU, CUDA or CPU.
 
-    deepspeed run_pretraining.py --deepspeed --deepspeed_config configs/deepspeed/zero1_bf16.json \\
+    deepspeed run_pretraining.py --deepspeed --deepspeed_config configs/deepspeed/zero1-bf16.json \\
         --input_dir <shards> --output_dir <run> --config_file configs/models/bert-large.json ...
 
 `torchrun` and plain `python` (one process) work the same way. Rerunning the same command
@@ -31,7 +31,7 @@ from training.planner import training_flops_per_sequence
 from training.schedule import ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay
 
 ROOT = Path(__file__).resolve().parent
-DEFAULT_DS_CONFIG = ROOT / "configs" / "deepspeed" / "zero1_bf16.json"
+DEFAULT_DS_CONFIG = ROOT / "configs" / "deepspeed" / "zero1-bf16.json"
 
 
 class RunConfigError(ValueError):
