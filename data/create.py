@@ -128,7 +128,8 @@ def plan_pairs(sentence_starts: list[int], sentence_lengths: list[int], doc_firs
     """The reference's create_instances_from_document, over sentence lengths only.
 
     `doc_first[d]` is the first sentence of document d (with a sentinel at the end); `docs` are
-    the documents to use. Returns int64 [n, 5]: a_start, a_len, b_start, b_len, is_random_next
+    the documents to use. Uniform integers come from `lo + int(random() * span)`: random.randint
+    costs several times more per call, and this loop is the only per-instance Python left. Returns int64 [n, 5]: a_start, a_len, b_start, b_len, is_random_next
     (starts are offsets into the part's flat token array).
     """
     out: list[tuple[int, int, int, int, int]] = []
@@ -138,23 +139,23 @@ def plan_pairs(sentence_starts: list[int], sentence_lengths: list[int], doc_firs
             first, last = doc_first[d], doc_first[d + 1]
             target = max_num_tokens
             if rnd.random() < short_seq_prob:
-                target = rnd.randint(2, max_num_tokens)
+                target = 2 + int(rnd.random() * (max_num_tokens - 1))
             chunk_start = i = first
             length = 0
             while i < last:
                 length += sentence_lengths[i]
                 if i == last - 1 or length >= target:
                     n_chunk = i - chunk_start + 1
-                    a_end = chunk_start + (rnd.randint(1, n_chunk - 1) if n_chunk >= 2 else 1)
+                    a_end = chunk_start + (1 + int(rnd.random() * (n_chunk - 1)) if n_chunk >= 2 else 1)
                     a_start = sentence_starts[chunk_start]
                     a_len = sentence_starts[a_end] - a_start
                     if n_chunk == 1 or rnd.random() < 0.5:
                         for _ in range(10):
-                            r = rnd.randint(0, n_docs - 1)
+                            r = int(rnd.random() * n_docs)
                             if r != di:
                                 break
                         rf, rl = doc_first[docs[r]], doc_first[docs[r] + 1]
-                        j = rnd.randint(rf, rl - 1)
+                        j = rf + int(rnd.random() * (rl - rf))
                         b_start, b_len, target_b = sentence_starts[j], 0, target - a_len
                         while j < rl:
                             b_len += sentence_lengths[j]
@@ -220,41 +221,43 @@ def mask_block(block: dict[str, np.ndarray], cfg: CreateConfig, vocab: _VocabInf
     n, seq = ids.shape
     n_pred = np.minimum(cfg.max_predictions_per_seq,
                         np.maximum(1, np.round(block["_total"] * cfg.masked_lm_prob).astype(np.int64)))
-    keys = rng.random((n, seq))
-    keys[~cand] = 2.0
-    col = np.arange(seq)
+    col = np.arange(seq, dtype=np.int32)
+    # A random key per slot, made unique within its row by its column in the low bits;
+    # [CLS], [SEP] and padding get the largest key so they are never chosen.
+    low = max(1, int(seq - 1).bit_length())
+    keys = (rng.integers(0, 1 << (31 - low), (n, seq), dtype=np.int32) << low) | col
+    keys[~cand] = np.iinfo(np.int32).max
+    rows = np.arange(n)
     if cfg.whole_word_masking:
-        # A "##" piece joins the word before it (never across [SEP]); a word takes its first key.
+        # A "##" piece joins the word before it (never across [SEP]); a word takes its first key,
+        # so after sorting each word's pieces are adjacent. Words are taken while they fit.
         cont = vocab.is_continuation[ids] & cand
         cont[:, 1:] &= cand[:, :-1]
         word_start = np.maximum.accumulate(np.where(cont, 0, col[None, :]), axis=1)
         keys = np.take_along_axis(keys, word_start, axis=1)
-        order = np.lexsort((np.broadcast_to(col, (n, seq)), keys), axis=-1)
-        starts_sorted = np.take_along_axis(word_start, order, axis=1)
-        rank = np.broadcast_to(col + 1, (n, seq))
+        ordered = np.sort(keys, axis=1)
         word_end = np.ones((n, seq), dtype=bool)
-        word_end[:, :-1] = starts_sorted[:, 1:] != starts_sorted[:, :-1]
-        end_rank = np.where(word_end, rank, seq + 1)
+        word_end[:, :-1] = ordered[:, 1:] != ordered[:, :-1]
+        end_rank = np.where(word_end, col + 1, seq + 1)
         taken_through = np.minimum.accumulate(end_rank[:, ::-1], axis=1)[:, ::-1]
-        chosen_sorted = (taken_through <= n_pred[:, None]) & np.take_along_axis(cand, order, axis=1)
-        selected = np.zeros((n, seq), dtype=bool)
-        np.put_along_axis(selected, order, chosen_sorted, axis=1)
+        n_taken = np.count_nonzero(taken_through <= n_pred[:, None], axis=1)
+        threshold = np.where(n_taken > 0, ordered[rows, np.maximum(n_taken - 1, 0)], -1)
     else:
-        order = np.argsort(keys, axis=1)
-        ranks = np.empty_like(order)
-        np.put_along_axis(ranks, order, np.broadcast_to(col, (n, seq)), axis=1)
-        selected = (ranks < n_pred[:, None]) & cand
-    # Sorted positions, zero-padded: selected columns first (stable), then the rest as 0.
-    positions = np.sort(np.where(selected, col[None, :], seq), axis=1)[:, :cfg.max_predictions_per_seq]
-    valid = positions < seq
-    positions = np.where(valid, positions, 0).astype(np.int32)
-    masked_ids = np.where(valid, np.take_along_axis(ids, positions, axis=1), 0).astype(np.int32)
-    rows, cols = np.nonzero(selected)
-    action = rng.random(len(rows))
+        threshold = np.sort(keys, axis=1)[rows, n_pred - 1]
+    selected = (keys <= threshold[:, None]) & cand
+    # np.nonzero walks row-major, so each row's positions come out ascending.
+    sel_rows, sel_cols = np.nonzero(selected)
+    counts = np.count_nonzero(selected, axis=1)
+    slot = np.arange(len(sel_rows)) - np.repeat(np.cumsum(counts) - counts, counts)
+    positions = np.zeros((n, cfg.max_predictions_per_seq), dtype=np.int32)
+    masked_ids = np.zeros((n, cfg.max_predictions_per_seq), dtype=np.int32)
+    positions[sel_rows, slot] = sel_cols
+    masked_ids[sel_rows, slot] = ids[sel_rows, sel_cols]
+    action = rng.random(len(sel_rows), dtype=np.float32)
     replace_mask = action < 0.8
     replace_random = action >= 0.9
-    ids[rows[replace_mask], cols[replace_mask]] = vocab.mask
-    ids[rows[replace_random], cols[replace_random]] = vocab.replacements[
+    ids[sel_rows[replace_mask], sel_cols[replace_mask]] = vocab.mask
+    ids[sel_rows[replace_random], sel_cols[replace_random]] = vocab.replacements[
         rng.integers(0, len(vocab.replacements), int(replace_random.sum()))]
     block["masked_lm_positions"] = positions
     block["masked_lm_ids"] = masked_ids

@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output_dir", type=Path, required=True)
     p.add_argument("--retries", type=int, default=5)
     a = p.parse_args(argv)
+    if a.url and a.mirror != DEFAULT_MIRROR:
+        p.error("--mirror applies to --dump_date; with --url, put the mirror in the URL")
     url = a.url or dump_url(a.mirror, a.dump_date)
     try:
         path = download(DownloadConfig(url, a.output_dir, retries=a.retries))

@@ -97,6 +97,10 @@ def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     if summary is not None:
         return summary
     stage_dir.mkdir(parents=True, exist_ok=True)
+    # Temporaries left by a killed run are incomplete by construction; their final names are
+    # written again by this run.
+    for leftover in sorted(stage_dir.rglob(".*.tmp-*")):
+        _remove(leftover)
     if not (stage_dir / PARAMS_FILE).is_file():
         write_json_atomic(stage_dir / PARAMS_FILE, {"params": _normalise(params)})
     return None
