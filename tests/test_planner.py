@@ -1,0 +1,217 @@
+"""The capacity planner against the real model, DeepSpeed's estimator and measured CPU memory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+
+from modeling import ActivationCheckpointing, BertConfig, BertForPreTraining
+from training import planner
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ["bert-tiny", "bert-base", "bert-large", "bert-1.5b", "bert-5b"]
+
+
+def _config(name: str) -> BertConfig:
+    return BertConfig.from_json_file(ROOT / "configs" / "models" / f"{name}.json")
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_closed_form_parameter_count_equals_the_built_model(name):
+    config = _config(name)
+    assert planner.parameter_count_formula(config) == planner.count_parameters_exact(config)
+
+
+def test_parameter_counts_of_the_shipped_configs():
+    # BERT-Large's well-known 335M (HF's 336.2M counts the untied decoder bias and the 30522 vocab).
+    assert planner.count_parameters_exact(_config("bert-large")) == 336_232_258
+    assert planner.count_parameters_exact(_config("bert-1.5b")) == 1_530_388_930
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 16])
+def test_model_states_equal_deepspeeds_zero2_estimate(nodes, capsys):
+    from deepspeed.runtime.zero.stage_1_and_2 import (
+        estimate_zero2_model_states_mem_needs,
+        estimate_zero2_model_states_mem_needs_all_cold,
+    )
+
+    params = planner.count_parameters_exact(_config("bert-1.5b"))
+    devices = 8 * nodes
+    weights, grads, optimizer = planner.model_state_bytes(params, "bf16", zero_stage=2, devices=devices)
+    _, ds_gpu = estimate_zero2_model_states_mem_needs(params, num_gpus_per_node=8, num_nodes=nodes,
+                                                      cpu_offload=False)
+    assert abs((weights + grads + optimizer) - ds_gpu) <= 3 * devices  # per-term rounding up of the shares
+
+    estimate_zero2_model_states_mem_needs_all_cold(params, num_gpus_per_node=8, num_nodes=nodes)
+    table = capsys.readouterr().out
+    row = next(line for line in table.splitlines() if "offload_optimizer=none" in line)
+    printed_gb = float(re.findall(r"([0-9.]+)GB", row)[1])  # columns: per CPU, per GPU
+    assert (weights + grads + optimizer) / 2**30 == pytest.approx(printed_gb, abs=0.01)
+
+
+def test_zero_stages_partition_what_they_should():
+    p = 1_000_000
+    assert planner.model_state_bytes(p, "bf16", 0, 8) == (2 * p, 2 * p, 16 * p)
+    assert planner.model_state_bytes(p, "bf16", 1, 8) == (2 * p, 2 * p, 2 * p)
+    assert planner.model_state_bytes(p, "bf16", 2, 8) == (2 * p, p // 4, 2 * p)
+    assert planner.model_state_bytes(p, "bf16", 3, 8) == (p // 4, p // 4, 2 * p)
+    assert planner.model_state_bytes(p, "fp32", 1, 4) == (4 * p, 4 * p, 2 * p)
+    with pytest.raises(ValueError, match="zero_stage"):
+        planner.model_state_bytes(p, "bf16", 4, 8)
+
+
+def _batch(config: BertConfig, batch: int, seq: int, predictions: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), generator=g)
+    positions = torch.sort(torch.randperm(seq - 1, generator=g)[:predictions] + 1).values.repeat(batch, 1)
+    return dict(input_ids=ids, token_type_ids=torch.zeros_like(ids), attention_mask=torch.ones_like(ids),
+                masked_lm_positions=positions,
+                masked_lm_labels=torch.randint(0, config.vocab_size, (batch, predictions), generator=g),
+                next_sentence_labels=torch.randint(0, 2, (batch,), generator=g))
+
+
+def _measure_step(config, batch, seq, checkpointing, dtype):
+    """(bytes of weights + optimizer states, peak bytes allocated above them during a training step)."""
+    torch.manual_seed(0)
+    model = BertForPreTraining(config, ActivationCheckpointing(enabled=checkpointing)).to(dtype).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)  # fused: no foreach temporaries
+    data = _batch(config, batch, seq, planner.default_max_predictions(seq))
+
+    def step():
+        model(**data).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # creates the optimizer states
+    states = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    states += sum(t.untyped_storage().nbytes() for s in optimizer.state.values() for t in s.values()
+                  if torch.is_tensor(t))
+    return states, planner.profile_peak_bytes(step)
+
+
+CPU = planner.DEVICES["cpu"]
+
+
+def config_params(config: BertConfig):
+    with torch.device("meta"):
+        return BertForPreTraining(config).parameters()
+
+
+@pytest.mark.parametrize(("name", "batch", "checkpointing"), [
+    ("bert-tiny", 8, False), ("bert-tiny", 8, True), ("bert-tiny", 32, True),
+    # base at 8 without checkpointing peaks at the start of backward (activations); with it, at the
+    # end of backward (gradients), already at batch 2.
+    ("bert-base", 8, False), ("bert-base", 2, True),
+])
+def test_peak_memory_matches_cpu_measurement_fp32(name, batch, checkpointing):
+    config = _config(name)
+    states, above = _measure_step(config, batch, 128, checkpointing, torch.float32)
+    plan = planner.plan_memory(config, device=CPU, zero_stage=0, micro_batch=batch, seq_len=128,
+                               precision="fp32", checkpoint_activations=checkpointing, bucket_elements=0)
+    # The planner's fp32 states (4 B weights + 8 B Adam moments) are what torch holds, but for
+    # AdamW's 4-byte step counter per tensor.
+    assert states - (plan.weights + plan.optimizer_states) == 4 * len(list(config_params(config)))
+    assert plan.peak == pytest.approx(states + above, rel=0.15)
+    # Tighter, and on the part that depends on the formulas: everything above the states.
+    assert plan.peak - states == pytest.approx(above, rel=0.15)
+
+
+def test_activation_memory_in_bf16_matches_cpu_measurement():
+    # torch's AdamW keeps bf16 moments for bf16 weights (DeepSpeed keeps fp32): compare above the states.
+    config = _config("bert-tiny")
+    states, above = _measure_step(config, 16, 128, False, torch.bfloat16)
+    plan = planner.plan_memory(config, device=CPU, zero_stage=0, micro_batch=16, seq_len=128,
+                               precision="bf16", checkpoint_activations=False, bucket_elements=0)
+    assert plan.peak - plan.weights - plan.optimizer_states == pytest.approx(above, rel=0.15)
+
+
+@pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
+def test_saved_activation_bytes_equal_what_autograd_saves(precision, dtype):
+    config = _config("bert-base")
+    batch, seq = 2, 128
+    predictions = planner.default_max_predictions(seq)
+    model = BertForPreTraining(config).to(dtype).train()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with saved_tensors_hooks(pack, lambda t: t):
+        model(**_batch(config, batch, seq, predictions))
+    planned = planner.activation_bytes(config, batch, seq, predictions, precision, CPU, False).saved
+    assert planned == pytest.approx(sum(saved.values()), rel=0.05)
+
+
+def test_checkpointing_shrinks_activations_and_raises_the_largest_batch():
+    config = _config("bert-large")
+    gaudi = planner.get_device("gaudi")
+    kwargs = dict(device=gaudi, devices=8, zero_stage=1, seq_len=128, precision="bf16")
+    off = planner.plan_memory(config, micro_batch=64, **kwargs)
+    on = planner.plan_memory(config, micro_batch=64, checkpoint_activations=True, **kwargs)
+    assert on.activations < off.activations / 5
+    assert on.activations_without_checkpointing == off.activations
+    usable = 30 * 2**30
+    best_off = planner.largest_micro_batch(config, usable, **kwargs)
+    best_on = planner.largest_micro_batch(config, usable, checkpoint_activations=True, **kwargs)
+    assert best_on > best_off > 0
+    assert planner.plan_memory(config, micro_batch=best_off, **kwargs).peak <= usable
+    assert planner.plan_memory(config, micro_batch=best_off + 1, **kwargs).peak > usable
+
+
+def test_flops_per_sequence_of_bert_large():
+    config = _config("bert-large")
+    h, i, s, L = 1024, 4096, 128, 24
+    forward = L * (2 * s * (4 * h * h + 2 * h * i) + 4 * s * s * h) + 2 * 20 * (h * h + h * 30528) + 2 * (h * h + 2 * h)
+    assert planner.forward_flops_per_sequence(config, 128, 20) == forward
+    assert planner.training_flops_per_sequence(config, 128, 20) == 3 * forward
+    # the classic 6 * parameters * tokens estimate, within the embedding and head differences
+    assert planner.training_flops_per_sequence(config, 128, 20) == pytest.approx(6 * 303e6 * 128, rel=0.1)
+
+
+def test_time_and_mfu_are_consistent():
+    flops = 10**12
+    seconds = planner.training_seconds(3_600_000, flops, devices=100, peak_tflops=100.0, mfu=0.5)
+    assert seconds == pytest.approx(3_600_000 * flops / (100 * 100e12 * 0.5))
+    assert planner.implied_mfu(50.0, flops, 100.0) == pytest.approx(0.5)
+
+
+def test_device_table():
+    assert planner.device_peak_tflops("gaudi2", "bf16") == 432.0
+    assert planner.device_peak_tflops("H100", "bfloat16") == 989.0
+    assert planner.device_peak_tflops("gaudi", "fp32") is None
+    assert planner.device_peak_tflops("cuda", "bf16") is None
+    assert {"gaudi", "gaudi2", "gaudi3", "a100", "h100", "h200"} <= set(planner.DEVICES)
+
+
+def test_cli_prints_breakdown_verdict_and_published_mfu(capsys):
+    rc = planner.main(["--config_file", str(ROOT / "configs/models/bert-1.5b.json"), "--devices", "128",
+                       "--device_memory", "32GiB", "--zero_stage", "1", "--micro_batch", "16", "--seq_len", "128",
+                       "--checkpoint_activations", "--precision", "bf16", "--sequences", "4.6e8"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "parameters   1,530,388,930" in out
+    for label in ("weights", "gradients", "optimizer states", "activations, no checkpoint",
+                  "activations, checkpointed", "verdict", "FLOPs/seq", "time "):
+        assert label in out
+    assert "FITS" in out
+    mfu = re.search(r"bert-1\.5b\s+34\.58 seq/s.*MFU ([0-9.]+)%", out)
+    assert mfu and 30 < float(mfu.group(1)) < 100
+
+
+def test_cli_rejects_bad_sizes_and_says_what_fits(capsys):
+    with pytest.raises(SystemExit):
+        planner.main(["--config_file", str(ROOT / "configs/models/bert-base.json"), "--micro_batch", "8",
+                      "--device_memory", "lots"])
+    assert "32GiB" in capsys.readouterr().err
+    rc = planner.main(["--config_file", str(ROOT / "configs/models/bert-5b.json"), "--device", "gaudi",
+                       "--devices", "1", "--zero_stage", "0", "--micro_batch", "8"])
+    assert rc == 0
+    assert "DOES NOT FIT; largest micro batch that fits: 0" in capsys.readouterr().out

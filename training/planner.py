@@ -1,0 +1,482 @@
+"""Capacity planner: will a BERT pretraining run fit on a device, and how long will it take?
+
+    python -m training.planner --config_file configs/models/bert-1.5b.json --device gaudi \
+        --devices 128 --zero_stage 1 --micro_batch 16 --seq_len 128 --checkpoint_activations --precision bf16
+
+Everything is computed from the model config and the structure of `modeling.BertForPreTraining`:
+
+- parameters: counted exactly on the meta device, and by a closed form (`parameter_count_formula`);
+- model states per device by ZeRO stage, with DeepSpeed's accounting for mixed precision
+  (16-bit weights and gradients, fp32 master weights, Adam moments and fp32 gradient partition);
+- activations: the bytes each module saves for backward, per layer, with and without activation
+  checkpointing, and the transient memory at the two peaks of a training step (start of backward,
+  optimizer step);
+- FLOPs per sequence (matrix multiplies; the sparse MLM head decodes only the masked positions),
+  time to train N sequences at a given MFU, and the MFU a measured throughput implies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from modeling import BertConfig, BertForPreTraining, count_parameters
+
+GiB = 1024**3
+
+
+# ----------------------------------------------------------------------------- devices
+
+
+@dataclass(frozen=True)
+class Device:
+    """Peak dense matrix throughput (TFLOP/s) by dtype and memory of one accelerator.
+
+    `attention` is how `F.scaled_dot_product_attention` runs there: "fused" (flash-style kernels that
+    keep only the output and a log-sum-exp for backward) or "math" (softmax probabilities of
+    [batch, heads, seq, seq] saved in fp32). `mask_bytes` is the size of one saved dropout-mask element.
+    """
+
+    name: str
+    memory_bytes: int
+    peak_tflops: dict[str, float] = field(default_factory=dict)
+    attention: str = "fused"
+    mask_bytes: int = 1
+
+
+DEVICES: dict[str, Device] = {
+    # Gaudi 1/2/3: Intel, "Intel Gaudi 3 AI Accelerator: Architected for Gen AI Training and Inference",
+    # Hot Chips 2024 (R. Kaplan), product table: peak BF16 60 / 432 / 1835 TFLOPs, HBM 32 / 96 / 128 GB.
+    # The fp32 figures are not in that table and are left out rather than guessed.
+    # On HPU, SDPA with dropout maps to Habana's fused SDPA kernel (no seq x seq tensor kept).
+    "gaudi": Device("gaudi", 32 * 10**9, {"bf16": 60.0}),
+    "gaudi2": Device("gaudi2", 96 * 10**9, {"bf16": 432.0}),
+    "gaudi3": Device("gaudi3", 128 * 10**9, {"bf16": 1835.0}),
+    # NVIDIA A100 SXM4 80GB datasheet: BF16 tensor core 312 TFLOPS dense (624 with sparsity),
+    # TF32 156 dense, FP32 19.5; 80 GB HBM2e.
+    "a100": Device("a100", 80 * 10**9, {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+    # NVIDIA H100 SXM5 datasheet: BF16 989 TFLOPS dense (1979 with sparsity), TF32 494.5 dense,
+    # FP32 67; 80 GB HBM3.
+    "h100": Device("h100", 80 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    # NVIDIA H200 SXM datasheet: same tensor cores as H100 SXM (BF16 989 dense), 141 GB HBM3e.
+    "h200": Device("h200", 141 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    # This machine class: no meaningful peak; memory comes from --device_memory. PyTorch's CPU SDPA
+    # with a mask and dropout takes the math path, and CPU dropout saves its mask in the input dtype;
+    # mask_bytes=0 means "the compute dtype" (see activation_bytes).
+    "cpu": Device("cpu", 0, {}, attention="math", mask_bytes=0),
+}
+
+_ALIASES = {"gaudi1": "gaudi", "dl1": "gaudi", "hl-205": "gaudi", "a100-80gb": "a100", "h100-sxm": "h100"}
+
+
+def get_device(name: str) -> Device:
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in DEVICES:
+        raise ValueError(f"unknown device {name!r}; known: {', '.join(DEVICES)}")
+    return DEVICES[key]
+
+
+def device_peak_tflops(device_name: str, dtype: str) -> float | None:
+    """Peak dense TFLOP/s of one device for a dtype ("bf16", "fp32", "tf32"), or None where unknown.
+    Accepts torch-style names too ("bfloat16", "float32", "hpu", "cuda" are not device models: None)."""
+    key = _ALIASES.get(device_name.lower(), device_name.lower())
+    device = DEVICES.get(key)
+    if device is None:
+        return None
+    dtype = {"bfloat16": "bf16", "torch.bfloat16": "bf16", "float32": "fp32", "torch.float32": "fp32"}.get(dtype, dtype)
+    return device.peak_tflops.get(dtype)
+
+
+# ----------------------------------------------------------------------------- parameters
+
+
+def count_parameters_exact(config: BertConfig) -> int:
+    """Build the real model on the meta device (no memory, no init cost) and count its parameters."""
+    import torch
+
+    with torch.device("meta"):
+        model = BertForPreTraining(config)
+    return count_parameters(model)
+
+
+def parameter_count_formula(config: BertConfig) -> int:
+    """The same count in closed form; tests check it equals `count_parameters_exact`."""
+    h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    v = config.padded_vocab_size
+    embeddings = (v + config.max_position_embeddings + config.type_vocab_size) * h
+    embeddings += 0 if config.pre_layer_norm else 2 * h  # embedding LayerNorm (post-LN only)
+    # q, k, v, attention output (4 h x h + bias), two FFN matrices with biases, two LayerNorms.
+    layer = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 2 * 2 * h
+    final_ln = 2 * h if config.pre_layer_norm else 0
+    head = (h * h + h) + 2 * h + v  # transform dense + LayerNorm + decoder bias (decoder weight is tied)
+    nsp = (h * h + h) + (2 * h + 2) if config.next_sentence_prediction else 0  # pooler + classifier
+    return embeddings + L * layer + final_ln + head + nsp
+
+
+# ----------------------------------------------------------------------------- memory
+
+PRECISIONS = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Bytes per device. `peak` is the larger of the two high-water marks of a step."""
+
+    parameters: int
+    weights: int
+    gradients: int
+    optimizer_states: int
+    activations: int  # saved for backward over the whole forward
+    activations_without_checkpointing: int
+    activations_with_checkpointing: int
+    transient: int  # backward working memory on top of `activations` at the backward peak
+    buffers: int  # DeepSpeed gradient-reduction bucket
+    backward_peak: int
+    step_peak: int
+
+    @property
+    def model_states(self) -> int:
+        return self.weights + self.gradients + self.optimizer_states
+
+    @property
+    def peak(self) -> int:
+        return max(self.backward_peak, self.step_peak)
+
+
+def default_max_predictions(seq_len: int) -> int:
+    """BERT's recipe: 20 predictions at seq 128, 80 at seq 512 (15% masking, rounded up)."""
+    return max(1, math.ceil(seq_len * 0.15625))
+
+
+def model_state_bytes(parameters: int, precision: str, zero_stage: int, devices: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer states) per device for Adam-family optimizers under DeepSpeed.
+
+    bf16 follows DeepSpeed's `estimate_zero2_model_states_mem_needs`: 2 bytes of 16-bit weights,
+    2 of 16-bit gradients, and 4 (fp32 gradient partition) + 4 (fp32 master weights) + 8 (two Adam
+    moments) of optimizer state. fp32 has no master copy and no second gradient.
+    ZeRO-1 partitions the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the weights.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
+    if devices < 1:
+        raise ValueError(f"devices must be >= 1, got {devices}")
+    w_bytes, g_bytes, opt_bytes = (2, 2, 4 + 4 + 8) if precision == "bf16" else (4, 4, 8)
+
+    def share(n_bytes: int, partitioned: bool) -> int:
+        total = parameters * n_bytes
+        return math.ceil(total / devices) if partitioned else total
+
+    return share(w_bytes, zero_stage >= 3), share(g_bytes, zero_stage >= 2), share(opt_bytes, zero_stage >= 1)
+
+
+@dataclass(frozen=True)
+class Activations:
+    """Bytes for one micro batch: what the forward saves for backward, and the working memory of the
+    two backward phases that can set the peak."""
+
+    saved: int  # everything saved for backward at the end of the forward
+    head_saved: int  # the part of `saved` the MLM head holds (freed once the head's backward ran)
+    loss_transient: int  # start of backward: gradients of the log-softmax output and input
+    recompute: int  # activation checkpointing: one segment recomputed during backward (0 without)
+
+
+def activation_bytes(
+    config: BertConfig, micro_batch: int, seq_len: int, max_predictions: int, precision: str, device: Device,
+    checkpoint_activations: bool, checkpoint_interval: int = 1,
+) -> Activations:
+    """Activation memory of one micro batch, counted tensor by tensor from what modeling.py's modules
+    save for backward (checked against `torch.autograd.graph.saved_tensors_hooks` in the tests):
+
+    per layer, [tokens, hidden] tensors: the layer input, q, k, v, the attention context, two LayerNorm
+    inputs and one LayerNorm output (or the pre-LN equivalents), two dropout masks; two
+    [tokens, intermediate] tensors (GELU input and output); LayerNorm mean/rstd. Attention "math"
+    keeps probabilities, dropout mask and dropped probabilities (3 x [batch, heads, seq, seq], fp32)
+    with q, k, v in fp32; "fused" keeps the output and a [batch, heads, seq] fp32 log-sum-exp.
+    With checkpointing, each segment of `checkpoint_interval` layers keeps only its input, and one
+    segment is recomputed at a time during backward.
+    """
+    e = 2 if precision == "bf16" else 4
+    m = device.mask_bytes or e
+    b, s, h, i = micro_batch, seq_len, config.hidden_size, config.intermediate_size
+    a, L, v = config.num_attention_heads, config.num_hidden_layers, config.vocab_size
+    tokens = b * s
+    n = b * max_predictions  # rows decoded by the sparse MLM head
+    stats = 4  # LayerNorm mean and rstd: fp32 on accelerators (bf16 on CPU: a negligible difference)
+
+    if device.attention == "math":
+        attention = tokens * h * 3 * 4 + 3 * b * a * s * s * 4
+    else:
+        attention = tokens * h * 4 * e + b * a * s * 4
+    layer = (tokens * h * (5 * e + 2 * m)  # input, context, LN in, LN out, 2nd LN in; two dropout masks
+             + attention + tokens * i * 2 * e + 4 * tokens * stats)
+
+    index_bytes = 8
+    embeddings = tokens * h * m + (2 * tokens + s) * index_bytes  # dropout mask, token/position indices
+    # post-LN: the embedding LayerNorm's input; pre-LN: the final encoder LayerNorm's input.
+    embeddings += tokens * h * e + 2 * tokens * stats
+    # MLM head on n rows: transform input, GELU input, LN input, decoder input; fp32 log-softmax output.
+    head = n * h * 4 * e + 2 * n * stats + n * index_bytes + n * v * 4
+    pooler = 2 * b * h * e if config.next_sentence_prediction else 0
+
+    if checkpoint_activations:
+        encoder = math.ceil(L / checkpoint_interval) * tokens * h * e
+        recompute = min(checkpoint_interval, L) * layer
+    else:
+        encoder = L * layer
+        recompute = 0
+    return Activations(saved=embeddings + encoder + head + pooler, head_saved=head,
+                       loss_transient=2 * n * v * 4, recompute=recompute)
+
+
+def plan_memory(
+    config: BertConfig, *, device: Device, devices: int = 1, zero_stage: int = 1, micro_batch: int,
+    seq_len: int, max_predictions: int | None = None, precision: str = "bf16",
+    checkpoint_activations: bool = False, checkpoint_interval: int = 1, bucket_elements: int = 500_000_000,
+    parameters: int | None = None,
+) -> MemoryPlan:
+    """Memory per device for one training step.
+
+    Three moments can set the peak: the start of backward (all activations plus the loss gradient),
+    the recomputation of a checkpointed segment (the head's activations are gone, the tied
+    embedding/decoder gradient exists), and the end of backward (all gradients, plus the embedding
+    backward's dense [vocab, hidden] gradient and its sum with the decoder's). `bucket_elements` is
+    DeepSpeed's `reduce_bucket_size` (default 5e8), one contiguous gradient bucket held under
+    ZeRO-1/2; 0 for plain PyTorch.
+    """
+    if seq_len > config.max_position_embeddings:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's max_position_embeddings "
+                         f"{config.max_position_embeddings}")
+    max_predictions = default_max_predictions(seq_len) if max_predictions is None else max_predictions
+    parameters = parameter_count_formula(config) if parameters is None else parameters
+    weights, gradients, optimizer = model_state_bytes(parameters, precision, zero_stage, devices)
+    g_bytes = 2 if precision == "bf16" else 4
+    buffers = bucket_elements * g_bytes if zero_stage in (1, 2) else 0
+    kwargs = dict(config=config, micro_batch=micro_batch, seq_len=seq_len, max_predictions=max_predictions,
+                  precision=precision, device=device)
+    without = activation_bytes(**kwargs, checkpoint_activations=False)
+    with_ckpt = activation_bytes(**kwargs, checkpoint_activations=True, checkpoint_interval=checkpoint_interval)
+    act = with_ckpt if checkpoint_activations else without
+    embedding_grad = config.padded_vocab_size * config.hidden_size * g_bytes
+    base = weights + optimizer + buffers
+    loss_phase = act.saved + act.loss_transient
+    recompute_phase = act.saved - act.head_saved + embedding_grad + act.recompute
+    backward_peak = base + max(loss_phase, recompute_phase)
+    step_peak = base + gradients + 2 * embedding_grad
+    return MemoryPlan(parameters, weights, gradients, optimizer, act.saved, without.saved, with_ckpt.saved,
+                      backward_peak - base - act.saved, buffers, backward_peak, step_peak)
+
+
+def largest_micro_batch(config: BertConfig, usable_bytes: int, limit: int = 65536, **kwargs) -> int:
+    """The largest micro batch whose peak fits in `usable_bytes` (0 if even 1 does not)."""
+    def fits(batch: int) -> bool:
+        return plan_memory(config, micro_batch=batch, **kwargs).peak <= usable_bytes
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def profile_peak_bytes(fn) -> int:
+    """Run `fn()` and return the peak of tensor bytes allocated above the level at its start, from
+    torch.profiler's allocator events. This is the CPU counterpart of an accelerator's
+    `max_memory_allocated()` (CPU has none); it counts tensors, not allocator slack or libraries."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    current = peak = 0
+    for _, nbytes in events:
+        current += nbytes
+        peak = max(peak, current)
+    return peak
+
+
+# ----------------------------------------------------------------------------- FLOPs and time
+
+
+def forward_flops_per_sequence(config: BertConfig, seq_len: int, max_predictions: int) -> int:
+    """Matrix-multiply FLOPs (2 per multiply-add) of one forward pass over one sequence."""
+    h, i, L, s = config.hidden_size, config.intermediate_size, config.num_hidden_layers, seq_len
+    layer = 2 * s * (4 * h * h + 2 * h * i) + 2 * 2 * s * s * h  # projections + QK^T and PV
+    head = 2 * max_predictions * (h * h + h * config.padded_vocab_size)
+    nsp = 2 * (h * h + 2 * h) if config.next_sentence_prediction else 0
+    return L * layer + head + nsp
+
+
+def training_flops_per_sequence(config: BertConfig, seq_len: int, max_predictions: int,
+                                recompute: bool = False) -> int:
+    """Forward + backward (2x forward). `recompute` adds the encoder forward that activation
+    checkpointing repeats: hardware FLOPs rather than model FLOPs (MFU uses model FLOPs)."""
+    forward = forward_flops_per_sequence(config, seq_len, max_predictions)
+    extra = 0
+    if recompute:
+        s, h, i = seq_len, config.hidden_size, config.intermediate_size
+        extra = config.num_hidden_layers * (2 * s * (4 * h * h + 2 * h * i) + 4 * s * s * h)
+    return 3 * forward + extra
+
+
+def training_seconds(num_sequences: int, flops_per_sequence: int, devices: int, peak_tflops: float,
+                     mfu: float) -> float:
+    if not 0 < mfu <= 1:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    return num_sequences * flops_per_sequence / (devices * peak_tflops * 1e12 * mfu)
+
+
+def implied_mfu(sequences_per_second_per_device: float, flops_per_sequence: int, peak_tflops: float) -> float:
+    return sequences_per_second_per_device * flops_per_sequence / (peak_tflops * 1e12)
+
+
+# Published Gaudi (first generation, AWS DL1) BERT pretraining throughput, phase 1 (seq 128), per device
+# on one node of 8: Habana Model-References (PyTorch BERT-Large; DeepSpeed BERT-1.5B) performance tables
+# and the Habana/AWS DL1 blog posts on BERT pretraining with DeepSpeed.
+PUBLISHED_GAUDI_DL1 = (
+    ("bert-large", "configs/models/bert-large.json", 172.47),
+    ("bert-1.5b", "configs/models/bert-1.5b.json", 34.58),
+)
+
+
+# ----------------------------------------------------------------------------- CLI
+
+
+def parse_bytes(text: str) -> int:
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*", text, flags=re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"cannot read a size from {text!r}; write e.g. 32GiB, 96GB or 1.5TiB")
+    value, unit = float(match.group(1)), (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    return int(value * scale)
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:8.2f} GiB"
+
+
+def _duration(seconds: float) -> str:
+    if seconds >= 86400:
+        return f"{seconds / 86400:.2f} days"
+    if seconds >= 3600:
+        return f"{seconds / 3600:.2f} hours"
+    return f"{seconds:.0f} s"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m training.planner", description=__doc__.split("\n\n")[0])
+    p.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
+    p.add_argument("--device", default="gaudi", help=f"device model: {', '.join(DEVICES)} (default gaudi)")
+    p.add_argument("--devices", type=int, default=1, help="data-parallel devices in total (default 1)")
+    p.add_argument("--device_memory", type=parse_bytes, default=None,
+                   help="memory of one device, e.g. 32GiB (default: the device table's figure)")
+    p.add_argument("--headroom", type=float, default=0.1,
+                   help="fraction of device memory kept free for the runtime and allocator fragmentation (0.1)")
+    p.add_argument("--zero_stage", type=int, default=1, choices=(0, 1, 2, 3))
+    p.add_argument("--micro_batch", type=int, required=True)
+    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--max_predictions", type=int, default=None, help="masked positions per sequence (20 at 128)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--checkpoint_activations", action="store_true")
+    p.add_argument("--checkpoint_interval", type=int, default=1, help="layers per checkpointed segment")
+    p.add_argument("--reduce_bucket_size", type=int, default=500_000_000,
+                   help="DeepSpeed zero_optimization.reduce_bucket_size in elements (ZeRO-1/2 buffer)")
+    p.add_argument("--sequences", type=float, default=None,
+                   help="sequences to train (e.g. 7038 steps x 65536 = 4.6e8); prints the time it takes")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for --sequences (0.4)")
+    p.add_argument("--throughput", type=float, default=None,
+                   help="measured sequences/s per device: prints the MFU it implies")
+    return p
+
+
+def report(args: argparse.Namespace) -> str:
+    config = BertConfig.from_json_file(args.config_file)
+    device = get_device(args.device)
+    memory = args.device_memory if args.device_memory is not None else device.memory_bytes
+    if memory <= 0:
+        raise ValueError(f"device {device.name!r} has no memory figure; pass --device_memory (e.g. 24GiB)")
+    if not 0 <= args.headroom < 1:
+        raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
+    max_predictions = args.max_predictions or default_max_predictions(args.seq_len)
+    parameters = count_parameters_exact(config)
+    kwargs = dict(device=device, devices=args.devices, zero_stage=args.zero_stage, seq_len=args.seq_len,
+                  max_predictions=max_predictions, precision=args.precision,
+                  checkpoint_activations=args.checkpoint_activations, checkpoint_interval=args.checkpoint_interval,
+                  bucket_elements=args.reduce_bucket_size, parameters=parameters)
+    plan = plan_memory(config, micro_batch=args.micro_batch, **kwargs)
+    usable = int(memory * (1 - args.headroom))
+    best = largest_micro_batch(config, usable, **kwargs)
+    ckpt = "on" if args.checkpoint_activations else "off"
+    lines = [
+        f"model        {args.config_file}  ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
+        f"{'pre' if config.pre_layer_norm else 'post'}-LN)",
+        f"parameters   {parameters:,} (closed form: {parameter_count_formula(config):,})",
+        f"setup        {args.devices} x {device.name}, ZeRO-{args.zero_stage}, {args.precision}, micro batch "
+        f"{args.micro_batch}, seq {args.seq_len}, {max_predictions} predictions, checkpointing {ckpt}",
+        "",
+        "memory per device",
+        f"  weights                     {_gib(plan.weights)}",
+        f"  gradients                   {_gib(plan.gradients)}",
+        f"  optimizer states            {_gib(plan.optimizer_states)}",
+        f"  reduce bucket               {_gib(plan.buffers)}",
+        f"  activations, no checkpoint  {_gib(plan.activations_without_checkpointing)}",
+        f"  activations, checkpointed   {_gib(plan.activations_with_checkpointing)}",
+        f"  backward transient          {_gib(plan.transient)}",
+        f"  peak at start of backward   {_gib(plan.backward_peak)}",
+        f"  peak at optimizer step      {_gib(plan.step_peak)}",
+        f"  peak                        {_gib(plan.peak)}  of {_gib(memory)} "
+        f"({_gib(usable).strip()} usable with {args.headroom:.0%} headroom)",
+        f"verdict      {'FITS' if plan.peak <= usable else 'DOES NOT FIT'}; largest micro batch that fits: {best}",
+    ]
+    model_flops = training_flops_per_sequence(config, args.seq_len, max_predictions)
+    hw_flops = training_flops_per_sequence(config, args.seq_len, max_predictions, args.checkpoint_activations)
+    lines += ["", f"FLOPs/seq    {model_flops / 1e9:,.1f} GFLOP training (model FLOPs, 3x forward)"
+              + (f"; {hw_flops / 1e9:,.1f} GFLOP executed with recomputation" if hw_flops != model_flops else "")]
+    peak = device.peak_tflops.get(args.precision)
+    if peak is None:
+        lines.append(f"time         no {args.precision} peak known for {device.name}; time and MFU not computed")
+    else:
+        if args.sequences is not None:
+            seconds = training_seconds(int(args.sequences), model_flops, args.devices, peak, args.mfu)
+            rate = args.devices * peak * 1e12 * args.mfu / model_flops
+            lines.append(f"time         {args.sequences:.3g} sequences at {peak:g} TFLOP/s peak, MFU {args.mfu:.0%}: "
+                         f"{_duration(seconds)} ({rate:,.0f} seq/s in total)")
+        if args.throughput is not None:
+            lines.append(f"MFU          {args.throughput:g} seq/s per device implies "
+                         f"{implied_mfu(args.throughput, model_flops, peak):.1%} of {peak:g} TFLOP/s")
+    if device.name == "gaudi" and args.precision == "bf16":
+        lines.append("")
+        lines.append("published Gaudi DL1 throughput (phase 1, seq 128, 1 node), MFU at 60 TFLOP/s bf16:")
+        root = Path(__file__).resolve().parents[1]
+        for name, path, rate in PUBLISHED_GAUDI_DL1:
+            ref = BertConfig.from_json_file(root / path)
+            flops = training_flops_per_sequence(ref, 128, 20)
+            lines.append(f"  {name:10s} {rate:7.2f} seq/s  {flops / 1e9:7.1f} GFLOP/seq  "
+                         f"MFU {implied_mfu(rate, flops, 60.0):.1%}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        print(report(args))
+    except ValueError as e:  # ConfigError is a ValueError: bad config, device or sizes
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
