@@ -1,0 +1,110 @@
+"""Extraction, segmentation and vocab on the real sample dump, and the clear errors on bad input."""
+
+from __future__ import annotations
+
+import bz2
+import re
+
+import pytest
+
+from data.create import CreateConfig, validate
+from data.extract import ExtractConfig, extract, iter_articles
+from data.prepare import main as prepare_main
+from data.stage import PipelineError
+from data.vocab import VocabConfig, build_vocab, load_vocab
+
+
+@pytest.fixture(scope="module")
+def dump_pages(sample_dump) -> list[tuple[str, str, bool]]:
+    """(title, ns, is_redirect) of every page, read with plain regexes as an independent check."""
+    xml = bz2.decompress(sample_dump.read_bytes()).decode("utf-8")
+    pages = re.findall(r"<page>(.*?)</page>", xml, flags=re.S)
+    return [(re.search(r"<title>(.*?)</title>", p).group(1), re.search(r"<ns>(\d+)</ns>", p).group(1),
+             "<redirect" in p) for p in pages]
+
+
+def test_iter_articles_keeps_namespace_0_and_skips_redirects(sample_dump, dump_pages):
+    titles = [title for title, _ in iter_articles(sample_dump)]
+    expected = [t for t, ns, redirect in dump_pages if ns == "0" and not redirect]
+    assert len(dump_pages) == 206 and sum(r for _, _, r in dump_pages) > 90
+    assert titles == [t.replace("&amp;", "&") for t in expected]
+    assert len(titles) == 106
+
+
+def test_extracted_text_has_no_markup(phase1_shards):
+    extracted = phase1_shards / "text" / "extracted"
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted(extracted.glob("part-*.txt")))
+    # 106 articles, one without any text once cleaned: 105 documents, 40 per part.
+    assert text.count("\n\n") == 105
+    assert len(sorted(extracted.glob("part-*.txt"))) == 3
+    for markup in ("{{", "}}", "[[", "]]", "<ref", "|}", "{|", "&lt;", "&amp;", "[http", "Category:", "File:"):
+        assert markup not in text, markup
+    assert "Anarchism is a political philosophy" in text
+    assert 2_000_000 < len(text.encode()) < 3_000_000
+
+
+def test_segmented_text_is_one_sentence_per_line(phase1_shards):
+    sentences_dir = phase1_shards / "text" / "sentences"
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted(sentences_dir.glob("part-*.txt")))
+    docs = [d for d in text.split("\n\n") if d]
+    assert len(docs) == 105
+    lines = text.split("\n")
+    # A known paragraph of the article "A" comes out as separate sentences.
+    assert "It is similar to the Ancient Greek letter alpha, from which it derives." in lines
+    assert "A (named, plural \"As\", \"A's\", \"a\"s, \"a's\" or \"aes\") is the first letter and the first vowel " \
+           "in the ISO basic Latin alphabet." in lines
+    assert 15_000 < len([line for line in lines if line]) < 25_000
+
+
+def test_trained_vocab_is_valid_and_case_is_configurable(phase1_shards, tmp_path):
+    corpus = phase1_shards / "text" / "sentences"
+    uncased = build_vocab(VocabConfig(tmp_path / "uncased", corpus_dir=corpus, vocab_size=1500))
+    cased = build_vocab(VocabConfig(tmp_path / "cased", corpus_dir=corpus, vocab_size=1500, lower_case=False))
+    for vocab in (uncased, cased):
+        assert vocab.path.name == "vocab.txt" and vocab.size == 1500
+        assert vocab.tokens[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        assert load_vocab(vocab.path).tokens == vocab.tokens
+    assert not any(t != t.lower() for t in uncased.tokens[5:])
+    assert sum(t != t.lower() for t in cased.tokens) > 100
+
+
+def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_path):
+    not_dump = tmp_path / "notes.txt.bz2"
+    not_dump.write_bytes(b"hello, this is not a dump\n")
+    with pytest.raises(PipelineError, match=f"{re.escape(str(not_dump))} is not a MediaWiki XML dump"):
+        extract(ExtractConfig(not_dump, tmp_path / "a"))
+
+    other_xml = tmp_path / "feed.xml"
+    other_xml.write_text("<rss><channel/></rss>")
+    with pytest.raises(PipelineError, match="not a MediaWiki dump: its root element is <rss>"):
+        extract(ExtractConfig(other_xml, tmp_path / "b"))
+
+    truncated = tmp_path / "truncated.xml.bz2"
+    truncated.write_bytes(sample_dump.read_bytes()[:600_000])
+    with pytest.raises(PipelineError, match=f"{re.escape(str(truncated))} is truncated"):
+        extract(ExtractConfig(truncated, tmp_path / "c"))
+    assert not (tmp_path / "c" / "_COMPLETE.json").exists()
+
+    only_redirects = tmp_path / "redirects.xml"
+    only_redirects.write_text(
+        '<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/"><page><title>X</title><ns>0</ns>'
+        '<redirect title="Y"/><revision><text>#REDIRECT [[Y]]</text></revision></page></mediawiki>')
+    with pytest.raises(PipelineError, match=f"{re.escape(str(only_redirects))}: the dump holds no articles"):
+        extract(ExtractConfig(only_redirects, tmp_path / "d"))
+
+
+def test_vocab_without_special_tokens_is_refused(bert_vocab, tmp_path):
+    bad = tmp_path / "vocab.txt"
+    bad.write_text("\n".join(t for t in bert_vocab.read_text().splitlines() if t != "[MASK]") + "\n")
+    with pytest.raises(PipelineError, match=rf"{re.escape(str(bad))} lacks the special token\(s\) \[MASK\]"):
+        load_vocab(bad)
+
+
+def test_impossible_max_predictions_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path, capsys):
+    with pytest.raises(PipelineError, match="max_predictions_per_seq 126 is not possible at max_seq_length 128"):
+        validate(CreateConfig(tmp_path, bert_vocab, tmp_path, max_seq_length=128, max_predictions_per_seq=126))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="max_predictions_per_seq 200 is not possible"):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab),
+                      "--max_predictions_per_seq", "200"])
+    assert not out.exists()
