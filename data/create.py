@@ -336,7 +336,7 @@ def create(cfg: CreateConfig) -> CreateResult:
     validate(cfg)
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete tokenization; run data.tokens into it first")
-    _vocab_info(cfg.vocab_file)
+    load_vocab(cfg.vocab_file)
     sources = sorted(cfg.input_dir.glob("part-*.npz"))
     params = stage_params(cfg)
     done = stage.begin(cfg.output_dir, params)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+import http.server
 import os
 import socket
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -72,3 +76,71 @@ def dynamic_shards(tmp_path_factory, phase1_shards, sample_dump, bert_vocab) -> 
                           num_test_shards=1, seed=12345, workers=2, test_fraction=0.1, articles_per_part=40,
                           static_masking=False, text_dir=phase1_shards / "text"))
     return out
+
+
+@dataclass
+class MirrorSite:
+    """What the local dump mirror serves (path -> bytes), its fault injection, and the requests it saw."""
+
+    files: dict[str, bytes]
+    cut_after: int = 0  # the next `cuts` responses for a .bz2 file stop after this many body bytes
+    cuts: int = 0
+    requests: list[tuple[str, str | None]] = field(default_factory=list)
+
+
+def _mirror_handler(site: MirrorSite):
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            rng = self.headers.get("Range")
+            site.requests.append((self.path, rng))
+            body = site.files.get(self.path)
+            if body is None:
+                self.send_error(404)
+                return
+            start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
+            if start >= len(body):
+                self.send_response(416)
+                self.send_header("Content-Range", f"bytes */{len(body)}")
+                self.end_headers()
+                return
+            self.send_response(206 if rng else 200)
+            if rng:
+                self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
+            self.send_header("Content-Length", str(len(body) - start))
+            self.end_headers()
+            payload = body[start:]
+            if site.cuts and self.path.endswith(".bz2"):
+                site.cuts -= 1
+                payload = payload[:site.cut_after]
+                self.close_connection = True
+            self.wfile.write(payload)
+
+    return Handler
+
+
+MIRROR_DUMP_DATE = "20241201"
+
+
+@pytest.fixture
+def wiki_mirror(sample_dump):
+    """A dumps.wikimedia.org look-alike on 127.0.0.1 (HTTP Range supported) serving the real sample dump as
+    /enwiki/20241201/enwiki-20241201-pages-articles.xml.bz2 with its enwiki-20241201-sha1sums.txt.
+    Yields (base URL, MirrorSite)."""
+    data = sample_dump.read_bytes()
+    name = f"enwiki-{MIRROR_DUMP_DATE}-pages-articles.xml.bz2"
+    site = MirrorSite({
+        f"/enwiki/{MIRROR_DUMP_DATE}/{name}": data,
+        f"/enwiki/{MIRROR_DUMP_DATE}/enwiki-{MIRROR_DUMP_DATE}-sha1sums.txt":
+            f"{'0' * 40}  enwiki-{MIRROR_DUMP_DATE}-stub-articles.xml.gz\n{hashlib.sha1(data).hexdigest()}  {name}\n".encode(),
+    })
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _mirror_handler(site))
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}", site
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
