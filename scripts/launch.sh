@@ -42,8 +42,11 @@ need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --preset) need "$@"; PRESET="$2"; shift 2 ;;
-    --nodes) need "$@"; NODES="$2"; shift 2 ;;
-    --devices_per_node) need "$@"; DEVICES="$2"; shift 2 ;;
+    --nodes|--devices_per_node)
+      need "$@"
+      var="$([[ "$1" == --nodes ]] && echo NODES || echo DEVICES)"
+      [[ -z "${!var}" ]] || die "$1 given twice (run_<N>nodes.sh fixes --nodes and --devices_per_node; call scripts/launch.sh for other shapes)"
+      printf -v "$var" '%s' "$2"; shift 2 ;;
     --device_kind) need "$@"; DEVICE_KIND="$2"; shift 2 ;;
     --launcher) need "$@"; LAUNCHER="$2"; shift 2 ;;
     --hostfile) need "$@"; HOSTFILE="$(abspath "$2")"; shift 2 ;;

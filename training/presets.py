@@ -29,7 +29,7 @@ OPTIMIZERS = ("lamb", "adamw")
 DEFAULT_KEY = "default"
 # Fields a user may override at launch (--set name=value); the recipe's identity fields are not among them.
 OVERRIDABLE = ("model_config", "deepspeed_config", "max_steps", "num_steps_per_checkpoint", "learning_rate", "micro_batch_per_device",
-               "global_batch_size", "warmup_proportion", "constant_proportion", "devices_per_node",
+               "global_batch_size", "warmup_proportion", "constant_proportion", "poly_power", "devices_per_node",
                "checkpoint_activations", "optimizer")
 
 
@@ -54,6 +54,7 @@ class Preset:
     learning_rate: dict[str, float]  # node count (as a string) -> lr; "default" always present
     warmup_proportion: float
     constant_proportion: float
+    poly_power: float  # decay exponent after the constant phase: 1 = linear (Gaudi), 0.5 (NVIDIA)
     max_steps: int
     num_steps_per_checkpoint: int
     optimizer: str
@@ -93,6 +94,7 @@ class ResolvedRun:
             "--learning_rate", repr(self.learning_rate),
             "--warmup_proportion", repr(p.warmup_proportion),
             "--constant_proportion", repr(p.constant_proportion),
+            "--poly_power", repr(p.poly_power),
             "--num_steps_per_checkpoint", str(p.num_steps_per_checkpoint),
             "--optimizer", p.optimizer,
             "--deepspeed", "--deepspeed_config", str(deepspeed_config_path),
@@ -164,7 +166,7 @@ def _config_path(values: dict, path: Path, name: str) -> Path:
 
 REQUIRED = ("name", "description", "source", "model_config", "deepspeed_config", "phase", "max_seq_length",
             "max_predictions_per_seq", "global_batch_size", "devices_per_node", "micro_batch_per_device",
-            "learning_rate", "warmup_proportion", "constant_proportion", "max_steps",
+            "learning_rate", "warmup_proportion", "constant_proportion", "poly_power", "max_steps",
             "num_steps_per_checkpoint", "optimizer")
 OPTIONAL = ("checkpoint_activations", "notes")
 
@@ -202,6 +204,9 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
         raise _fail(path, "constant_proportion",
                     f"is {constant}, inside the warm-up ({warmup}): it is where the constant phase ENDS "
                     "(0.30 = constant until 30% of the steps; see training/schedule.py); use 0 for no constant phase")
+    poly_power = values["poly_power"]
+    if isinstance(poly_power, bool) or not isinstance(poly_power, (int, float)) or poly_power <= 0:
+        raise _fail(path, "poly_power", f"must be a number > 0 (1 = linear decay), got {poly_power!r}")
     optimizer = values["optimizer"]
     if optimizer not in OPTIMIZERS:
         raise _fail(path, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -224,6 +229,7 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
         devices_per_node=_int(values, path, "devices_per_node"),
         micro_batch_per_device=_keyed(values, path, "micro_batch_per_device", int, "device kinds"),
         learning_rate=learning_rate, warmup_proportion=warmup, constant_proportion=constant,
+        poly_power=float(poly_power),
         max_steps=_int(values, path, "max_steps"),
         num_steps_per_checkpoint=_int(values, path, "num_steps_per_checkpoint"),
         optimizer=optimizer, checkpoint_activations=checkpoint_activations, notes=notes,

@@ -1,0 +1,222 @@
+"""`make demo`: the whole product, end to end, on CPU in a few minutes, with no network.
+
+1. generate a small MediaWiki dump (data/demo_dump.py: invented articles with real wiki markup);
+2. run the data pipeline on it (data.prepare: extract, segment, train a WordPiece vocab, create, shard);
+3. pretrain a 2-layer BERT with DeepSpeed ZeRO-1 + BF16 on 2 processes through scripts/launch.sh
+   (the `demo` preset, torchrun launcher), writing TensorBoard logs, metrics.jsonl and checkpoints;
+4. print the loss and MLM accuracy from metrics.jsonl and check that they improved;
+5. export the checkpoint to a Hugging Face model (scripts/export_hf.py) and run a `transformers`
+   fill-mask pipeline on it;
+6. print where everything is.
+
+Rerunning continues where it stopped (every stage skips finished work); `make clean` starts over.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO_MODEL = ROOT / "configs" / "models" / "bert-demo.json"
+PROBES = ("the city was founded in 1200 as a [MASK] on the river.",
+          "it feeds mainly on insects and [MASK] eggs in bark.",
+          "the river flows into the amber [MASK].")
+
+
+class DemoError(RuntimeError):
+    """A demo step that failed; the message says which and where its output is."""
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    output_dir: Path = ROOT / "results" / "demo"
+    articles: int = 1200
+    vocab_size: int = 2048
+    max_steps: int | None = None  # None: the preset's
+    processes: int = 2
+    seed: int = 12345
+    log_freq: int = 10
+
+
+@dataclass(frozen=True)
+class DemoResult:
+    dump: Path
+    data_dir: Path
+    run_dir: Path
+    hf_dir: Path
+    metrics: list[dict]
+    predictions: dict[str, list[tuple[str, float]]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _banner(text: str) -> None:
+    print(f"\n=== {text} ===", flush=True)
+
+
+def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
+    """Steps 1-2: the dump and the shards; returns (dump, shards dir, model config for this vocab)."""
+    from data.demo_dump import generate_demo_dump
+    from data.prepare import PrepareConfig, prepare
+    from modeling import BertConfig
+
+    dump = cfg.output_dir / "dump" / "demowiki-pages-articles.xml.bz2"
+    _banner(f"1/5 generating a MediaWiki dump with {cfg.articles} articles")
+    stats = generate_demo_dump(dump, articles=cfg.articles, seed=cfg.seed)
+    print(f"{dump}: {stats.articles} articles, {stats.redirects} redirects, "
+          f"{stats.other_namespace} template/category pages ({stats.bytes_xml / 1e6:.1f} MB of XML)")
+    _banner("2/5 data pipeline: extract, segment, train a WordPiece vocab, create instances, shard")
+    data_dir = cfg.output_dir / "data"
+    result = prepare(PrepareConfig(input=dump, output_dir=data_dir, vocab_file=None, vocab_size=cfg.vocab_size,
+                                   max_seq_length=128, max_predictions_per_seq=20, dupe_factor=5, num_shards=2,
+                                   num_test_shards=1, seed=cfg.seed, workers=min(2, os.cpu_count() or 1),
+                                   test_fraction=0.05, articles_per_part=400))
+    # The model's vocab is the vocab the pipeline trained (a small corpus may give fewer tokens than asked).
+    model = BertConfig.from_json_file(DEMO_MODEL).to_dict()
+    model["vocab_size"] = len(result.vocab_file.read_text(encoding="utf-8").splitlines())
+    model_config = cfg.output_dir / "bert-demo-model.json"
+    BertConfig.from_dict(model, source=str(DEMO_MODEL)).to_json_file(model_config)
+    return dump, data_dir, model_config
+
+
+def train(cfg: DemoConfig, data_dir: Path, model_config: Path) -> Path:
+    """Step 3: 2 processes, ZeRO-1 + BF16, through the same launcher a cluster uses."""
+    run_dir = cfg.output_dir / "run"
+    _banner(f"3/5 pretraining with DeepSpeed ZeRO-1 + BF16 on {cfg.processes} processes (scripts/launch.sh)")
+    cmd = ["bash", str(ROOT / "scripts" / "launch.sh"), "--preset", "demo", "--nodes", "1",
+           "--devices_per_node", str(cfg.processes), "--launcher", "torchrun", "--master_port", str(_free_port()),
+           "--input_dir", str(data_dir), "--output_dir", str(run_dir), "--set", f"model_config={model_config}"]
+    if cfg.max_steps is not None:
+        cmd += ["--set", f"max_steps={cfg.max_steps}"]
+    cmd += ["--", "--log_freq", str(cfg.log_freq), "--eval_freq", str(cfg.log_freq * 10), "--seed", str(cfg.seed),
+            "--num_workers", "1"]
+    # One thread per rank: 2 ranks on 2 cores. CPU unless the caller chose an accelerator.
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+           "DS_ACCELERATOR": os.environ.get("DS_ACCELERATOR", "cpu")}
+    print("$ " + " ".join(cmd), flush=True)
+    if subprocess.run(cmd, env=env, cwd=ROOT).returncode != 0:
+        raise DemoError(f"training failed (see the output above); its files are in {run_dir}")
+    return run_dir
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise DemoError(f"{path} is missing: the training run logged nothing")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def progress_table(records: list[dict], rows: int = 10) -> str:
+    """A few evenly spaced logged steps: loss falls, MLM accuracy rises."""
+    picks = sorted({round(i * (len(records) - 1) / max(rows - 1, 1)) for i in range(rows)}) if records else []
+    lines = [f"{'step':>6} {'loss':>8} {'mlm loss':>9} {'nsp loss':>9} {'mlm acc':>8} {'lr':>9} {'seq/s':>7}"]
+    for i in picks:
+        r = records[i]
+        lines.append(f"{r['step']:>6} {r['loss']:>8.3f} {r['mlm_loss']:>9.3f} {r['nsp_loss']:>9.3f} "
+                     f"{r['mlm_accuracy']:>8.3f} {r['lr']:>9.2e} {r['seq_per_s'] or 0:>7.0f}")
+    return "\n".join(lines)
+
+
+def check_learning(records: list[dict], require_accuracy: bool = True) -> tuple[float, float, float, float]:
+    """Mean of the first and last quarter of the logged steps; an error if the model did not learn."""
+    if len(records) < 4:
+        raise DemoError(f"only {len(records)} logged steps; need at least 4 to see a trend (raise --max_steps)")
+    k = max(1, len(records) // 4)
+
+    def mean(key: str, part: list[dict]) -> float:
+        return sum(r[key] for r in part) / len(part)
+
+    first, last = records[:k], records[-k:]
+    loss0, loss1 = mean("loss", first), mean("loss", last)
+    acc0, acc1 = mean("mlm_accuracy", first), mean("mlm_accuracy", last)
+    if not loss1 < loss0:
+        raise DemoError(f"the loss did not fall: {loss0:.3f} over the first {k} logged steps, {loss1:.3f} over the last")
+    if require_accuracy and not acc1 > acc0:
+        raise DemoError(f"MLM accuracy did not rise: {acc0:.3f} over the first {k} logged steps, {acc1:.3f} over the last")
+    return loss0, loss1, acc0, acc1
+
+
+def export_and_predict(run_dir: Path, hf_dir: Path) -> dict[str, list[tuple[str, float]]]:
+    """Step 5: the user's commands: scripts/export_hf.py, then transformers' fill-mask pipeline."""
+    _banner("5/5 exporting a Hugging Face model and running fill-mask with transformers")
+    cmd = [sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--checkpoint", str(run_dir), "--output", str(hf_dir)]
+    print("$ " + " ".join(cmd), flush=True)
+    if subprocess.run(cmd, cwd=ROOT).returncode != 0:
+        raise DemoError(f"export failed (see above); the checkpoint is in {run_dir / 'checkpoints'}")
+    from transformers import pipeline
+
+    fill = pipeline("fill-mask", model=str(hf_dir), tokenizer=str(hf_dir), device="cpu")
+    predictions = {}
+    for probe in PROBES:
+        top = [(p["token_str"], float(p["score"])) for p in fill(probe, top_k=3)]
+        predictions[probe] = top
+        print(f"  {probe}\n      -> " + ", ".join(f"{token!r} ({score:.2f})" for token, score in top))
+    return predictions
+
+
+def run_demo(cfg: DemoConfig) -> DemoResult:
+    start = time.time()
+    dump, data_dir, model_config = make_data(cfg)
+    run_dir = train(cfg, data_dir, model_config)
+    _banner("4/5 what the model learned (from metrics.jsonl)")
+    records = read_metrics(run_dir)
+    print(progress_table(records))
+    loss0, loss1, acc0, acc1 = check_learning(records)
+    print(f"loss {loss0:.3f} -> {loss1:.3f}, MLM accuracy {acc0:.3f} -> {acc1:.3f} "
+          "(first and last quarter of the logged steps)")
+    hf_dir = cfg.output_dir / "hf_model"
+    predictions = export_and_predict(run_dir, hf_dir)
+    checkpoints = run_dir / "checkpoints"
+    latest = (checkpoints / "latest").read_text().strip()
+    print(f"""
+=== done in {time.time() - start:.0f} s. Everything is under {cfg.output_dir}: ===
+  dump              {dump}
+  extracted text    {data_dir / 'text'}
+  vocab             {data_dir / 'vocab.txt'}
+  HDF5 shards       {data_dir / 'hdf5'}
+  training run      {run_dir}
+    metrics         {run_dir / 'metrics.jsonl'} (eval: {run_dir / 'eval.jsonl'})
+    TensorBoard     {run_dir / 'tensorboard'}   (view: tensorboard --logdir {run_dir / 'tensorboard'})
+    checkpoint      {checkpoints / latest}
+    DeepSpeed JSON  {run_dir / 'launch' / 'deepspeed_config.json'}
+  Hugging Face model {hf_dir}   (transformers.AutoModelForMaskedLM.from_pretrained("{hf_dir}"))
+""")
+    return DemoResult(dump, data_dir, run_dir, hf_dir, records, predictions)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--output_dir", type=Path, default=DemoConfig.output_dir)
+    parser.add_argument("--articles", type=int, default=DemoConfig.articles, help="articles in the generated dump")
+    parser.add_argument("--vocab_size", type=int, default=DemoConfig.vocab_size, help="WordPiece vocab to train")
+    parser.add_argument("--max_steps", type=int, help="training steps (default: the demo preset's)")
+    parser.add_argument("--processes", type=int, default=DemoConfig.processes, help="training processes")
+    parser.add_argument("--seed", type=int, default=DemoConfig.seed)
+    parser.add_argument("--log_freq", type=int, default=DemoConfig.log_freq)
+    args = parser.parse_args(argv)
+    cfg = DemoConfig(output_dir=args.output_dir.resolve(), articles=args.articles, vocab_size=args.vocab_size,
+                     max_steps=args.max_steps, processes=args.processes, seed=args.seed, log_freq=args.log_freq)
+    from data.stage import PipelineError
+
+    try:
+        run_demo(cfg)
+    except (DemoError, PipelineError) as e:
+        print(f"demo failed: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,219 @@
+"""Export a training checkpoint as a Hugging Face model directory, with its tokenizer files.
+
+    python scripts/export_hf.py --checkpoint results/run --output results/run/hf
+
+`--checkpoint` is a run's --output_dir (its `checkpoints/latest` is used unless --tag is given),
+its `checkpoints/` directory, or one tag directory (`checkpoints/step00001000`, or a DeepSpeed
+universal checkpoint `step00001000_universal`). The weights come from:
+  - ZeRO checkpoints (stage 1-3; a partition file per rank): the fp32 master weights, merged from
+    every rank's partition by DeepSpeed's zero_to_fp32;
+  - universal checkpoints: the fp32 weight of every parameter (`zero/<name>/fp32.pt`);
+  - checkpoints without ZeRO partitions: the module weights in mp_rank_00_model_states.pt.
+The model config and vocab default to the run's `model_config.json` and `vocab.txt`.
+The result loads with `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM)
+and `AutoTokenizer.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
+
+MODEL_STATES = "mp_rank_00_model_states.pt"
+
+
+class ExportError(RuntimeError):
+    """A checkpoint that cannot be exported; the message names the path and what to pass instead."""
+
+
+@dataclass(frozen=True)
+class CheckpointLocation:
+    run_dir: Path  # the training --output_dir (holds model_config.json and vocab.txt)
+    checkpoints_dir: Path
+    tag: str
+
+    @property
+    def tag_dir(self) -> Path:
+        return self.checkpoints_dir / self.tag
+
+
+def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
+    """Accept a run directory, its checkpoints/ directory or a tag directory."""
+    path = path.resolve()
+    if not path.is_dir():
+        raise ExportError(f"{path}: no such directory; pass a training --output_dir or a checkpoint tag directory")
+    if (path / MODEL_STATES).is_file() or (path / "zero").is_dir():
+        if tag is not None and tag != path.name:
+            raise ExportError(f"{path} is the checkpoint tag '{path.name}'; --tag {tag} contradicts it")
+        return CheckpointLocation(path.parent.parent, path.parent, path.name)
+    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    run_dir = checkpoints.parent if checkpoints != path else path
+    if tag is None:
+        latest = checkpoints / "latest"
+        if not latest.is_file():
+            raise ExportError(f"{checkpoints}: no 'latest' file and no --tag; pass --tag <step...> "
+                              f"(tags there: {', '.join(sorted(p.name for p in checkpoints.iterdir() if p.is_dir())) or 'none'})")
+        tag = latest.read_text().strip()
+    if not (checkpoints / tag).is_dir():
+        raise ExportError(f"{checkpoints / tag}: no such checkpoint tag")
+    return CheckpointLocation(run_dir, checkpoints, tag)
+
+
+_PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+
+
+def _partition_files(tag_dir: Path) -> list[Path]:
+    """Every rank's optimizer partition, in rank order; a gap is an incomplete checkpoint."""
+    files = {int(m.group(1)): p for p in tag_dir.iterdir() if (m := _PARTITION.search(p.name))}
+    if files and sorted(files) != list(range(len(files))):
+        raise ExportError(f"{tag_dir}: partitions of ranks {sorted(files)} are present, not 0..{max(files)}; "
+                          "the checkpoint is incomplete")
+    return [files[r] for r in sorted(files)]
+
+
+def _merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, torch.Tensor]:
+    """DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16, which zero_to_fp32 does not read): each rank holds
+    a flat fp32 slice of every parameter group and a map name -> (start, numel) of the fragments in it."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for path in files:
+        state = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
+        for flat, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+            for name, fragment in mapping.items():
+                pieces.setdefault(name, []).append(flat[fragment.start:fragment.start + fragment.numel])
+    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
+    weights = {}
+    for name, shape in shapes.items():
+        if name not in pieces:
+            raise ExportError(f"{files[0].parent}: parameter {name} is in no rank's partition")
+        flat = torch.cat(pieces[name])
+        if flat.numel() != shape.numel():
+            raise ExportError(f"{files[0].parent}: parameter {name} has {flat.numel()} values in the partitions "
+                              f"but shape {tuple(shape)}; the checkpoint is inconsistent")
+        weights[name] = flat.view(shape).clone()
+    return weights
+
+
+def read_weights(loc: CheckpointLocation) -> tuple[dict[str, torch.Tensor], str]:
+    """The fp32 weights of a checkpoint and a description of where they came from."""
+    tag_dir = loc.tag_dir
+    if (tag_dir / "zero").is_dir():  # universal checkpoint: zero/<param name>/fp32.pt
+        weights = {}
+        for param_dir in sorted(p for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file()):
+            state = torch.load(param_dir / "fp32.pt", map_location="cpu", weights_only=False)
+            weights[param_dir.name] = (state["param"] if isinstance(state, dict) else state).float()
+        if not weights:
+            raise ExportError(f"{tag_dir / 'zero'}: no <param>/fp32.pt files; the universal checkpoint is incomplete")
+        return weights, f"fp32 weights of the universal checkpoint {tag_dir}"
+    if not (tag_dir / MODEL_STATES).is_file():
+        raise ExportError(f"{tag_dir}: no {MODEL_STATES}; this is not a DeepSpeed checkpoint tag")
+    model_states = torch.load(tag_dir / MODEL_STATES, map_location="cpu", weights_only=False)
+    module = model_states.get("module") if isinstance(model_states, dict) else None
+    if not isinstance(module, dict):
+        raise ExportError(f"{tag_dir / MODEL_STATES}: no 'module' weights in it")
+    files = _partition_files(tag_dir)
+    if files and files[0].name.startswith("bf16_"):
+        weights = _merge_bf16_partitions(files, model_states)
+        source = f"fp32 master weights merged from {len(files)} ZeRO partition(s) (bf16 optimizer)"
+    elif files:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(loc.checkpoints_dir), tag=loc.tag)
+        source = f"fp32 master weights merged from {len(files)} ZeRO partition(s)"
+    else:
+        dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in module.values()})
+        return {k: v.float() for k, v in module.items()}, f"module weights ({'/'.join(dtypes)}), no ZeRO partitions"
+    # Tied weights and buffers are not optimizer parameters: take them from the module state.
+    for name, value in module.items():
+        if name not in weights:
+            source_name = model_states.get("shared_params", {}).get(name)
+            weights[name] = weights.get(source_name, value)
+    return {k: v.float() for k, v in weights.items()}, f"{source} of {tag_dir}"
+
+
+def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: Path | None = None,
+           vocab_file: Path | None = None) -> tuple[Path, str]:
+    """Write the Hugging Face directory; returns it and where the weights came from."""
+    loc = locate(checkpoint, tag)
+    config_file = config_file or loc.run_dir / "model_config.json"
+    vocab_file = vocab_file or loc.run_dir / "vocab.txt"
+    if not config_file.is_file():
+        raise ExportError(f"{config_file}: no model config; pass the run's --config_file with --config_file")
+    if not vocab_file.is_file():
+        raise ExportError(f"{vocab_file}: no vocab.txt; pass the vocab the shards were made with (--vocab_file)")
+    if vocab_file.name != "vocab.txt":
+        raise ExportError(f"{vocab_file}: the tokenizer is exported from a file named vocab.txt; rename or copy it")
+    try:
+        config = BertConfig.from_json_file(config_file)
+    except ConfigError as e:
+        raise ExportError(str(e)) from e
+    weights, source = read_weights(loc)
+    model = BertForPreTraining(config)
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise ExportError(f"{loc.tag_dir}: the weights do not fit {config_file} ({e}); pass the model config "
+                          "the run trained with (--config_file)") from e
+    # Stage the model and the tokenizer side by side, then swap the finished directory into place.
+    output = output.resolve()
+    staging = output.with_name(f".{output.name}.export")
+    shutil.rmtree(staging, ignore_errors=True)
+    save_hf(model.eval(), staging)
+    save_tokenizer(vocab_file, staging)
+    if output.exists():
+        trash = output.with_name(f".{output.name}.old")
+        shutil.rmtree(trash, ignore_errors=True)
+        os.replace(output, trash)
+        os.replace(staging, output)
+        shutil.rmtree(trash)
+    else:
+        os.replace(staging, output)
+    return output, source
+
+
+def save_tokenizer(vocab_file: Path, directory: Path) -> None:
+    """Hugging Face tokenizer files for a WordPiece vocab.txt. Built from the `tokenizers` object:
+    `BertTokenizerFast(vocab_file=...)` silently ignores the file in transformers 5.x (every token
+    becomes [UNK]), so modeling.save_hf's tokenizer_dir path is not used here."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    words = [w for w in vocab_file.read_text(encoding="utf-8").splitlines() if w and not w.startswith("[")]
+    lower = all(w == w.lower() for w in words)
+    wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
+    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
+                                  sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
+    if len(tokenizer) != len(vocab_file.read_text(encoding="utf-8").splitlines()):
+        raise ExportError(f"{vocab_file}: the tokenizer built from it has {len(tokenizer)} tokens; the file has "
+                          "duplicate or blank lines")
+    tokenizer.save_pretrained(directory)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True,
+                        help="a run's --output_dir, its checkpoints/ directory, or a checkpoint tag directory")
+    parser.add_argument("--output", type=Path, required=True, help="the Hugging Face model directory to write")
+    parser.add_argument("--tag", help="checkpoint tag (default: the one named by 'latest')")
+    parser.add_argument("--config_file", type=Path, help="model config (default: <run>/model_config.json)")
+    parser.add_argument("--vocab_file", type=Path, help="vocab.txt (default: <run>/vocab.txt)")
+    args = parser.parse_args(argv)
+    try:
+        out, source = export(args.checkpoint, args.output, args.tag, args.config_file, args.vocab_file)
+    except ExportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {source}\n  -> {out} (config.json, model.safetensors, tokenizer files)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,6 @@
+#!/usr/bin/env bash
+# Pretrain on 8 nodes x 8 devices: a thin wrapper over scripts/launch.sh (see its --help).
+#   scripts/run_8nodes.sh --preset bert-1.5b-phase1 --hostfile hostfile --input_dir /data/phase1 --output_dir /results/run
+# Extra options (--launcher torchrun|slurm|aws-batch, --device_kind gaudi1, --set max_steps=..., -- <run flags>)
+# are passed through.
+exec "$(dirname "${BASH_SOURCE[0]}")/launch.sh" --nodes 8 --devices_per_node 8 "$@"

@@ -1,0 +1,141 @@
+"""scripts/export_hf.py on real checkpoints: ZeRO-1 + BF16 from 2 ranks, its universal conversion, and a
+checkpoint without ZeRO; the results load in transformers with a working tokenizer."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import h5py
+import pytest
+import torch
+
+from modeling import BertConfig, BertForPreTraining
+from scripts.export_hf import ExportError, export, locate, read_weights
+from tests.test_launch import shared_two_node_run
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def zero_run(tmp_path_factory, phase1_shards) -> Path:
+    return shared_two_node_run(tmp_path_factory, phase1_shards)[0]
+
+
+@pytest.fixture(scope="module")
+def zero_export(zero_run: Path, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
+    hf = tmp_path_factory.mktemp("export") / "hf"
+    out, source = export(zero_run, hf)
+    assert out == hf.resolve() and "merged from 2 ZeRO partition(s)" in source
+    weights, _ = read_weights(locate(zero_run))
+    return hf, weights
+
+
+def _real_batch(shards: Path, n: int = 4) -> dict[str, torch.Tensor]:
+    path = next((shards / "hdf5" / "test").glob("*.hdf5"))
+    with h5py.File(path) as f:
+        return {k: torch.from_numpy(f[k][:n].astype("int64")) for k in ("input_ids", "input_mask", "segment_ids")}
+
+
+def test_zero_export_is_the_fp32_master_weights(zero_run: Path, zero_export):
+    _, weights = zero_export
+    tag_dir = locate(zero_run).tag_dir
+    module = torch.load(tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    assert set(weights) == set(module)
+    for name, bf16 in module.items():
+        # the bf16 weights DeepSpeed trains with are the fp32 masters rounded: equal only if merged in order
+        assert torch.equal(weights[name].to(torch.bfloat16), bf16), name
+    assert any(not torch.equal(w, w.to(torch.bfloat16).float()) for w in weights.values()), "fp32, not bf16 copies"
+
+
+def test_transformers_loads_the_export_and_agrees(zero_export, phase1_shards: Path):
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import AutoModelForPreTraining, AutoTokenizer, pipeline
+
+    hf, weights = zero_export
+    ours = BertForPreTraining(BertConfig.from_json_file(ROOT / "configs/models/bert-tiny.json"))
+    ours.load_state_dict(weights)
+    ours.eval()
+    theirs = AutoModelForPreTraining.from_pretrained(hf).eval()
+    batch = _real_batch(phase1_shards)
+    with torch.no_grad():
+        hidden_ours = ours.bert(batch["input_ids"], batch["segment_ids"], batch["input_mask"])
+        out = theirs(input_ids=batch["input_ids"], token_type_ids=batch["segment_ids"],
+                     attention_mask=batch["input_mask"], output_hidden_states=True)
+    torch.testing.assert_close(out.hidden_states[-1], hidden_ours, atol=1e-5, rtol=1e-5)
+
+    tokenizer = AutoTokenizer.from_pretrained(hf)
+    vocab = phase1_shards / "vocab.txt"
+    assert len(tokenizer) == len(vocab.read_text().splitlines()) == 30522
+    text = "The Amazon river flows into the Atlantic Ocean near Belém."
+    reference = BertWordPieceTokenizer(str(vocab), lowercase=True).encode(text).ids
+    assert tokenizer(text)["input_ids"] == reference and tokenizer.unk_token_id not in reference
+    fill = pipeline("fill-mask", model=str(hf), tokenizer=str(hf), device="cpu")
+    top = fill("the river flows into the [MASK].", top_k=5)
+    assert len(top) == 5 and all(p["token_str"] and p["token_str"] != "[UNK]" for p in top)
+
+
+def test_universal_checkpoint_exports_the_same_weights(zero_run: Path, zero_export, tmp_path: Path):
+    tag_dir = locate(zero_run).tag_dir
+    universal = tmp_path / "checkpoints" / f"{tag_dir.name}_universal"
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+                    "--output_folder", str(universal), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                   check=True, capture_output=True, timeout=300)
+    _, weights = zero_export
+    hf = tmp_path / "hf"
+    _, source = export(universal, hf, config_file=zero_run / "model_config.json", vocab_file=zero_run / "vocab.txt")
+    assert "universal checkpoint" in source
+    exported, _ = read_weights(locate(universal))
+    for name, value in exported.items():
+        assert torch.equal(value, weights[name]), name
+    assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
+
+
+def test_checkpoint_without_zero(phase1_shards: Path, tmp_path: Path):
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
+                              "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0}))
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, str(ROOT / "run_pretraining.py"), "--deepspeed", "--deepspeed_config",
+                           str(ds), "--input_dir", str(phase1_shards), "--output_dir", str(run), "--config_file",
+                           str(ROOT / "configs/models/bert-tiny.json"), "--max_steps", "2", "--optimizer", "adamw",
+                           "--learning_rate", "1e-3", "--num_steps_per_checkpoint", "2", "--num_workers", "0"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loc = locate(run)
+    assert not list(loc.tag_dir.glob("*zero_pp_rank_*"))
+    hf = tmp_path / "hf"
+    _, source = export(run, hf)
+    assert "no ZeRO partitions" in source and "float32" in source
+    module = torch.load(loc.tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    from safetensors.torch import load_file
+
+    saved = load_file(hf / "model.safetensors")
+    name = "bert.encoder.layer.0.attention.self.query.weight"
+    assert torch.equal(saved[name], module[name])
+
+
+def test_clear_errors(zero_run: Path, tmp_path: Path):
+    with pytest.raises(ExportError, match="no such directory"):
+        export(tmp_path / "nowhere", tmp_path / "hf")
+    empty = tmp_path / "empty" / "checkpoints"
+    empty.mkdir(parents=True)
+    with pytest.raises(ExportError, match="no 'latest' file and no --tag"):
+        export(empty.parent, tmp_path / "hf")
+    with pytest.raises(ExportError, match="do not fit"):
+        export(zero_run, tmp_path / "hf", config_file=ROOT / "configs/models/bert-demo.json")
+    broken = tmp_path / "broken"
+    shutil.copytree(zero_run / "checkpoints", broken / "checkpoints")
+    shutil.copy(zero_run / "model_config.json", broken)
+    shutil.copy(zero_run / "vocab.txt", broken)
+    tag = (broken / "checkpoints" / "latest").read_text().strip()
+    (broken / "checkpoints" / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(ExportError, match="in no rank's partition|values in the partitions"):
+        export(broken, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists(), "a failed export leaves no model directory"

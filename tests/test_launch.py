@@ -1,0 +1,193 @@
+"""scripts/launch.sh: a real 2-node launch over 127.0.0.1, and the command each launcher mode builds."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "scripts" / "launch.sh"
+# The tiny model on the real-vocab shards, 2 ranks x micro batch 4, a checkpoint every 2 steps.
+TINY = ["--preset", "demo", "--set", "model_config=configs/models/bert-tiny.json", "--set", "global_batch_size=8",
+        "--set", "micro_batch_per_device=4", "--set", "max_steps=4", "--set", "num_steps_per_checkpoint=2"]
+
+
+def _env(**extra: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "AWS_BATCH_", "BERT_LAUNCH_"))}
+    return {**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **extra}
+
+
+def _launch(args: list[str], env: dict | None = None, script: Path = LAUNCH) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(script), *args], capture_output=True, text=True, env=env or _env(),
+                          cwd=ROOT, timeout=120)
+
+
+def _command(proc: subprocess.CompletedProcess) -> list[str]:
+    assert proc.returncode == 0, proc.stderr
+    import shlex
+
+    return shlex.split(proc.stdout.strip().splitlines()[-1])
+
+
+def _flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+def run_two_nodes(input_dir: Path, output_dir: Path) -> tuple[list[str], list[str]]:
+    """Two node processes, one rank each, through launch.sh's torchrun mode; returns their logs."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        args = [*TINY, "--nodes", "2", "--devices_per_node", "1", "--launcher", "torchrun", "--node_rank", str(rank),
+                "--master_addr", "127.0.0.1", "--master_port", port, "--input_dir", str(input_dir),
+                "--output_dir", str(output_dir), "--", "--log_freq", "1", "--num_workers", "0"]
+        procs.append(subprocess.Popen(["bash", str(LAUNCH), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, env=_env(), cwd=ROOT))
+    logs = []
+    try:
+        for proc in procs:
+            out, _ = proc.communicate(timeout=400)
+            logs.append(out)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+    for rank, (proc, log) in enumerate(zip(procs, logs)):
+        assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
+    return logs[0], logs[1]
+
+
+def shared_two_node_run(tmp_path_factory, input_dir: Path) -> tuple[Path, tuple[str, str]]:
+    """One 2-node run per test session, shared by this module and tests/test_export_hf.py."""
+    base = tmp_path_factory.getbasetemp() / "two_node_run"
+    logs_file = base / "logs.json"
+    if not logs_file.is_file():
+        logs = run_two_nodes(input_dir, base / "run")
+        logs_file.write_text(json.dumps(logs))
+    return base / "run", tuple(json.loads(logs_file.read_text()))
+
+
+@pytest.fixture(scope="module")
+def two_node_run(tmp_path_factory, phase1_shards) -> tuple[Path, tuple[str, str]]:
+    return shared_two_node_run(tmp_path_factory, phase1_shards)
+
+
+@pytest.mark.slow
+def test_real_two_node_launch_both_ranks_train(two_node_run):
+    out, (log0, log1) = two_node_run
+    assert "[launch] torchrun: 2 node(s) x 1 device(s), node rank 0, master 127.0.0.1" in log0
+    assert "[launch] torchrun: 2 node(s) x 1 device(s), node rank 1, master 127.0.0.1" in log1
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["world_size"] == 2 and info["zero_stage"] == 1 and info["bf16"]
+    assert (info["train_batch_size"], info["micro_batch"], info["gradient_accumulation_steps"]) == (8, 4, 1)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["consumed_samples"] for r in records] == [8, 16, 24, 32]  # 2 ranks x 4 sequences per step
+    tag = (out / "checkpoints" / "latest").read_text().strip()
+    assert tag == "step00000004"
+    state = json.loads((out / "checkpoints" / tag / "run_state.json").read_text())
+    assert state["world_size"] == 2
+    # ZeRO-1: each rank saves its own optimizer partition, so both files prove both ranks trained.
+    partitions = sorted(p.name for p in (out / "checkpoints" / tag).glob("*zero_pp_rank_*_optim_states.pt"))
+    assert partitions == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                          "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"]
+    ds = json.loads((out / "launch" / "deepspeed_config.json").read_text())
+    assert (ds["train_batch_size"], ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (8, 4, 1)
+
+
+def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
+    out = tmp_path / "run"
+    proc = _launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "gaudi-a,gaudi-b", "--input_dir",
+                    str(tmp_path), "--output_dir", str(out), "--dry_run", "--", "--log_freq", "50"])
+    cmd = _command(proc)
+    assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
+    assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--num_gpus"), _flag(cmd, "--master_addr")) == ("2", "8", "gaudi-a")
+    assert (_flag(cmd, "--launcher"), _flag(cmd, "--ssh_port")) == ("pdsh", "3022")
+    assert (out / "launch" / "hostfile").read_text() == "gaudi-a slots=8\ngaudi-b slots=8\n"
+    env_file = (out / "launch" / "deepspeed_env").read_text().splitlines()
+    assert "PT_HPU_LAZY_MODE=1" in env_file
+    script = cmd.index(str(ROOT / "run_pretraining.py"))
+    run_args = cmd[script + 1:]
+    assert _flag(run_args, "--input_dir") == str(tmp_path) and run_args[-2:] == ["--log_freq", "50"]
+    assert _flag(run_args, "--learning_rate") == "0.0015" and _flag(run_args, "--poly_power") == "1.0"
+    ds = json.loads(Path(_flag(run_args, "--deepspeed_config")).read_text())
+    assert ds["gradient_accumulation_steps"] == 24  # 12288 / (32 x 16 devices)
+
+
+def test_run_n_nodes_wrappers(tmp_path: Path):
+    hosts = ",".join(f"node{i}" for i in range(16))
+    for nodes, accumulation, lr in ((1, 48, "0.0015"), (8, 6, "0.0015"), (16, 3, "0.003")):
+        script = ROOT / "scripts" / (f"run_{nodes}node.sh" if nodes == 1 else f"run_{nodes}nodes.sh")
+        out = tmp_path / f"n{nodes}"
+        args = ["--preset", "bert-1.5b-phase1", "--input_dir", str(tmp_path), "--output_dir", str(out), "--dry_run"]
+        if nodes > 1:
+            args += ["--hosts", hosts]
+        cmd = _command(_launch(args, script=script))
+        assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--num_gpus")) == (str(nodes), "8")
+        assert _flag(cmd, "--learning_rate") == lr
+        assert json.loads((out / "launch" / "deepspeed_config.json").read_text())["gradient_accumulation_steps"] \
+            == accumulation
+    proc = _launch(["--nodes", "4", "--preset", "bert-1.5b-phase1", "--input_dir", str(tmp_path), "--output_dir",
+                    str(tmp_path / "x"), "--dry_run"], script=ROOT / "scripts" / "run_8nodes.sh")
+    assert proc.returncode == 2 and "--nodes given twice" in proc.stderr
+
+
+def test_aws_batch_mode_maps_the_job_variables(tmp_path: Path):
+    common = ["--preset", "bert-1.5b-phase1", "--nodes", "4", "--launcher", "aws-batch", "--device_kind", "gaudi1",
+              "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"]
+    child = _env(AWS_BATCH_JOB_NUM_NODES="4", AWS_BATCH_JOB_NODE_INDEX="2", AWS_BATCH_JOB_MAIN_NODE_INDEX="0",
+                 AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS="10.0.3.7")
+    cmd = _command(_launch(common, env=child))
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert (_flag(cmd, "--nnodes"), _flag(cmd, "--node_rank"), _flag(cmd, "--master_addr")) == ("4", "2", "10.0.3.7")
+    assert _flag(cmd, "--nproc_per_node") == "8"
+    ds = json.loads((tmp_path / "run" / "launch" / "deepspeed_config.json").read_text())
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (16, 24)  # the blog's 384
+    # The main node is not given its own address by Batch: it uses its first IP address.
+    main = _env(AWS_BATCH_JOB_NUM_NODES="4", AWS_BATCH_JOB_NODE_INDEX="0", AWS_BATCH_JOB_MAIN_NODE_INDEX="0")
+    cmd = _command(_launch(common, env=main))
+    own = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
+    assert (_flag(cmd, "--node_rank"), _flag(cmd, "--master_addr")) == ("0", own)
+    wrong = _launch(common, env=_env(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX="1",
+                                     AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS="10.0.3.7"))
+    assert wrong.returncode == 2 and "--nodes is 4 but the aws-batch job has 2 nodes" in wrong.stderr
+    missing = _launch(common)
+    assert missing.returncode != 0 and "AWS_BATCH_JOB_NUM_NODES is not set" in missing.stderr
+
+
+def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
+    common = ["--preset", "bert-large-phase1", "--nodes", "2", "--launcher", "slurm", "--input_dir", str(tmp_path),
+              "--output_dir", str(tmp_path / "run"), "--dry_run"]
+    outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77")))
+    assert outer[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    assert outer[5:8] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[8:] == common
+    task = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2")
+    inner = _command(_launch([*common, "--master_addr", "node-a"], env=task))
+    assert (_flag(inner, "--nnodes"), _flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("2", "1", "node-a")
+    outside = _launch(common)
+    assert outside.returncode == 2 and "runs inside an allocation" in outside.stderr
+
+
+def test_clear_errors(tmp_path: Path):
+    base = ["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run")]
+    cases = [
+        (["--preset", "demo", "--nodes", "2", "--launcher", "torchrun", *base], "needs --node_rank"),
+        (["--preset", "demo", "--nodes", "2", *base], "needs --hostfile or --hosts"),
+        (["--preset", "bert-1.5b-phase1", "--nodes", "5", "--hosts", "a,b,c,d,e", *base], "not divisible"),
+        (["--preset", "bert-large-phase2", "--nodes", "1", *base], "phase-2 recipe; pass the phase-1 output"),
+        (["--preset", "demo", "--nodes", "1", "--input_dir", str(tmp_path / "nope"), "--output_dir", str(tmp_path)],
+         "does not exist"),
+        (["--preset", "demo", "--nodes", "1", "--launcher", "mpi", *base], "--launcher must be"),
+        (["--preset", "demo", "--nodes", "1", "--max_steps", "3", *base], "unknown option '--max_steps'"),
+        (["--preset", "demo", "--nodes", "2", "--hostfile", str(tmp_path / "hosts"), *base], "does not exist"),
+    ]
+    for args, message in cases:
+        proc = _launch([*args, "--dry_run"])
+        assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
