@@ -56,8 +56,10 @@ class _Pieces:
 
     tensor: torch.Tensor  # the optimizer tensor this table describes (identity check)
     lengths: list[int]  # element counts; they add up to tensor.numel()
-    owners: torch.Tensor  # int64 on tensor.device: global index of the original tensor, or `padding` slot
-    lengths_t: torch.Tensor  # lengths as an int64 tensor on tensor.device (for repeat_interleave)
+    owners: list[int]  # per piece: index of the original tensor, or the padding slot (num_tensors)
+    # On tensor.device, for tables of several pieces (a ZeRO partition); None for a whole tensor.
+    owners_t: torch.Tensor | None = None
+    lengths_t: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -123,18 +125,7 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
                     "deepspeed.initialize, or the trust ratios would be computed per partition, not per tensor."
                 )
         if binding is None or binding.pieces is None:
-            tables = []
-            for index, p in enumerate(params):
-                device = p.device
-                tables.append(
-                    _Pieces(
-                        p,
-                        [p.numel()],
-                        torch.tensor([index], dtype=torch.int64, device=device),
-                        torch.tensor([p.numel()], dtype=torch.int64, device=device),
-                    )
-                )
-            return tables, len(params), None
+            return [_Pieces(p, [p.numel()], [index]) for index, p in enumerate(params)], len(params), None
         tables = []
         for p in params:
             table = binding.pieces.get(id(p))
@@ -158,20 +149,20 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
         if not tensors:
             return
         chunks: list[torch.Tensor] = []
-        owners: list[torch.Tensor] = []
+        owners: list[int] = []
         for tensor, table in zip(tensors, tables):
             chunks.extend(torch.split(tensor.reshape(-1), table.lengths))
-            owners.append(table.owners)
+            owners.extend(table.owners)
         norms = torch.stack(torch._foreach_norm(chunks)).to(out.dtype)
-        out.index_add_(0, torch.cat(owners).to(out.device), norms.square())
+        out.index_add_(0, torch.tensor(owners, dtype=torch.int64, device=out.device), norms.square())
 
     @staticmethod
     def _scale_by_piece(tensor: torch.Tensor, table: _Pieces, per_tensor: torch.Tensor) -> None:
         """tensor *= per_tensor[owner of each element], in place."""
-        factors = per_tensor.to(tensor.device)[table.owners].to(tensor.dtype)
         if len(table.lengths) == 1:
-            tensor.mul_(factors[0])
+            tensor.mul_(per_tensor[table.owners[0]].to(tensor.device, tensor.dtype))
         else:
+            factors = per_tensor.to(tensor.device)[table.owners_t].to(tensor.dtype)
             tensor.mul_(
                 torch.repeat_interleave(factors, table.lengths_t, output_size=tensor.numel()).view_as(tensor)
             )
@@ -359,14 +350,18 @@ class Lans(_LayerwiseOptimizer):
 
 # ---------------------------------------------------------------------------------------- DeepSpeed
 
+# (start in the rank's flat partition, element count, index of the original tensor, its values there)
+_Fragment = tuple[int, int, int, torch.Tensor]
+
 
 def bind_to_deepspeed(engine) -> None:
     """Tell the engine's client Lamb/Lans where each original tensor lies in its ZeRO partitions.
 
     Call once right after ``deepspeed.initialize``. The layout survives ``engine.load_checkpoint`` (DeepSpeed
-    copies into the same partition tensors). Supported: ZeRO-1/2 (DeepSpeedZeroOptimizer), bf16 with fp32
-    gradient accumulation (BF16_Optimizer), and the unpartitioned cases (no wrapper, or bf16
-    FP16_UnfusedOptimizer at stage 0), where each tensor stays whole and nothing is communicated.
+    copies into the same partition tensors). Supported: ZeRO-1/2 (DeepSpeedZeroOptimizer, also with
+    ``round_robin_gradients``), bf16 with fp32 gradient accumulation (BF16_Optimizer), and the unpartitioned
+    cases (no wrapper, or bf16 FP16_UnfusedOptimizer at stage 0), where each tensor stays whole and nothing
+    is communicated.
     """
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
@@ -393,80 +388,114 @@ def bind_to_deepspeed(engine) -> None:
         client._bind(_Binding(pieces=None, num_tensors=0, process_group=None))
         return
     if isinstance(wrapper, DeepSpeedZeroOptimizer):
-        lp_groups = wrapper.bit16_groups
+        lp_groups, read_fragments = wrapper.bit16_groups, _zero_fragments
     elif isinstance(wrapper, BF16_Optimizer):
-        lp_groups = wrapper.bf16_groups
+        lp_groups, read_fragments = wrapper.bf16_groups, _linked_fragments
     else:
         raise TypeError(
             f"bind_to_deepspeed: DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, whose parameter "
             "layout training.lamb does not know (supported: DeepSpeedZeroOptimizer, BF16_Optimizer, "
             "FP16_UnfusedOptimizer). fp16 without ZeRO flattens parameters; use bf16 or ZeRO-1/2."
         )
-    groups = list(wrapper.real_dp_process_group)
-    if any(g is not groups[0] for g in groups):
+    process_groups = list(wrapper.real_dp_process_group)
+    if any(g is not process_groups[0] for g in process_groups):
         raise ValueError(
             "bind_to_deepspeed: the parameter groups use different data-parallel groups (MoE experts); "
             "training.lamb sums partial norms over one group and does not support that"
         )
-    client._bind(_partition_layout(client, lp_groups, groups[0] if groups else None))
-
-
-def _partition_layout(
-    client: _LayerwiseOptimizer, lp_groups: Sequence[Sequence[torch.Tensor]], process_group
-):
-    """Piece tables for each rank's flat partition, read from the fragment mappings DeepSpeed links into
-    every model parameter (``param._hp_mapping``; the same ones its universal checkpoints use)."""
     if len(lp_groups) != len(client.param_groups):
         raise RuntimeError(
             f"bind_to_deepspeed: DeepSpeed has {len(lp_groups)} parameter groups but the optimizer has "
             f"{len(client.param_groups)}"
         )
-    pieces: dict[int, _Pieces] = {}
-    first_index = 0
-    for group_index, (lp_params, group) in enumerate(zip(lp_groups, client.param_groups)):
+    flats = []
+    for group_index, group in enumerate(client.param_groups):
         if len(group["params"]) != 1:
             raise RuntimeError(
                 f"bind_to_deepspeed: optimizer group {group_index} holds {len(group['params'])} tensors; a ZeRO "
                 "partition is one flat tensor. Call bind_to_deepspeed right after deepspeed.initialize."
             )
-        flat = group["params"][0]
-        fragments = []
-        for index, lp in enumerate(lp_params):
-            mapping = getattr(lp, "_hp_mapping", None)
-            if mapping is None:
-                continue  # this tensor lies entirely in other ranks' partitions
+        flats.append(group["params"][0])
+    fragments = [read_fragments(wrapper, i, flat) for i, flat in enumerate(flats)]
+    client._bind(
+        _piece_tables_from_fragments(flats, fragments, [len(g) for g in lp_groups], process_groups[0])
+    )
+
+
+def _zero_fragments(wrapper, group_index: int, flat: torch.Tensor) -> list[_Fragment]:
+    """DeepSpeedZeroOptimizer: the flat buffer holds the tensors in round-robin order at known offsets and
+    rank r owns elements [r * partition_size, (r + 1) * partition_size)."""
+    rank = torch_dist.get_rank(group=wrapper.real_dp_process_group[group_index])
+    size = int(wrapper.partition_size[group_index])
+    low, high = rank * size, (rank + 1) * size
+    ordered = wrapper.round_robin_bit16_groups[group_index]
+    all_offsets = getattr(wrapper, "round_robin_bit16_offsets", None)
+    if all_offsets is not None:
+        offsets = list(all_offsets[group_index])
+    else:  # DeepSpeed before per-parameter alignment padding: tensors are packed back to back
+        offsets, position = [], 0
+        for p in ordered:
+            offsets.append(position)
+            position += p.numel()
+    index_of = {id(p): i for i, p in enumerate(wrapper.bit16_groups[group_index])}
+    fragments = []
+    for p, offset in zip(ordered, offsets):
+        start, end = max(offset, low), min(offset + p.numel(), high)
+        if start < end:
+            values = p.detach().reshape(-1)[start - offset : end - offset]
+            fragments.append((start - low, end - start, index_of[id(p)], values))
+    return fragments
+
+
+def _linked_fragments(wrapper, group_index: int, flat: torch.Tensor) -> list[_Fragment]:
+    """BF16_Optimizer: the fragment addresses DeepSpeed links into every model parameter
+    (``param._hp_mapping``, the ones its universal checkpoints use)."""
+    fragments = []
+    for index, lp in enumerate(wrapper.bf16_groups[group_index]):
+        mapping = getattr(lp, "_hp_mapping", None)
+        if mapping is not None:  # None: the tensor lies entirely in other ranks' partitions
             address = mapping.get_hp_fragment_address()
-            expected = flat.data_ptr() + address.start * flat.element_size()
-            if mapping.hp_fragment.data_ptr() != expected:
-                raise RuntimeError(
-                    f"bind_to_deepspeed: the fragment of parameter {index} in group {group_index} is not a view "
-                    "of the optimizer's partition tensor; this DeepSpeed version lays partitions out differently"
-                )
-            fragments.append((address.start, address.numel, first_index + index))
-        first_index += len(lp_params)
-        pieces[id(flat)] = fragments  # completed below, once the tensor count is known
-    num_tensors = first_index
+            fragments.append((address.start, address.numel, index, mapping.lp_fragment.reshape(-1)))
+    return fragments
+
+
+def _piece_tables_from_fragments(
+    flats: Sequence[torch.Tensor],
+    fragments: Sequence[list[_Fragment]],
+    group_sizes: Sequence[int],
+    process_group,
+) -> _Binding:
+    """Piece tables covering each flat partition; tensors are numbered group after group."""
+    num_tensors = sum(group_sizes)  # slot num_tensors of every norm vector collects padding
     tables: dict[int, _Pieces] = {}
-    for group in client.param_groups:
-        flat = group["params"][0]
+    first_index = 0
+    for group_index, (flat, group_fragments) in enumerate(zip(flats, fragments)):
         lengths: list[int] = []
         owners: list[int] = []
         position = 0
-        for start, numel, owner in sorted(pieces[id(flat)]):
-            if start < position:
-                raise RuntimeError("bind_to_deepspeed: overlapping parameter fragments in a ZeRO partition")
+        for start, numel, index, values in sorted(group_fragments, key=lambda f: f[0]):
+            # The partition must hold this tensor's values where the layout says: a check of the layout.
+            held = flat.detach()[start : start + numel]
+            if start < position or held.numel() != numel or not torch.equal(held.to(values.dtype), values):
+                raise RuntimeError(
+                    f"bind_to_deepspeed: parameter {index} of group {group_index} is not where this DeepSpeed "
+                    f"version's layout says in the optimizer's partition (elements {start}..{start + numel}); "
+                    "call bind_to_deepspeed right after deepspeed.initialize, before any step"
+                )
             if start > position:  # alignment padding between tensors
                 lengths.append(start - position)
                 owners.append(num_tensors)
             lengths.append(numel)
-            owners.append(owner)
+            owners.append(first_index + index)
             position = start + numel
         if position < flat.numel():  # padding at the end of the last partition
             lengths.append(flat.numel() - position)
             owners.append(num_tensors)
+        first_index += group_sizes[group_index]
         tables[id(flat)] = _Pieces(
             flat,
             lengths,
+            owners,
             torch.tensor(owners, dtype=torch.int64, device=flat.device),
             torch.tensor(lengths, dtype=torch.int64, device=flat.device),
         )
