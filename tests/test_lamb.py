@@ -378,18 +378,21 @@ def _worker(out_path: str, ckpt_dir: str) -> None:
 
     # Checkpoint and resume: save after 3 steps, resume in a fresh engine (other initial weights).
     half = STEPS // 2
-    engine = _engine(1, False, "lamb")
-    _train(engine, half)
-    engine.save_checkpoint(ckpt_dir, tag="half")
-    _train(engine, STEPS - half, first=half)
-    results["straight"] = _fp32_params(engine)
-    engine.destroy()
-    for label, load_optimizer_states in (("resumed", True), ("resumed_without_state", False)):
-        engine = _engine(1, False, "lamb", seed=1)
-        engine.load_checkpoint(ckpt_dir, tag="half", load_optimizer_states=load_optimizer_states)
+    for precision, bf16 in (("fp32", False), ("bf16", True)):
+        engine = _engine(1, bf16, "lamb")
+        _train(engine, half)
+        engine.save_checkpoint(f"{ckpt_dir}/{precision}", tag="half")
         _train(engine, STEPS - half, first=half)
-        results[label] = _fp32_params(engine)
+        results[f"{precision}_straight"] = _fp32_params(engine)
         engine.destroy()
+        for label, load_optimizer_states in (("resumed", True), ("resumed_without_state", False)):
+            engine = _engine(1, bf16, "lamb", seed=1)
+            engine.load_checkpoint(
+                f"{ckpt_dir}/{precision}", tag="half", load_optimizer_states=load_optimizer_states
+            )
+            _train(engine, STEPS - half, first=half)
+            results[f"{precision}_{label}"] = _fp32_params(engine)
+            engine.destroy()
 
     # ZeRO-3 partitions each tensor on its own: refused with a clear message.
     try:
@@ -484,13 +487,18 @@ def test_bf16_partitions_match_reference_within_bf16_noise(two_rank_results, nam
 
 
 @pytest.mark.slow
-def test_checkpoint_resume_continues_the_same_trajectory(two_rank_results):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_checkpoint_resume_continues_the_same_trajectory(two_rank_results, precision):
     for results in two_rank_results:
-        assert max_abs_diff(results["resumed"], results["straight"]) == 0.0
+        assert max_abs_diff(results[f"{precision}_resumed"], results[f"{precision}_straight"]) == 0.0
         # the optimizer state is really restored: without it the trajectory departs
-        assert max_abs_diff(results["resumed_without_state"], results["straight"]) > 1e-4
-    ref = reference_with_clipping("lamb", STEPS, world=2)
-    assert max_abs_diff(two_rank_results[0]["resumed"], ref) < 1e-6
+        assert (
+            max_abs_diff(results[f"{precision}_resumed_without_state"], results[f"{precision}_straight"])
+            > 1e-4
+        )
+    ref = reference_with_clipping("lamb", STEPS, world=2, bf16=precision == "bf16")
+    tolerance = BF16_TOLERANCE if precision == "bf16" else 1e-6
+    assert max_abs_diff(two_rank_results[0][f"{precision}_resumed"], ref) < tolerance
 
 
 @pytest.mark.slow
