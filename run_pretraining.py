@@ -65,7 +65,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fraction of --max_steps with linear warm-up")
     g.add_argument("--constant_proportion", type=float, default=0.0,
                    help="hold the peak learning rate until this fraction of --max_steps (Gaudi 1.5B: 0.3)")
-    g.add_argument("--poly_power", type=float, default=0.5, help="decay exponent after warm-up/constant (1 = linear)")
+    g.add_argument("--poly_power", type=float, default=1.0,
+                   help="decay exponent after warm-up/constant: 1 = linear (Gaudi 1.5B), 0.5 = NVIDIA BERT")
     g.add_argument("--seed", type=int, default=12439, help="weights, data order, masks and dropout")
     g.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
     g.add_argument("--max_nonfinite_steps", type=int, default=10,
@@ -325,6 +326,7 @@ def train(args: argparse.Namespace) -> dict:
     step, consumed, skipped = 0, 0, 0
     if resume is not None:
         tag, state = resume
+        checkpoint.verify_checksums(ckpt_dir, tag, state)
         if state.world_size != world:
             tag = checkpoint.universal_tag(ckpt_dir, tag)
         checkpoint.load(engine, ckpt_dir, tag)

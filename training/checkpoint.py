@@ -5,13 +5,13 @@ Layout under `<output_dir>/checkpoints/`:
         mp_rank_00_model_states.pt     module weights, lr scheduler, client state
         *zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r's ZeRO optimizer partition
         run_state.json                 ours, written last: step, consumed samples, world size,
-                                       the size of every file (the completeness manifest)
+                                       size and CRC-32 of every file (the manifest)
     step00000100_universal/          made on demand when resuming on another world size
     latest                           the tag to resume from; only ever names a complete tag
 
 Save order: DeepSpeed writes the tag (`save_latest=False`), every rank reaches a barrier,
-rank 0 checks that every rank's partition is there, fsyncs the files, writes run_state.json,
-then replaces `latest` atomically, then deletes tags beyond the newest K. A crash at any
+the ranks fsync the files and compute their CRC-32s, rank 0 checks that every rank's partition
+is there, writes run_state.json (the manifest), then replaces `latest` atomically, then deletes tags beyond the newest K. A crash at any
 point leaves `latest` naming the previous complete tag. Anything that does not check out on
 load is a `CheckpointError`; a run never falls back to a fresh start.
 """
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -52,7 +53,7 @@ class RunState:
     world_size: int
     seed: int
     skipped_batches: int  # micro batches dropped for a non-finite loss
-    files: dict[str, int]  # relative path -> size in bytes, every file of the tag
+    files: dict[str, dict]  # relative path -> {"size": bytes, "crc32": checksum}, every file of the tag
 
 
 def tag_for(step: int) -> str:
@@ -115,17 +116,36 @@ def _expected_partitions(tag_dir: Path, world_size: int) -> list[str]:
     return missing
 
 
-def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int) -> RunState:
-    """Rank 0, after every rank saved `tag`: verify, manifest, point `latest` at it, prune."""
+def tag_files(tag_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(tag_dir)) for p in tag_dir.rglob("*") if p.is_file() and p.name != RUN_STATE)
+
+
+def _crc32(path: Path) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def describe_files(tag_dir: Path, names: list[str]) -> dict[str, dict]:
+    """fsync each file and record its size and CRC-32 (the ranks share this work in `save`)."""
+    files = {}
+    for name in names:
+        path = tag_dir / name
+        _fsync_file(path)
+        files[name] = {"size": path.stat().st_size, "crc32": _crc32(path)}
+    return files
+
+
+def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int, files: dict[str, dict]) -> RunState:
+    """Rank 0, after every rank saved `tag` and the files were described: verify, write the
+    manifest, point `latest` at the tag, prune."""
     tag_dir = ckpt_dir / tag
     missing = _expected_partitions(tag_dir, state_fields["world_size"])
     if missing:
         raise CheckpointError(f"{tag_dir}: DeepSpeed did not write {', '.join(missing)}; 'latest' was left "
                               "at the previous checkpoint")
-    files = {}
-    for path in sorted(p for p in tag_dir.rglob("*") if p.is_file() and p.name != RUN_STATE):
-        _fsync_file(path)
-        files[str(path.relative_to(tag_dir))] = path.stat().st_size
     state = RunState(**state_fields, files=files)
     atomic_write_text(tag_dir / RUN_STATE, json.dumps(asdict(state), indent=1) + "\n")
     atomic_write_text(ckpt_dir / LATEST, tag + "\n")
@@ -159,12 +179,16 @@ def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, sk
     client_state = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
     engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()
+    world = dist.get_world_size()
+    names = tag_files(ckpt_dir / tag)
+    described: list[dict | None] = [None] * world
+    dist.all_gather_object(described, describe_files(ckpt_dir / tag, names[rank::world]))
     error = None
     if rank == 0:
         try:
-            commit(ckpt_dir, tag, {"step": step, "consumed_samples": consumed_samples,
-                                   "world_size": dist.get_world_size(), "seed": seed,
-                                   "skipped_batches": skipped_batches}, keep)
+            files = {k: v for part in described for k, v in part.items()}
+            commit(ckpt_dir, tag, {"step": step, "consumed_samples": consumed_samples, "world_size": world,
+                                   "seed": seed, "skipped_batches": skipped_batches}, keep, dict(sorted(files.items())))
         except (CheckpointError, OSError) as e:
             error = str(e)
     errors = [error]
@@ -196,14 +220,33 @@ def find_resume(ckpt_dir: Path) -> tuple[str, RunState] | None:
     return latest, state
 
 
-def verify_files(tag_dir: Path, state: RunState) -> None:
-    for name, size in state.files.items():
+def verify_files(tag_dir: Path, state: RunState, checksum: list[str] | None = None) -> None:
+    """Every file present with its saved size; the files named in `checksum` also with their CRC."""
+    for name, saved in state.files.items():
         path = tag_dir / name
         if not path.is_file():
             raise CheckpointError(f"{path} is missing from checkpoint {tag_dir}; point 'latest' at an older tag")
-        if path.stat().st_size != size:
-            raise CheckpointError(f"{path} has {path.stat().st_size} bytes but was saved with {size}: the "
-                                  f"checkpoint is corrupt. Point {tag_dir.parent / LATEST} at an older tag")
+        if path.stat().st_size != saved["size"]:
+            raise CheckpointError(f"{path} has {path.stat().st_size} bytes but was saved with {saved['size']}: "
+                                  f"the checkpoint is corrupt. Point {tag_dir.parent / LATEST} at an older tag")
+        if checksum is not None and name in checksum and _crc32(path) != saved["crc32"]:
+            raise CheckpointError(f"{path}: CRC-32 differs from the one saved: the checkpoint is corrupt. "
+                                  f"Point {tag_dir.parent / LATEST} at an older tag")
+
+
+def verify_checksums(ckpt_dir: Path, tag: str, state: RunState) -> None:
+    """Collective: the ranks share the CRC checks of the tag's files; any mismatch fails every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    error = None
+    try:
+        verify_files(ckpt_dir / tag, state, checksum=list(state.files)[rank::world])
+    except CheckpointError as e:
+        error = str(e)
+    errors: list[str | None] = [None] * world
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e), None)
+    if first:
+        raise CheckpointError(first)
 
 
 # torch.load raises these on truncated or overwritten files.
@@ -252,8 +295,9 @@ def load_module_weights(model: torch.nn.Module, init_dir: Path) -> str:
     if found is None:
         raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
                               "the --output_dir of a finished phase-1 run")
-    tag, _ = found
+    tag, state = found
     path = ckpt_dir / tag / MODEL_STATES
+    verify_files(ckpt_dir / tag, state, checksum=[MODEL_STATES])
     try:
         # Our own file, written by DeepSpeed: it holds non-tensor objects, so weights_only is off.
         states = torch.load(path, map_location="cpu", mmap=True, weights_only=False)

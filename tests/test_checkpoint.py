@@ -1,0 +1,141 @@
+"""Checkpoint bookkeeping without DeepSpeed: `latest` only names complete tags, keep-K, loud corruption.
+
+The DeepSpeed side (save/load through a real engine, SIGKILL, universal checkpoints) is in
+tests/test_train_resume.py."""
+
+import json
+import zlib
+
+import pytest
+
+from training.checkpoint import (
+    LATEST,
+    RUN_STATE,
+    CheckpointError,
+    commit,
+    complete_tags,
+    describe_files,
+    find_resume,
+    read_latest,
+    tag_for,
+    verify_files,
+)
+
+
+def _fake_deepspeed_tag(ckpt_dir, step, world_size=2):
+    """The files DeepSpeed writes for one ZeRO-1 bf16 tag."""
+    tag_dir = ckpt_dir / tag_for(step)
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"m" * (100 + step))
+    for rank in range(world_size):
+        (tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"o" * 50)
+    return tag_dir
+
+
+def _state(step, world_size=2):
+    return {"step": step, "consumed_samples": step * 16, "world_size": world_size, "seed": 1, "skipped_batches": 0}
+
+
+def _describe(ckpt_dir, step):
+    tag_dir = ckpt_dir / tag_for(step)
+    return describe_files(tag_dir, sorted(p.name for p in tag_dir.iterdir()))
+
+
+def _save(ckpt_dir, step, keep=2):
+    _fake_deepspeed_tag(ckpt_dir, step)
+    return commit(ckpt_dir, tag_for(step), _state(step), keep, _describe(ckpt_dir, step))
+
+
+def test_commit_writes_manifest_then_latest(tmp_path):
+    state = _save(tmp_path, 10)
+    assert read_latest(tmp_path) == "step00000010"
+    assert {name: f["size"] for name, f in state.files.items()} == {
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt": 50, "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt": 50,
+        "mp_rank_00_model_states.pt": 110}
+    assert state.files["mp_rank_00_model_states.pt"]["crc32"] == zlib.crc32(b"m" * 110)
+    tag, resumed = find_resume(tmp_path)
+    assert tag == "step00000010" and resumed.consumed_samples == 160 and resumed.world_size == 2
+
+
+def test_fresh_directory_resumes_nothing(tmp_path):
+    assert find_resume(tmp_path / "checkpoints") is None
+
+
+def test_missing_partition_never_becomes_latest(tmp_path):
+    _save(tmp_path, 10)
+    tag_dir = _fake_deepspeed_tag(tmp_path, 20)
+    (tag_dir / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="optimizer partition of rank 1"):
+        commit(tmp_path, "step00000020", _state(20), keep=2, files=_describe(tmp_path, 20))
+    assert read_latest(tmp_path) == "step00000010"
+
+
+def test_crash_mid_save_leaves_latest_on_previous_tag(tmp_path):
+    _save(tmp_path, 10)
+    _fake_deepspeed_tag(tmp_path, 20)  # DeepSpeed wrote its files, the process died before commit
+    tag, state = find_resume(tmp_path)
+    assert tag == "step00000010" and state.step == 10
+    assert complete_tags(tmp_path) == ["step00000010"]
+
+
+def test_keep_last_k_and_drop_unfinished(tmp_path):
+    for step in (10, 20):
+        _save(tmp_path, step, keep=2)
+    (tmp_path / "step00000010_universal").mkdir()
+    _fake_deepspeed_tag(tmp_path, 25)  # unfinished, older than the next commit
+    _save(tmp_path, 30, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step00000020", "step00000030"]
+    assert read_latest(tmp_path) == "step00000030"
+
+
+def test_truncated_file_is_a_loud_error(tmp_path):
+    _save(tmp_path, 10)
+    path = tmp_path / "step00000010" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(b"o" * 10)
+    with pytest.raises(CheckpointError, match=r"has 10 bytes but was saved with 50.*corrupt"):
+        find_resume(tmp_path)
+
+
+def test_overwritten_bytes_fail_the_checksum(tmp_path):
+    state = _save(tmp_path, 10)
+    path = tmp_path / "step00000010" / "mp_rank_00_model_states.pt"
+    path.write_bytes(b"m" * 50 + b"x" + b"m" * 59)  # same size
+    find_resume(tmp_path)  # sizes alone cannot tell
+    with pytest.raises(CheckpointError, match="CRC-32 differs"):
+        verify_files(tmp_path / "step00000010", state, checksum=["mp_rank_00_model_states.pt"])
+    verify_files(tmp_path / "step00000010", state, checksum=["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"])
+
+
+def test_deleted_file_is_a_loud_error(tmp_path):
+    _save(tmp_path, 10)
+    (tmp_path / "step00000010" / "mp_rank_00_model_states.pt").unlink()
+    with pytest.raises(CheckpointError, match="mp_rank_00_model_states.pt is missing"):
+        find_resume(tmp_path)
+
+
+def test_latest_pointing_at_incomplete_tag_is_a_loud_error(tmp_path):
+    _save(tmp_path, 10)
+    _fake_deepspeed_tag(tmp_path, 20)
+    (tmp_path / LATEST).write_text("step00000020\n")
+    with pytest.raises(CheckpointError, match="incomplete"):
+        find_resume(tmp_path)
+
+
+def test_garbled_run_state_is_a_loud_error(tmp_path):
+    _save(tmp_path, 10)
+    (tmp_path / "step00000010" / RUN_STATE).write_text("{not json")
+    with pytest.raises(CheckpointError, match="run_state.json is corrupt"):
+        find_resume(tmp_path)
+
+
+def test_checkpoints_without_latest_are_not_silently_ignored(tmp_path):
+    _save(tmp_path, 10)
+    (tmp_path / LATEST).unlink()
+    with pytest.raises(CheckpointError, match="no 'latest' file"):
+        find_resume(tmp_path)
+
+
+def test_run_state_is_plain_json(tmp_path):
+    _save(tmp_path, 10)
+    data = json.loads((tmp_path / "step00000010" / RUN_STATE).read_text())
+    assert data["consumed_samples"] == 160 and data["world_size"] == 2

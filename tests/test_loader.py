@@ -1,0 +1,174 @@
+"""The HDF5 loader on the project's shards made from the real sample dump: rank split, order,
+exact resume positions, static and dynamic masks, reference-format shards, mismatch errors."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+import torch
+
+from modeling import IGNORE_INDEX
+from training.loader import DataConfigError, RankSampler, find_shards, make_loader, open_split
+
+VOCAB = 30522
+
+
+def training_set(shards: Path, seed: int = 1, **kwargs):
+    values = {"max_seq_length": 128, "max_predictions": 20, "vocab_size": VOCAB} | kwargs
+    return open_split(shards, "training", values["max_seq_length"], values["max_predictions"], values["vocab_size"],
+                      seed=seed, shuffle=True)
+
+
+def positions(sampler: RankSampler, count: int) -> list[int]:
+    return list(itertools.islice(iter(sampler), count))
+
+
+def test_ranks_split_each_micro_step_without_duplication():
+    micro, world, steps = 4, 2, 6
+    per_rank = [positions(RankSampler(0, micro, r, world), micro * steps) for r in range(world)]
+    assert set(per_rank[0]).isdisjoint(per_rank[1])
+    assert sorted(per_rank[0] + per_rank[1]) == list(range(micro * world * steps))
+    # micro step k of every rank together is the k-th block of micro * world positions
+    for k in range(steps):
+        block = {p for r in range(world) for p in per_rank[r][k * micro:(k + 1) * micro]}
+        assert block == set(range(k * micro * world, (k + 1) * micro * world))
+
+
+def test_resumed_sampler_continues_the_stream():
+    full = positions(RankSampler(0, 4, 1, 2), 40)
+    resumed = positions(RankSampler(48, 4, 1, 2), 16)  # 48 consumed = 6 micro steps of 8
+    assert resumed == full[24:40]
+    # on another world size the same global samples follow: 2 ranks x 4 == 1 rank x 8 per micro step
+    one_rank = positions(RankSampler(48, 8, 0, 1), 8)
+    two_ranks = positions(RankSampler(48, 4, 0, 2), 4) + positions(RankSampler(48, 4, 1, 2), 4)
+    assert one_rank == two_ranks
+
+
+def test_evaluation_sampler_stops_at_the_limit():
+    got = [list(RankSampler(0, 4, r, 2, limit=10)) for r in range(2)]
+    assert got == [[0, 1, 2, 3, 8, 9], [4, 5, 6, 7]]
+    assert len(RankSampler(0, 4, 0, 2, limit=10)) == 6
+
+
+def test_every_epoch_visits_every_row_once_in_a_seeded_order(phase1_shards):
+    ds = training_set(phase1_shards)
+    n = len(ds)
+    assert n == sum(h5py.File(p, "r")["input_ids"].shape[0] for p in find_shards(phase1_shards, "training"))
+    epoch0 = [ds.locate(p) for p in range(n)]
+    epoch1 = [ds.locate(p) for p in range(n, 2 * n)]
+    assert len(set(epoch0)) == n and set(epoch0) == set(epoch1)
+    assert epoch0 != epoch1
+    again = training_set(phase1_shards)
+    assert [again.locate(p) for p in range(0, 2 * n, 7)] == [ds.locate(p) for p in range(0, 2 * n, 7)]
+    other_seed = training_set(phase1_shards, seed=2)
+    assert [other_seed.locate(p) for p in range(50)] != epoch0[:50]
+
+
+def test_static_masks_come_from_the_file(phase1_shards):
+    ds = training_set(phase1_shards)
+    for position in (0, 1, 123, len(ds) + 5):
+        sample = ds[position]
+        shard, row = ds.locate(position)
+        with h5py.File(ds.shards[shard].path, "r") as f:
+            assert np.array_equal(sample["input_ids"], f["input_ids"][row])
+            assert np.array_equal(sample["token_type_ids"], f["segment_ids"][row])
+            assert np.array_equal(sample["attention_mask"], f["input_mask"][row])
+            assert np.array_equal(sample["masked_lm_positions"], f["masked_lm_positions"][row])
+            ids = f["masked_lm_ids"][row]
+            assert int(sample["next_sentence_labels"]) == int(f["next_sentence_labels"][row])
+        assert np.array_equal(sample["masked_lm_labels"], np.where(ids == 0, IGNORE_INDEX, ids))
+        assert (sample["masked_lm_labels"] != IGNORE_INDEX).sum() > 0
+
+
+def _to_reference_format(src: Path, dst: Path) -> None:
+    with h5py.File(src, "r") as fin, h5py.File(dst, "w") as fout:
+        for key in fin:
+            fout.create_dataset(key, data=fin[key][()].astype(np.int64))
+
+
+def test_reference_format_shards_read_the_same_samples(phase1_shards, tmp_path):
+    for src in find_shards(phase1_shards, "training"):
+        _to_reference_format(src, tmp_path / src.name.replace("wikicorpus_en", "hdf5_lower_case_1_seq_len_128"))
+    ours, reference = training_set(phase1_shards), training_set(tmp_path)
+    assert len(ours) == len(reference)
+    for position in range(0, 3 * len(ours), 97):
+        a, b = ours[position], reference[position]
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
+    ds = training_set(dynamic_shards)
+    assert not ds.shards[0].static_masks
+    vocab = (dynamic_shards / "vocab.txt").read_text().split("\n")
+    cls_id, sep_id, mask_id = vocab.index("[CLS]"), vocab.index("[SEP]"), vocab.index("[MASK]")
+    replaced_by_mask = total = 0
+    again = training_set(dynamic_shards)
+    for position in range(200):
+        sample = ds[position]
+        shard, row = ds.locate(position)
+        with h5py.File(ds.shards[shard].path, "r") as f:
+            original = f["input_ids"][row].astype(np.int64)
+        labels = sample["masked_lm_labels"]
+        count = int((labels != IGNORE_INDEX).sum())
+        slots = sample["masked_lm_positions"][:count]
+        real_tokens = int(sample["attention_mask"].sum()) - int(((original == cls_id) | (original == sep_id)).sum())
+        assert count == min(20, max(1, round(real_tokens * 0.15)))
+        assert np.all(np.diff(slots) > 0) and np.all(sample["masked_lm_positions"][count:] == 0)
+        assert np.array_equal(labels[:count], original[slots])
+        assert not np.isin(original[slots], [cls_id, sep_id, 0]).any()
+        unmasked = np.setdiff1d(np.arange(128), slots)
+        assert np.array_equal(sample["input_ids"][unmasked], original[unmasked])
+        replaced_by_mask += int((sample["input_ids"][slots] == mask_id).sum())
+        total += count
+        assert all(np.array_equal(sample[k], again[position][k]) for k in sample)
+    assert 0.72 < replaced_by_mask / total < 0.88  # 80% [MASK], 10% random, 10% unchanged
+
+
+def test_workers_prefetch_the_same_batches(phase1_shards):
+    ds = training_set(phase1_shards)
+    serial = list(itertools.islice(make_loader(ds, RankSampler(16, 4, 1, 2), 4, num_workers=0), 3))
+    parallel = list(itertools.islice(make_loader(ds, RankSampler(16, 4, 1, 2), 4, num_workers=2), 3))
+    for a, b in zip(serial, parallel, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert serial[0]["input_ids"].shape == (4, 128) and serial[0]["input_ids"].dtype == torch.int64
+
+
+def test_sequence_length_mismatch_names_file_and_flag(phase1_shards):
+    with pytest.raises(DataConfigError, match=r"wikicorpus_en_training_0\.hdf5.*--max_seq_length is 512"):
+        training_set(phase1_shards, max_seq_length=512)
+
+
+def test_max_predictions_mismatch_names_file_and_flag(phase1_shards):
+    with pytest.raises(DataConfigError, match=r"\.hdf5.*--max_predictions_per_seq is 80; pass --max_predictions_per_seq 20"):
+        training_set(phase1_shards, max_predictions=80)
+
+
+def test_vocab_size_mismatch_is_caught_from_attributes(phase1_shards):
+    with pytest.raises(DataConfigError, match=r"vocabulary of 30522 tokens but the model config has vocab_size 1000"):
+        training_set(phase1_shards, vocab_size=1000)
+
+
+def test_vocab_size_mismatch_is_caught_in_reference_shards_without_attributes(phase1_shards, tmp_path):
+    src = find_shards(phase1_shards, "training")[0]
+    _to_reference_format(src, tmp_path / "ref_training_0.hdf5")
+    ds = training_set(tmp_path, vocab_size=2000)  # no attributes: found when a sample is read
+    with pytest.raises(DataConfigError, match=r"ref_training_0\.hdf5: row \d+ holds token id \d+, outside"):
+        for position in range(50):
+            ds[position]
+
+
+def test_missing_dataset_and_non_integer_dtype_are_clear(tmp_path):
+    with h5py.File(tmp_path / "a_training_0.hdf5", "w") as f:
+        f["input_ids"] = np.zeros((2, 128), np.int32)
+    with pytest.raises(DataConfigError, match=r"a_training_0\.hdf5: missing dataset\(s\) input_mask"):
+        training_set(tmp_path)
+    with h5py.File(tmp_path / "a_training_0.hdf5", "w") as f:
+        for key in ("input_ids", "input_mask", "segment_ids"):
+            f[key] = np.zeros((2, 128), np.float32)
+        f["next_sentence_labels"] = np.zeros(2, np.int8)
+    with pytest.raises(DataConfigError, match="'input_ids' has dtype float32; expected an integer dtype"):
+        training_set(tmp_path)

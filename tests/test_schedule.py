@@ -1,0 +1,71 @@
+"""Learning-rate schedule: warm-up, constant phase, polynomial decay, and its checkpointed state."""
+
+import pytest
+import torch
+
+from training.schedule import ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay, lr_at
+
+
+def test_gaudi_1p5b_shape_warmup_constant_linear_decay():
+    cfg = ScheduleConfig(base_lr=1e-3, total_steps=1000, warmup_proportion=0.05, constant_proportion=0.3, power=1.0)
+    assert cfg.warmup_steps == 50 and cfg.constant_end == 300
+    assert lr_at(cfg, 0) == pytest.approx(1e-3 / 50)
+    assert lr_at(cfg, 24) == pytest.approx(1e-3 * 25 / 50)
+    assert lr_at(cfg, 49) == pytest.approx(1e-3)
+    assert all(lr_at(cfg, s) == 1e-3 for s in range(50, 300))
+    # linear from the peak at step 300 to zero at step 1000
+    assert lr_at(cfg, 650) == pytest.approx(0.5e-3)
+    assert lr_at(cfg, 999) == pytest.approx(1e-3 / 700)
+    assert lr_at(cfg, 1000) == 0.0
+    lrs = [lr_at(cfg, s) for s in range(300, 1001)]
+    assert all(a > b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_polynomial_power_and_no_constant_phase():
+    cfg = ScheduleConfig(base_lr=2.0, total_steps=100, warmup_proportion=0.0, constant_proportion=0.0, power=0.5)
+    assert cfg.warmup_steps == 0 and cfg.constant_end == 0
+    assert lr_at(cfg, 0) == 2.0
+    assert lr_at(cfg, 75) == pytest.approx(2.0 * 0.25**0.5)
+
+
+def test_constant_proportion_below_warmup_means_no_constant_phase():
+    cfg = ScheduleConfig(base_lr=1.0, total_steps=100, warmup_proportion=0.2, constant_proportion=0.1)
+    assert cfg.constant_end == 20
+    assert lr_at(cfg, 60) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"base_lr": 0.0}, "--learning_rate"), ({"total_steps": 0}, "--max_steps"),
+    ({"warmup_proportion": 1.5}, "--warmup_proportion"), ({"constant_proportion": -0.1}, "--constant_proportion"),
+    ({"power": 0.0}, "--poly_power"),
+])
+def test_bad_values_name_the_flag(kwargs, flag):
+    values = {"base_lr": 1e-3, "total_steps": 10} | kwargs
+    with pytest.raises(ValueError, match=flag):
+        ScheduleConfig(**values)
+
+
+def _optimizer():
+    return torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=123.0)
+
+
+def test_scheduler_drives_the_optimizer_and_round_trips():
+    cfg = ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.2, constant_proportion=0.5)
+    opt = _optimizer()
+    sched = WarmupConstantDecay(opt, cfg)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.5)  # step 0 of a 2-step warm-up
+    for _ in range(6):
+        sched.step()
+    assert sched.get_last_lr() == [pytest.approx(lr_at(cfg, 6))]
+    restored = WarmupConstantDecay(_optimizer(), cfg)
+    restored.load_state_dict(sched.state_dict())
+    assert restored.step_count == 6
+    assert restored.optimizer.param_groups[0]["lr"] == pytest.approx(lr_at(cfg, 6))
+
+
+def test_resuming_with_another_schedule_is_an_error():
+    cfg = ScheduleConfig(base_lr=1.0, total_steps=10)
+    state = WarmupConstantDecay(_optimizer(), cfg).state_dict()
+    other = WarmupConstantDecay(_optimizer(), ScheduleConfig(base_lr=1.0, total_steps=20))
+    with pytest.raises(ScheduleMismatchError, match="total_steps: checkpoint 10 vs now 20"):
+        other.load_state_dict(state)

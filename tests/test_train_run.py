@@ -1,0 +1,321 @@
+"""run_pretraining.py end to end, as real processes on CPU with gloo, a tiny model and the
+project's own shards made from the real Wikipedia sample (fixtures phase1_shards / dynamic_shards).
+
+One 2-rank bf16 ZeRO-1 run (module fixture) serves several tests: loss falls, fp32 gradient
+accumulation, metrics, checkpoint layout, phase 2, resuming on 1 rank, a corrupt checkpoint.
+The fp32 runs check bitwise-equal losses after SIGKILL and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import pytest
+from conftest import ROOT, free_port
+
+from training.checkpoint import read_latest
+
+TINY = json.loads((ROOT / "configs" / "models" / "bert-tiny.json").read_text())
+
+
+def write_json(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def ds_config(path: Path, bf16: bool, **batch) -> Path:
+    config = {"gradient_clipping": 1.0, "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+              "steps_per_print": 10**6, **batch}
+    if bf16:
+        config |= {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+    return write_json(path, config)
+
+
+def command(nproc: int, args: list[str]) -> tuple[list[str], dict]:
+    env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1" if nproc > 1 else "2",
+               TORCH_EXTENSIONS_DIR=os.environ.get("TORCH_EXTENSIONS_DIR", str(ROOT / ".venv" / "torch_extensions")),
+               PYTHONUNBUFFERED="1")
+    script = str(ROOT / "run_pretraining.py")
+    if nproc == 1:
+        env["MASTER_PORT"] = str(free_port())
+        return [sys.executable, script, *args], env
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+            "--master_port", str(free_port()), script, *args], env
+
+
+def run(nproc: int, args: list[str], timeout: int = 300) -> subprocess.CompletedProcess:
+    cmd, env = command(nproc, args)
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+
+
+def base_args(shards: Path, out: Path, model: Path, ds: Path, steps: int, **extra) -> list[str]:
+    args = ["--deepspeed", "--deepspeed_config", str(ds), "--input_dir", str(shards), "--output_dir", str(out),
+            "--config_file", str(model), "--max_steps", str(steps), "--log_freq", "1", "--num_workers", "0",
+            "--num_eval_samples", "32"]
+    for key, value in extra.items():
+        args += [f"--{key}"] + ([] if value is True else [str(value)])
+    return args
+
+
+def records(out: Path, name: str = "metrics.jsonl") -> dict[int, dict]:
+    """Last record per step (a resumed run re-logs the steps after its checkpoint)."""
+    result = {}
+    for line in (out / name).read_text().splitlines():
+        record = json.loads(line)
+        result[record["step"]] = record
+    return result
+
+
+def ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result
+
+
+# ----------------------------------------------------------------------------- 2 ranks, bf16, ZeRO-1
+
+BF16_STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def no_dropout_model(tmp_path_factory) -> Path:
+    # Without dropout, a 2-rank and a 1-rank run of the same steps differ only by rounding.
+    return write_json(tmp_path_factory.mktemp("model") / "tiny.json",
+                      TINY | {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+
+
+@pytest.fixture(scope="module")
+def bf16_ds(tmp_path_factory) -> Path:
+    # train_batch_size and micro batch fixed: DeepSpeed derives accumulation 2 on 2 ranks, 4 on 1 rank.
+    return ds_config(tmp_path_factory.mktemp("ds") / "ds.json", bf16=True, train_batch_size=16,
+                     train_micro_batch_size_per_gpu=4)
+
+
+def bf16_args(shards: Path, out: Path, model: Path, ds: Path) -> list[str]:
+    return base_args(shards, out, model, ds, BF16_STEPS, optimizer="lamb", learning_rate=2e-2,
+                     warmup_proportion=0.1, num_steps_per_checkpoint=8, keep_checkpoints=2, eval_freq=8,
+                     num_workers=1)
+
+
+@pytest.fixture(scope="module")
+def bf16_run(tmp_path_factory, phase1_shards, no_dropout_model, bf16_ds) -> Path:
+    out = tmp_path_factory.mktemp("bf16") / "run"
+    ok(run(2, bf16_args(phase1_shards, out, no_dropout_model, bf16_ds)))
+    return out
+
+
+@pytest.mark.slow
+def test_bf16_zero1_two_ranks_trains(bf16_run):
+    info = json.loads((bf16_run / "run_info.json").read_text())
+    assert info["world_size"] == 2 and info["backend"] == "gloo" and info["zero_stage"] == 1
+    assert info["bf16"] and info["optimizer_wrapper"] == "BF16_Optimizer"
+    assert info["grad_accum_dtype"] == "float32"  # checked on the engine's buffers, not read from the JSON
+    assert info["micro_batch"] == 4 and info["gradient_accumulation_steps"] == 2
+    recs = records(bf16_run)
+    assert sorted(recs) == list(range(1, BF16_STEPS + 1))
+    first = sum(recs[s]["loss"] for s in (1, 2, 3)) / 3
+    last = sum(recs[s]["loss"] for s in (14, 15, 16)) / 3
+    assert last < first - 1.0, (first, last)
+    for key in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "lr", "grad_norm", "seq_per_s", "tokens_per_s",
+                "tflops_per_device", "mfu", "peak_memory_bytes", "consumed_samples"):
+        assert key in recs[16]
+    assert recs[16]["consumed_samples"] == 16 * 16
+    assert recs[16]["tokens_per_s"] == pytest.approx(recs[16]["seq_per_s"] * 128)
+    assert recs[16]["mfu"] is None  # no known peak for a CPU
+    assert recs[1]["lr"] == pytest.approx(2e-2 * 1 / 2)  # warm-up: 10% of 16 steps = 2 steps
+    evals = records(bf16_run, "eval.jsonl")
+    assert sorted(evals) == [8, 16] and evals[16]["samples"] == 32
+    assert evals[16]["loss"] < evals[8]["loss"]
+    assert (bf16_run / "tensorboard").is_dir()
+
+
+@pytest.mark.slow
+def test_checkpoint_layout_and_export_files(bf16_run, phase1_shards):
+    ckpt = bf16_run / "checkpoints"
+    assert read_latest(ckpt) == "step00000016"
+    tags = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    assert tags == ["step00000008", "step00000016"]
+    state = json.loads((ckpt / "step00000016" / "run_state.json").read_text())
+    assert state["consumed_samples"] == 256 and state["world_size"] == 2
+    assert {"bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+            "mp_rank_00_model_states.pt"} <= set(state["files"])
+    assert json.loads((bf16_run / "model_config.json").read_text())["hidden_size"] == TINY["hidden_size"]
+    assert (bf16_run / "vocab.txt").read_bytes() == (phase1_shards / "vocab.txt").read_bytes()
+
+
+@pytest.mark.slow
+def test_two_rank_checkpoint_resumes_on_one_rank_at_the_same_sample(bf16_run, phase1_shards, no_dropout_model,
+                                                                    bf16_ds, tmp_path):
+    out = tmp_path / "resumed"
+    shutil.copytree(bf16_run, out)
+    (out / "checkpoints" / "latest").write_text("step00000008\n")  # as if the 2-rank job stopped at step 8
+    ok(run(1, bf16_args(phase1_shards, out, no_dropout_model, bf16_ds)))
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["world_size"] == 1 and info["resumed_world_size"] == 2 and info["resumed_from"] == "step00000008"
+    assert info["gradient_accumulation_steps"] == 4 and info["start_consumed_samples"] == 8 * 16
+    assert (out / "checkpoints" / "step00000008_universal" / "zero").is_dir()
+    two, one = records(bf16_run), records(out)
+    for step in range(9, BF16_STEPS + 1):
+        assert one[step]["consumed_samples"] == two[step]["consumed_samples"] == step * 16
+        # same samples, same weights and optimizer state: only bf16 rounding and reduction order differ
+        assert one[step]["loss"] == pytest.approx(two[step]["loss"], rel=0.02), step
+        assert one[step]["lr"] == pytest.approx(two[step]["lr"], rel=1e-9)
+    assert read_latest(out / "checkpoints") == "step00000016"
+    state = json.loads((out / "checkpoints" / "step00000016" / "run_state.json").read_text())
+    assert state["world_size"] == 1
+
+
+@pytest.mark.slow
+def test_phase2_starts_from_phase1_weights_with_fresh_optimizer(bf16_run, phase1_shards, tmp_path):
+    out = tmp_path / "phase2"
+    ds = ds_config(tmp_path / "ds.json", bf16=True, train_micro_batch_size_per_gpu=4)
+    phase1_files = {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()}
+    ok(run(1, base_args(phase1_shards, out, bf16_run / "model_config.json", ds, 3, optimizer="adamw",
+                        learning_rate=1e-3, warmup_proportion=0.5, phase2=True, init_checkpoint=bf16_run)))
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["init_checkpoint"].endswith("checkpoints/step00000016") and info["start_step"] == 0
+    recs, phase1 = records(out), records(bf16_run)
+    # fresh schedule: step 1 of a 2-step warm-up; phase-1 weights: the loss continues where phase 1 ended
+    assert recs[1]["lr"] == pytest.approx(0.5e-3)
+    assert recs[1]["loss"] < phase1[1]["loss"] - 1.0
+    assert abs(recs[1]["loss"] - phase1[16]["loss"]) < 0.5
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step00000003"]
+    assert {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()} == phase1_files
+
+
+@pytest.mark.slow
+def test_truncated_checkpoint_fails_loudly(bf16_run, phase1_shards, no_dropout_model, bf16_ds, tmp_path):
+    out = tmp_path / "corrupt"
+    shutil.copytree(bf16_run, out)
+    victim = out / "checkpoints" / "step00000016" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    with open(victim, "r+b") as f:
+        f.truncate(victim.stat().st_size // 2)
+    before = (out / "metrics.jsonl").read_text()
+    result = run(1, bf16_args(phase1_shards, out, no_dropout_model, bf16_ds))
+    assert result.returncode == 1
+    assert "corrupt" in result.stderr and str(victim) in result.stderr
+    assert (out / "metrics.jsonl").read_text() == before
+    assert read_latest(out / "checkpoints") == "step00000016"
+
+
+# ----------------------------------------------------------------------------- fp32: exact resume
+
+FP32_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def fp32_setup(tmp_path_factory, phase1_shards):
+    tmp = tmp_path_factory.mktemp("fp32")
+    model = write_json(tmp / "tiny.json", TINY)  # dropout on: its randomness must resume exactly too
+    ds = ds_config(tmp / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+
+    def args(shards: Path, out: Path) -> list[str]:
+        return base_args(shards, out, model, ds, FP32_STEPS, optimizer="adamw", learning_rate=1e-3,
+                         warmup_proportion=0.2, num_steps_per_checkpoint=4, keep_checkpoints=5)
+
+    reference = tmp / "reference"
+    ok(run(1, args(phase1_shards, reference)))
+    return args, reference
+
+
+def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if metrics.exists() and any(json.loads(line)["step"] >= step for line in metrics.read_text().splitlines()):
+            return
+        assert proc.poll() is None, f"run ended early: {proc.communicate()[1][-3000:]}"
+        time.sleep(0.02)
+    raise TimeoutError(f"no step {step} within {timeout} s")
+
+
+def losses(out: Path) -> list[float]:
+    return [r["loss"] for _, r in sorted(records(out).items())]
+
+
+@pytest.mark.slow
+def test_sigkill_then_resume_gives_bitwise_equal_losses(fp32_setup, phase1_shards, tmp_path):
+    args, reference = fp32_setup
+    out = tmp_path / "killed"
+    cmd, env = command(1, args(phase1_shards, out))
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(out, proc, 6)  # past the checkpoint at step 4
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    assert max(records(out)) < FP32_STEPS
+    assert read_latest(out / "checkpoints") in ("step00000004", "step00000008")
+    ok(run(1, args(phase1_shards, out)))
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["start_step"] in (4, 8) and info["start_consumed_samples"] == info["start_step"] * 8
+    assert len(losses(reference)) == FP32_STEPS
+    assert losses(out) == losses(reference)  # bitwise: floats are written with repr
+
+
+@pytest.mark.slow
+def test_sigterm_saves_a_checkpoint_exits_0_and_resumes_exactly(fp32_setup, phase1_shards, tmp_path):
+    args, reference = fp32_setup
+    out = tmp_path / "terminated"
+    cmd, env = command(1, args(phase1_shards, out))
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(out, proc, 5)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "stop requested" in stderr
+    stopped_at = max(records(out))
+    assert 5 <= stopped_at < FP32_STEPS
+    assert read_latest(out / "checkpoints") == f"step{stopped_at:08d}"
+    ok(run(1, args(phase1_shards, out)))
+    assert json.loads((out / "run_info.json").read_text())["start_step"] == stopped_at
+    assert losses(out) == losses(reference)
+
+
+@pytest.mark.slow
+def test_overwritten_checkpoint_bytes_fail_loudly(fp32_setup, phase1_shards, tmp_path):
+    args, reference = fp32_setup
+    out = tmp_path / "garbled"
+    shutil.copytree(reference, out)
+    victim = out / "checkpoints" / "step00000012" / "mp_rank_00_model_states.pt"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 3: len(data) // 3 + 4096] = b"\0" * 4096  # same size: only loading can tell
+    victim.write_bytes(bytes(data))
+    result = run(1, args(phase1_shards, out))
+    assert result.returncode == 1
+    assert "CRC-32 differs" in result.stderr and str(victim) in result.stderr
+
+
+def to_reference_format(src: Path, dst: Path) -> None:
+    """NVIDIA/Habana-style shard: the same keys in int64, no file attributes."""
+    with h5py.File(src, "r") as fin, h5py.File(dst, "w") as fout:
+        for key in fin:
+            fout.create_dataset(key, data=fin[key][()].astype("int64"))
+
+
+@pytest.mark.slow
+def test_reference_format_shards_train_identically(fp32_setup, phase1_shards, tmp_path):
+    args, reference = fp32_setup
+    shards = tmp_path / "nvidia"
+    shards.mkdir()
+    for src in sorted((phase1_shards / "hdf5").rglob("*.hdf5")):
+        to_reference_format(src, shards / src.name.replace("wikicorpus_en", "books_wiki_en_corpus"))
+    out = tmp_path / "run"
+    ok(run(1, args(shards, out)))
+    assert losses(out) == losses(reference)  # same samples in the same order
+    assert not (out / "vocab.txt").exists()
+
+
+@pytest.mark.slow
+def test_batch_sizes_that_do_not_divide_fail_clearly(phase1_shards, tmp_path):
+    ds = ds_config(tmp_path / "ds.json", bf16=True, train_batch_size=12, train_micro_batch_size_per_gpu=4,
+                   gradient_accumulation_steps=2)
+    result = run(1, base_args(phase1_shards, tmp_path / "out", ROOT / "configs/models/bert-tiny.json", ds, 2))
+    assert result.returncode == 1
+    assert f"{ds}: train_batch_size 12 != 4 x 2 x 1" in result.stderr
+    assert not (tmp_path / "out" / "checkpoints").exists()
