@@ -16,6 +16,7 @@ import torch
 
 from modeling import BertConfig, BertForPreTraining
 from scripts.export_hf import ExportError, export, locate, read_weights
+from tests.conftest import free_port
 from tests.test_launch import shared_two_node_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,29 +97,37 @@ def test_universal_checkpoint_exports_the_same_weights(zero_run: Path, zero_expo
     assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
 
 
-def test_checkpoint_without_zero(phase1_shards: Path, tmp_path: Path):
+def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tmp_path: Path):
+    """ZeRO-1 in fp32 (DeepSpeed's standard ZeRO optimizer, read by zero_to_fp32), then the same tag
+    without its optimizer partitions, as a stage-0 checkpoint is laid out: both give the same model."""
     ds = tmp_path / "ds.json"
-    ds.write_text(json.dumps({"train_batch_size": 4, "train_micro_batch_size_per_gpu": 4,
-                              "zero_optimization": {"stage": 0}, "gradient_clipping": 1.0}))
+    ds.write_text(json.dumps({**json.loads((ROOT / "configs/deepspeed/zero1-fp32.json").read_text()),
+                              "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1}))
     run = tmp_path / "run"
     proc = subprocess.run([sys.executable, str(ROOT / "run_pretraining.py"), "--deepspeed", "--deepspeed_config",
                            str(ds), "--input_dir", str(phase1_shards), "--output_dir", str(run), "--config_file",
                            str(ROOT / "configs/models/bert-tiny.json"), "--max_steps", "2", "--optimizer", "adamw",
                            "--learning_rate", "1e-3", "--num_steps_per_checkpoint", "2", "--num_workers", "0"],
                           capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
+                               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    loc = locate(run)
-    assert not list(loc.tag_dir.glob("*zero_pp_rank_*"))
-    hf = tmp_path / "hf"
-    _, source = export(run, hf)
-    assert "no ZeRO partitions" in source and "float32" in source
-    module = torch.load(loc.tag_dir / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)["module"]
+    _, source = export(run, tmp_path / "hf_zero")
+    assert "merged from 1 ZeRO partition(s)" in source and "bf16" not in source
+    tag_dir = locate(run).tag_dir
+    plain = tmp_path / "plain" / "checkpoints" / tag_dir.name
+    plain.mkdir(parents=True)
+    shutil.copy(tag_dir / "mp_rank_00_model_states.pt", plain)
+    _, source = export(plain, tmp_path / "hf_plain", config_file=run / "model_config.json",
+                       vocab_file=run / "vocab.txt")
+    assert "module weights (float32), no ZeRO partitions" in source
     from safetensors.torch import load_file
 
-    saved = load_file(hf / "model.safetensors")
-    name = "bert.encoder.layer.0.attention.self.query.weight"
-    assert torch.equal(saved[name], module[name])
+    zero, plain_weights = load_file(tmp_path / "hf_zero" / "model.safetensors"), load_file(tmp_path / "hf_plain" /
+                                                                                           "model.safetensors")
+    assert zero.keys() == plain_weights.keys()
+    for name in zero:  # fp32 training: the module weights are the master weights
+        assert torch.equal(zero[name], plain_weights[name]), name
 
 
 def test_clear_errors(zero_run: Path, tmp_path: Path):

@@ -179,7 +179,9 @@ def test_clear_errors(tmp_path: Path):
     base = ["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run")]
     cases = [
         (["--preset", "demo", "--nodes", "2", "--launcher", "torchrun", *base], "needs --node_rank"),
-        (["--preset", "demo", "--nodes", "2", *base], "needs --hostfile or --hosts"),
+        (["--preset", "demo", "--nodes", "2", *base], "2 nodes need --master_addr, --hosts or --hostfile"),
+        (["--preset", "demo", "--nodes", "2", "--devices_per_node", "1", "--master_addr", "a", *base],
+         "on 2 nodes needs --hostfile or --hosts"),
         (["--preset", "bert-1.5b-phase1", "--nodes", "5", "--hosts", "a,b,c,d,e", *base], "not divisible"),
         (["--preset", "bert-large-phase2", "--nodes", "1", *base], "phase-2 recipe; pass the phase-1 output"),
         (["--preset", "demo", "--nodes", "1", "--input_dir", str(tmp_path / "nope"), "--output_dir", str(tmp_path)],

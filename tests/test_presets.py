@@ -45,7 +45,7 @@ def test_every_preset_loads_and_resolves(path: Path, tmp_path: Path):
                 if key not in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
                     assert ds[key] == value
     init = str(tmp_path) if preset.phase == 2 else None
-    args = resolve(preset, 8).run_args(tmp_path / "ds.json", init_checkpoint=init)
+    args = resolve(preset, 1).run_args(tmp_path / "ds.json", init_checkpoint=init)
     assert args[args.index("--max_seq_length") + 1] == str(preset.max_seq_length)
     assert ("--phase2" in args) == (preset.phase == 2)
 
