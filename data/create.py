@@ -193,12 +193,16 @@ def build_block(pairs: np.ndarray, tokens: np.ndarray, max_seq_length: int, voca
                 ) -> dict[str, np.ndarray]:
     """[CLS] A [SEP] B [SEP], zero-padded, for every pair at once."""
     n, seq = len(pairs), max_seq_length
-    col = np.arange(seq)[None, :]
-    a_start, a_len, b_start, b_len = (pairs[:, k:k + 1] for k in range(4))
+    col = np.arange(seq, dtype=np.int32)[None, :]
+    spans = pairs[:, :4].astype(np.int32) if len(tokens) < 2**31 - seq else pairs[:, :4]
+    a_start, a_len, b_start, b_len = (spans[:, k:k + 1] for k in range(4))
     in_a = (col >= 1) & (col <= a_len)
     in_b = (col >= a_len + 2) & (col <= a_len + b_len + 1)
-    src = np.where(in_a, a_start + col - 1, np.where(in_b, b_start + col - a_len - 2, 0))
-    ids = np.where(in_a | in_b, tokens[src], 0).astype(np.int32)
+    # Index of each slot's token in the flat array (slots outside A and B read token 0, then zeroed).
+    src = np.where(in_a, a_start - 1 + col, 0)
+    np.copyto(src, b_start - a_len - 2 + col, where=in_b)
+    ids = tokens[src]
+    ids[~(in_a | in_b)] = 0
     rows = np.arange(n)
     ids[:, 0] = vocab.cls
     ids[rows, a_len[:, 0] + 1] = vocab.sep
