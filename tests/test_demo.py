@@ -1,0 +1,71 @@
+"""`make demo` in a reduced size (fewer articles and steps), through the same script, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts.demo import DemoError, check_learning, progress_table
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_demo_end_to_end_reduced(tmp_path: Path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "demo.py"), "--output_dir", str(out),
+                           "--articles", "240", "--max_steps", "40", "--log_freq", "4"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT,
+                          env={**os.environ, "DS_ACCELERATOR": "cpu"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    stdout = proc.stdout
+    # the dump, the pipeline's trained vocab and shards
+    assert (out / "dump" / "demowiki-pages-articles.xml.bz2").is_file()
+    vocab = (out / "data" / "vocab.txt").read_text().splitlines()
+    assert vocab[0] == "[PAD]" and "[MASK]" in vocab
+    assert json.loads((out / "bert-demo-model.json").read_text())["vocab_size"] == len(vocab)
+    assert list((out / "data" / "hdf5" / "training").glob("*_training_*.hdf5"))
+    # training: 2 ranks, ZeRO-1, BF16, metrics, TensorBoard, a checkpoint
+    run = out / "run"
+    info = json.loads((run / "run_info.json").read_text())
+    assert (info["world_size"], info["zero_stage"], info["bf16"]) == (2, 1, True)
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(4, 41, 4))
+    assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step00000040"
+    # the printed table and trend come from metrics.jsonl
+    assert "step     loss  mlm loss" in stdout and f"{records[-1]['loss']:>8.3f}" in stdout
+    loss0, loss1, _, _ = check_learning(records)
+    assert f"loss {loss0:.3f} -> {loss1:.3f}" in stdout
+    # the Hugging Face export and the fill-mask predictions
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(out / "hf_model")
+    assert len(tokenizer) == len(vocab)
+    assert "the city was founded in 1200 as a [MASK] on the river." in stdout
+    assert stdout.count("      -> '") == 3
+    for where in ("dump", "HDF5 shards", "TensorBoard", "checkpoint", "Hugging Face model"):
+        assert where in stdout.split("=== done in")[1]
+
+
+def _records(losses: list[float], accuracies: list[float]) -> list[dict]:
+    return [{"step": i + 1, "loss": loss, "mlm_loss": loss - 0.7, "nsp_loss": 0.7, "mlm_accuracy": acc, "lr": 1e-3,
+             "seq_per_s": 10.0} for i, (loss, acc) in enumerate(zip(losses, accuracies))]
+
+
+def test_check_learning_fails_loudly_when_nothing_is_learned():
+    good = _records([8.0, 7.5, 7.0, 6.0], [0.01, 0.05, 0.08, 0.12])
+    assert check_learning(good) == (8.0, 6.0, 0.01, 0.12)
+    with pytest.raises(DemoError, match="the loss did not fall: 6.000 .* 8.000"):
+        check_learning(_records([6.0, 7.0, 7.5, 8.0], [0.1] * 4))
+    with pytest.raises(DemoError, match="MLM accuracy did not rise"):
+        check_learning(_records([8.0, 7.5, 7.0, 6.0], [0.1, 0.1, 0.1, 0.1]))
+    with pytest.raises(DemoError, match="only 2 logged steps"):
+        check_learning(good[:2])
+    table = progress_table(good, rows=2).splitlines()
+    assert len(table) == 3 and table[1].split()[:2] == ["1", "8.000"] and table[2].split()[:2] == ["4", "6.000"]
