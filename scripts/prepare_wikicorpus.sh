@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Full English Wikipedia -> phase 1 (seq 128, 20 predictions) and phase 2 (seq 512, 80 predictions)
+# HDF5 shards, with the pipeline in data/ (see docs/DATA.md).
+#
+#   scripts/prepare_wikicorpus.sh OUTPUT_DIR [VOCAB_FILE]
+#
+# Without VOCAB_FILE a 30,522-token uncased WordPiece vocab is trained on the corpus.
+# Environment (all optional):
+#   DUMP_DATE   enwiki dump date, YYYYMMDD (default 20241201; never "latest")
+#   DUMP        a local dump file or URL instead of downloading DUMP_DATE
+#   MIRROR      dump mirror (default https://dumps.wikimedia.org)
+#   WORKERS     worker processes (default: all cores)
+#   NUM_SHARDS  training shards per phase (default 256); TEST_SHARDS (default 8)
+#   PYTHON      interpreter (default: .venv/bin/python if present, else python3)
+#
+# Rerun the same command after any interruption: every stage resumes where it stopped.
+# Text (download, extraction, segmentation, tokens) is shared by both phases in OUTPUT_DIR/text.
+set -euo pipefail
+
+if [[ $# -lt 1 || $# -gt 2 ]]; then
+    sed -n '2,17p' "$0" >&2
+    exit 2
+fi
+OUT=$1
+VOCAB=${2:-}
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+if [[ -z ${PYTHON:-} ]]; then
+    if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
+WORKERS=${WORKERS:-$(nproc)}
+NUM_SHARDS=${NUM_SHARDS:-256}
+TEST_SHARDS=${TEST_SHARDS:-8}
+
+if [[ -n ${DUMP:-} ]]; then
+    source_args=(--input "$DUMP")
+else
+    source_args=(--dump_date "${DUMP_DATE:-20241201}" --mirror "${MIRROR:-https://dumps.wikimedia.org}")
+fi
+vocab_args=()
+if [[ -n $VOCAB ]]; then vocab_args=(--vocab_file "$VOCAB"); fi
+
+cd "$ROOT"
+for phase in 1 2; do
+    echo "=== phase $phase -> $OUT/phase$phase"
+    "$PYTHON" -m data.prepare "${source_args[@]}" "${vocab_args[@]}" --phase "$phase" \
+        --output_dir "$OUT/phase$phase" --text_dir "$OUT/text" \
+        --num_shards "$NUM_SHARDS" --num_test_shards "$TEST_SHARDS" --workers "$WORKERS"
+    # Phase 2 uses exactly the vocab phase 1 used (given or trained).
+    vocab_args=(--vocab_file "$OUT/phase1/vocab.txt")
+done
