@@ -322,6 +322,7 @@ def train(args: argparse.Namespace) -> dict:
 
         bind_to_deepspeed(engine)
     accum_dtype = check_fp32_accumulation(engine)
+    compiled = acc.compile_engine(engine)
 
     step, consumed, skipped = 0, 0, 0
     if resume is not None:
@@ -341,7 +342,8 @@ def train(args: argparse.Namespace) -> dict:
         "world_size": world, "accelerator": acc.name, "backend": acc.backend, "device_name": acc.device_name,
         "train_batch_size": sizes.train_batch_size, "micro_batch": sizes.micro_batch,
         "gradient_accumulation_steps": sizes.grad_accum, "zero_stage": engine.zero_optimization_stage(),
-        "bf16": engine.bfloat16_enabled(), "grad_accum_dtype": accum_dtype,
+        "bf16": engine.bfloat16_enabled(), "grad_accum_dtype": accum_dtype, "compiled": compiled,
+        "activation_checkpointing": model.checkpointing.enabled,
         "optimizer": args.optimizer, "optimizer_wrapper": type(engine.optimizer).__name__,
         "parameters": count_parameters(model), "resumed_from": resume[0] if resume else None,
         "resumed_world_size": resume[1].world_size if resume else None, "init_checkpoint": init_from,

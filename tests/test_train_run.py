@@ -121,7 +121,7 @@ def test_bf16_zero1_two_ranks_trains(bf16_run):
     assert sorted(recs) == list(range(1, BF16_STEPS + 1))
     first = sum(recs[s]["loss"] for s in (1, 2, 3)) / 3
     last = sum(recs[s]["loss"] for s in (14, 15, 16)) / 3
-    assert last < first - 1.0, (first, last)
+    assert last < first - 0.5, (first, last)
     for key in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy", "lr", "grad_norm", "seq_per_s", "tokens_per_s",
                 "tflops_per_device", "mfu", "peak_memory_bytes", "consumed_samples"):
         assert key in recs[16]
@@ -177,13 +177,15 @@ def test_phase2_starts_from_phase1_weights_with_fresh_optimizer(bf16_run, phase1
     ds = ds_config(tmp_path / "ds.json", bf16=True, train_micro_batch_size_per_gpu=4)
     phase1_files = {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()}
     ok(run(1, base_args(phase1_shards, out, bf16_run / "model_config.json", ds, 3, optimizer="adamw",
-                        learning_rate=1e-3, warmup_proportion=0.5, phase2=True, init_checkpoint=bf16_run)))
+                        learning_rate=1e-3, warmup_proportion=0.5, phase2=True, init_checkpoint=bf16_run,
+                        checkpoint_activations=True)))
     info = json.loads((out / "run_info.json").read_text())
+    assert info["activation_checkpointing"] and not info["compiled"]
     assert info["init_checkpoint"].endswith("checkpoints/step00000016") and info["start_step"] == 0
     recs, phase1 = records(out), records(bf16_run)
     # fresh schedule: step 1 of a 2-step warm-up; phase-1 weights: the loss continues where phase 1 ended
     assert recs[1]["lr"] == pytest.approx(0.5e-3)
-    assert recs[1]["loss"] < phase1[1]["loss"] - 1.0
+    assert recs[1]["loss"] < phase1[1]["loss"] - 0.5
     assert abs(recs[1]["loss"] - phase1[16]["loss"]) < 0.5
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step00000003"]
     assert {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()} == phase1_files

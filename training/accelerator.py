@@ -12,11 +12,9 @@ was run in this project; the HPU path follows Habana's documented PyTorch API:
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 SUPPORTED = {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}  # accelerator -> expected backend
 
@@ -36,11 +34,13 @@ class Accelerator:
 
             htcore.mark_step()
 
-    def compile(self, model: nn.Module) -> nn.Module | Callable:
-        """HPU eager mode runs the model through torch.compile with Habana's backend."""
+    def compile_engine(self, engine) -> bool:
+        """HPU eager mode runs the model through torch.compile with Habana's backend (DeepSpeed's
+        `engine.compile` wraps the module in place). Returns whether it compiled."""
         if self.name == "hpu" and not self.hpu_lazy:
-            return torch.compile(model, backend="hpu_backend")
-        return model
+            engine.compile(backend="hpu_backend")
+            return True
+        return False
 
     def max_memory_bytes(self) -> int:
         """Peak device memory of this process (peak resident set size on CPU)."""

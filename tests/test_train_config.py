@@ -1,0 +1,117 @@
+"""run_pretraining.py's checks that need no process group: batch sizes against the world size,
+the DeepSpeed JSON, flag combinations, and the non-finite loss guard."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from run_pretraining import (
+    DEFAULT_DS_CONFIG,
+    BatchSizes,
+    NonFiniteGuard,
+    NonFiniteLossError,
+    RunConfigError,
+    load_ds_config,
+    parse_args,
+    resolve_batch_sizes,
+)
+
+
+@pytest.mark.parametrize("config, world, expected", [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 2, BatchSizes(64, 4, 8)),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4}, 16, BatchSizes(64, 4, 1)),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 4}, 4, BatchSizes(64, 4, 4)),
+    ({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3}, 2, BatchSizes(48, 8, 3)),
+    ({"train_micro_batch_size_per_gpu": 8}, 4, BatchSizes(32, 8, 1)),
+    ({"train_batch_size": 32}, 4, BatchSizes(32, 8, 1)),
+    ({"train_batch_size": 48, "train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 3}, 2,
+     BatchSizes(48, 8, 3)),
+])
+def test_batch_sizes_resolve_like_deepspeed(config, world, expected):
+    assert resolve_batch_sizes(config, world, "ds.json") == expected
+
+
+@pytest.mark.parametrize("config, world, message", [
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 3}, 2,
+     "train_batch_size 64 is not divisible by train_micro_batch_size_per_gpu 3 x world size 2"),
+    ({"train_batch_size": 64, "gradient_accumulation_steps": 3}, 1,
+     "train_batch_size 64 is not divisible by gradient_accumulation_steps 3 x world size 1"),
+    ({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4}, 8,
+     r"train_batch_size 64 != 4 x 4 x 8.*gradient_accumulation_steps 2 with train_batch_size 64"),
+    ({"gradient_accumulation_steps": 4}, 1, "set train_batch_size or train_micro_batch_size_per_gpu"),
+    ({"train_micro_batch_size_per_gpu": 0}, 1, "'train_micro_batch_size_per_gpu' must be a positive integer"),
+    ({"train_batch_size": 6.5}, 1, "'train_batch_size' must be a positive integer"),
+])
+def test_batch_sizes_that_do_not_divide_name_the_file_and_fields(config, world, message):
+    with pytest.raises(RunConfigError, match=f"^ds.json: .*{message}"):
+        resolve_batch_sizes(config, world, "ds.json")
+
+
+def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping():
+    config, sizes = load_ds_config(DEFAULT_DS_CONFIG, world_size=2)
+    assert config["zero_optimization"]["stage"] == 1 and config["bf16"]["enabled"]
+    assert config["data_types"]["grad_accum_dtype"] == "fp32" and config["gradient_clipping"] == 1.0
+    assert sizes == BatchSizes(16, 8, 1) and config["train_batch_size"] == 16
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"data_types": {}}, r"bf16 needs \"data_types\": \{\"grad_accum_dtype\": \"fp32\"\}"),
+    ({"data_types": {"grad_accum_dtype": "bf16"}}, "gradients accumulate in fp32"),
+    ({"fp16": {"enabled": True}}, "fp16 is not supported"),
+    ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' section"),
+    ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' section"),
+])
+def test_deepspeed_json_errors(tmp_path, change, message):
+    config = json.loads(DEFAULT_DS_CONFIG.read_text()) | change
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(RunConfigError, match=message):
+        load_ds_config(path, world_size=1)
+
+
+def test_unreadable_deepspeed_json(tmp_path):
+    with pytest.raises(RunConfigError, match="cannot read it"):
+        load_ds_config(tmp_path / "missing.json", 1)
+    (tmp_path / "bad.json").write_text("{")
+    with pytest.raises(RunConfigError, match="not valid JSON"):
+        load_ds_config(tmp_path / "bad.json", 1)
+
+
+REQUIRED = ["--deepspeed", "--input_dir", "in", "--output_dir", "out", "--config_file", "c.json", "--max_steps", "5"]
+
+
+def test_flags_parse_with_reference_names():
+    args = parse_args(REQUIRED + ["--local_rank", "3", "--phase2", "--init_checkpoint", "phase1",
+                                  "--checkpoint_activations", "--constant_proportion", "0.3"])
+    assert args.local_rank == 3 and args.phase2 and args.checkpoint_activations
+    assert args.constant_proportion == 0.3 and args.poly_power == 1.0 and args.optimizer == "lamb"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--phase2"], "--phase2 and --init_checkpoint go together"),
+    (["--init_checkpoint", "x"], "--phase2 and --init_checkpoint go together"),
+    (["--phase2", "--init_checkpoint", "out"], "must be the phase-1 run"),
+    (["--log_freq", "0"], "--log_freq must be >= 1"),
+    (["--num_workers", "-1"], "--num_workers must be >= 0"),
+])
+def test_bad_flag_combinations(extra, message):
+    with pytest.raises(RunConfigError, match=message):
+        parse_args(REQUIRED + extra)
+
+
+def test_deepspeed_flag_is_required(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(REQUIRED[1:])
+    assert "--deepspeed" in capsys.readouterr().err
+
+
+def test_nonfinite_guard_counts_and_stops_after_n_in_a_row():
+    guard = NonFiniteGuard(limit=3)
+    for finite in (False, False, True, False, False):
+        guard.update(finite, step=7)
+    assert guard.skipped == 4 and guard.in_a_row == 2
+    with pytest.raises(NonFiniteLossError, match="3 micro batches in a row had a non-finite loss at step 7 "
+                                                 r"\(5 in total\)"):
+        guard.update(False, step=7)
