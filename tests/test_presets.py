@@ -171,3 +171,22 @@ def test_list_prints_a_table_of_every_preset(capsys):
     table = capsys.readouterr().out
     for path in SHIPPED:
         assert f"| {path.stem} |" in table
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_run_pretraining_accepts_every_preset_flag(path: Path, tmp_path: Path):
+    """The flags a preset resolves to are run_pretraining.py's own, with the preset's values."""
+    import run_pretraining
+
+    preset = load_preset(path)
+    init = tmp_path / "phase1" if preset.phase == 2 else None
+    args = resolve(preset, 1).run_args(tmp_path / "ds.json", init_checkpoint=str(init) if init else None)
+    ns = run_pretraining.parse_args(["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"), *args])
+    assert ns.config_file == preset.model_config and ns.deepspeed_config == tmp_path / "ds.json"
+    assert (ns.max_seq_length, ns.max_predictions_per_seq, ns.max_steps) == \
+        (preset.max_seq_length, preset.max_predictions_per_seq, preset.max_steps)
+    assert (ns.learning_rate, ns.warmup_proportion, ns.constant_proportion, ns.poly_power) == \
+        (preset.learning_rate["default"], preset.warmup_proportion, preset.constant_proportion, preset.poly_power)
+    assert (ns.optimizer, ns.num_steps_per_checkpoint, ns.checkpoint_activations, ns.phase2) == \
+        (preset.optimizer, preset.num_steps_per_checkpoint, preset.checkpoint_activations, preset.phase == 2)
+    assert ns.init_checkpoint == init
