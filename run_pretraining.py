@@ -80,7 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--log_freq", type=int, default=10, help="log every N steps")
     g.add_argument("--eval_freq", type=int, default=0,
                    help="evaluate on the test shards every N steps (0: only at the end of the run)")
-    g.add_argument("--num_eval_samples", type=int, default=1024, help="test samples per evaluation")
+    g.add_argument("--num_eval_samples", type=int, default=1024, help="test samples per evaluation (0: no evaluation)")
     g = p.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true", required=True,
                    help="required: this script runs on DeepSpeed (kept so DeepSpeed-style commands work as is)")
@@ -295,8 +295,10 @@ def train(args: argparse.Namespace) -> dict:
                            config.vocab_size, args.seed, shuffle=True)
     if train_set is None:
         raise DataConfigError(f"--input_dir {args.input_dir}: no *training*.hdf5 files found under it")
-    eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,
-                          config.vocab_size, args.seed, shuffle=False)
+    eval_set = None
+    if args.num_eval_samples:
+        eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,
+                              config.vocab_size, args.seed, shuffle=False)
 
     ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
     resume = checkpoint.find_resume(ckpt_dir)
