@@ -115,7 +115,7 @@ def _vocab_info(vocab_file: Path) -> _VocabInfo:
     return _VocabInfo(
         cls=index["[CLS]"], sep=index["[SEP]"], mask=index["[MASK]"], size=vocab.size,
         is_continuation=np.array([t.startswith("##") for t in vocab.tokens]),
-        replacements=np.setdiff1d(np.arange(vocab.size), special).astype(np.int32),
+        replacements=np.flatnonzero(~np.isin(np.arange(vocab.size), special)).astype(np.int32),
     )
 
 
@@ -133,41 +133,42 @@ def plan_pairs(sentence_starts: list[int], sentence_lengths: list[int], doc_firs
     (starts are offsets into the part's flat token array).
     """
     out: list[tuple[int, int, int, int, int]] = []
+    append, uniform = out.append, rnd.random  # bound once: this loop runs per sentence
     n_docs = len(docs)
     for _ in range(dupe_factor):
         for di, d in enumerate(docs):
             first, last = doc_first[d], doc_first[d + 1]
             target = max_num_tokens
-            if rnd.random() < short_seq_prob:
-                target = 2 + int(rnd.random() * (max_num_tokens - 1))
+            if uniform() < short_seq_prob:
+                target = 2 + int(uniform() * (max_num_tokens - 1))
             chunk_start = i = first
             length = 0
             while i < last:
                 length += sentence_lengths[i]
                 if i == last - 1 or length >= target:
                     n_chunk = i - chunk_start + 1
-                    a_end = chunk_start + (1 + int(rnd.random() * (n_chunk - 1)) if n_chunk >= 2 else 1)
+                    a_end = chunk_start + (1 + int(uniform() * (n_chunk - 1)) if n_chunk >= 2 else 1)
                     a_start = sentence_starts[chunk_start]
                     a_len = sentence_starts[a_end] - a_start
-                    if n_chunk == 1 or rnd.random() < 0.5:
+                    if n_chunk == 1 or uniform() < 0.5:
                         for _ in range(10):
-                            r = int(rnd.random() * n_docs)
+                            r = int(uniform() * n_docs)
                             if r != di:
                                 break
                         rf, rl = doc_first[docs[r]], doc_first[docs[r] + 1]
-                        j = rf + int(rnd.random() * (rl - rf))
+                        j = rf + int(uniform() * (rl - rf))
                         b_start, b_len, target_b = sentence_starts[j], 0, target - a_len
                         while j < rl:
                             b_len += sentence_lengths[j]
                             j += 1
                             if b_len >= target_b:
                                 break
-                        out.append((a_start, a_len, b_start, b_len, 1))
+                        append((a_start, a_len, b_start, b_len, 1))
                         # The unused sentences of this chunk start the next one.
                         i = a_end - 1
                     else:
                         b_start = sentence_starts[a_end]
-                        out.append((a_start, a_len, b_start, sentence_starts[i + 1] - b_start, 0))
+                        append((a_start, a_len, b_start, sentence_starts[i + 1] - b_start, 0))
                     chunk_start = i + 1
                     length = 0
                 i += 1

@@ -137,7 +137,7 @@ def wiki_mirror(sample_dump):
             f"{'0' * 40}  enwiki-{MIRROR_DUMP_DATE}-stub-articles.xml.gz\n{hashlib.sha1(data).hexdigest()}  {name}\n".encode(),
     })
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _mirror_handler(site))
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()
     try:
         yield f"http://127.0.0.1:{httpd.server_address[1]}", site
