@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -59,7 +60,8 @@ def test_zero_stages_partition_what_they_should():
     assert planner.model_state_bytes(p, "bf16", 1, 8) == (2 * p, 2 * p, 2 * p)
     assert planner.model_state_bytes(p, "bf16", 2, 8) == (2 * p, p // 4, 2 * p)
     assert planner.model_state_bytes(p, "bf16", 3, 8) == (p // 4, p // 4, 2 * p)
-    assert planner.model_state_bytes(p, "fp32", 1, 4) == (4 * p, 4 * p, 2 * p)
+    assert planner.model_state_bytes(p, "fp32", 0, 4) == (4 * p, 4 * p, 8 * p)  # plain PyTorch Adam
+    assert planner.model_state_bytes(p, "fp32", 1, 4) == (4 * p, 4 * p, 4 * p)  # + DeepSpeed's fp32 partitions
     with pytest.raises(ValueError, match="zero_stage"):
         planner.model_state_bytes(p, "bf16", 4, 8)
 
@@ -131,7 +133,8 @@ def test_activation_memory_in_bf16_matches_cpu_measurement():
 
 @pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
 def test_saved_activation_bytes_equal_what_autograd_saves(precision, dtype):
-    config = _config("bert-base")
+    # base width with 2 layers: the count is per layer, plus embeddings and heads
+    config = dataclasses.replace(_config("bert-base"), num_hidden_layers=2)
     batch, seq = 2, 128
     predictions = planner.default_max_predictions(seq)
     model = BertForPreTraining(config).to(dtype).train()

@@ -157,7 +157,9 @@ def model_state_bytes(parameters: int, precision: str, zero_stage: int, devices:
 
     bf16 follows DeepSpeed's `estimate_zero2_model_states_mem_needs`: 2 bytes of 16-bit weights,
     2 of 16-bit gradients, and 4 (fp32 gradient partition) + 4 (fp32 master weights) + 8 (two Adam
-    moments) of optimizer state. fp32 has no master copy and no second gradient.
+    moments) of optimizer state. In fp32, DeepSpeed's ZeRO optimizer still keeps its own fp32
+    partition of the weights and of the gradients (measured by benchmarks/bench_zero.py), so stages
+    1-3 hold the same 16 bytes of optimizer state; stage 0 means plain PyTorch (Adam's moments only).
     ZeRO-1 partitions the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the weights.
     """
     if precision not in PRECISIONS:
@@ -166,7 +168,7 @@ def model_state_bytes(parameters: int, precision: str, zero_stage: int, devices:
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
-    w_bytes, g_bytes, opt_bytes = (2, 2, 4 + 4 + 8) if precision == "bf16" else (4, 4, 8)
+    w_bytes, g_bytes, opt_bytes = (2, 2, 4 + 4 + 8) if precision == "bf16" else (4, 4, 8 if zero_stage == 0 else 16)
 
     def share(n_bytes: int, partitioned: bool) -> int:
         total = parameters * n_bytes
