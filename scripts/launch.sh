@@ -36,7 +36,7 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 abspath() { realpath -m -- "$1"; }
 
 PRESET="" NODES="" DEVICES="" DEVICE_KIND="default" LAUNCHER="deepspeed" HOSTFILE="" HOSTS="" NODE_RANK=""
-MASTER_ADDR_ARG="" MASTER_PORT_ARG="29500" SSH_PORT="3022" INPUT_DIR="" OUTPUT_DIR="" INIT_CHECKPOINT="" DRY_RUN=0
+MASTER_ADDR_ARG="" MASTER_PORT_ARG="29500" SSH_PORT="" INPUT_DIR="" OUTPUT_DIR="" INIT_CHECKPOINT="" DRY_RUN=0
 OVERRIDES=() EXTRA=()
 need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
 while [[ $# -gt 0 ]]; do
@@ -88,9 +88,15 @@ first_host() {  # the first host of the hostfile or host list, if any
   fi
 }
 NNODES="$NODES"
+# Options that a launcher would not use are errors, never silently ignored.
+[[ -z "$SSH_PORT" || "$LAUNCHER" == deepspeed ]] || die "--ssh_port is for the deepspeed launcher (pdsh), not $LAUNCHER"
+SSH_PORT="${SSH_PORT:-3022}"
+[[ -z "$NODE_RANK" || "$LAUNCHER" == torchrun ]] \
+  || die "--node_rank is for torchrun; the $LAUNCHER launcher ranks the nodes itself"
+[[ -z "$HOSTFILE$HOSTS" || "$LAUNCHER" == deepspeed || "$LAUNCHER" == torchrun ]] \
+  || die "--hostfile/--hosts are not used by the $LAUNCHER launcher, which gets its nodes from the job"
 case "$LAUNCHER" in
-  deepspeed)
-    [[ -z "$NODE_RANK" ]] || die "--node_rank is for torchrun; the deepspeed launcher ranks the hostfile's nodes itself" ;;
+  deepspeed) ;;
   torchrun)
     if [[ "$NODES" -gt 1 && -z "$NODE_RANK" ]]; then die "torchrun on $NODES nodes needs --node_rank (0..$((NODES - 1))) on each node"; fi
     NODE_RANK="${NODE_RANK:-0}" ;;
@@ -113,6 +119,7 @@ case "$LAUNCHER" in
     if [[ -z "$MASTER_ADDR_ARG" ]]; then
       if [[ "$NODE_RANK" == "${AWS_BATCH_JOB_MAIN_NODE_INDEX:-0}" ]]; then
         MASTER_ADDR_ARG="$(hostname -I | awk '{print $1}')"  # Batch does not give the main node its own address
+        [[ -n "$MASTER_ADDR_ARG" ]] || die "cannot tell this main node's IP address ('hostname -I' is empty); pass --master_addr"
       else
         MASTER_ADDR_ARG="${AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS:?AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS is not set}"
       fi

@@ -57,7 +57,7 @@ def test_base_image_arg_and_multinode_setup():
     assert re.search(r"^FROM \$\{BASE_IMAGE\}$", text, re.M)
     assert "HabanaAI/DeepSpeed" in text  # the Habana fork by default
     ssh_port = re.search(r"^ARG SSH_PORT=(\d+)$", text, re.M).group(1)
-    launch_default = re.search(r'SSH_PORT="(\d+)"', (ROOT / "scripts/launch.sh").read_text()).group(1)
+    launch_default = re.search(r'SSH_PORT="\$\{SSH_PORT:-(\d+)\}"', (ROOT / "scripts/launch.sh").read_text()).group(1)
     assert ssh_port == launch_default == "3022"
     assert "openssh-server" in text and "pdsh" in text and "/usr/sbin/sshd" in text
     assert 'VOLUME ["/data", "/results"]' in text

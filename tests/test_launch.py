@@ -189,6 +189,9 @@ def test_clear_errors(tmp_path: Path):
         (["--preset", "demo", "--nodes", "1", "--launcher", "mpi", *base], "--launcher must be"),
         (["--preset", "demo", "--nodes", "1", "--max_steps", "3", *base], "unknown option '--max_steps'"),
         (["--preset", "demo", "--nodes", "2", "--hostfile", str(tmp_path / "hosts"), *base], "does not exist"),
+        (["--preset", "demo", "--nodes", "1", "--launcher", "torchrun", "--ssh_port", "22", *base],
+         "--ssh_port is for the deepspeed launcher"),
+        (["--preset", "demo", "--nodes", "1", "--node_rank", "0", *base], "--node_rank is for torchrun"),
     ]
     for args, message in cases:
         proc = _launch([*args, "--dry_run"])
