@@ -35,6 +35,7 @@ import argparse
 import os
 import random
 import time
+from bisect import bisect_left
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -123,17 +124,20 @@ def derive_seed(*values: int) -> int:
     return int(np.random.SeedSequence(list(values)).generate_state(1, dtype=np.uint64)[0])
 
 
-def plan_pairs(sentence_starts: list[int], sentence_lengths: list[int], doc_first: list[int], docs: list[int],
-               max_num_tokens: int, short_seq_prob: float, dupe_factor: int, rnd: random.Random) -> np.ndarray:
-    """The reference's create_instances_from_document, over sentence lengths only.
+def plan_pairs(sentence_starts: list[int], doc_first: list[int], docs: list[int], max_num_tokens: int,
+               short_seq_prob: float, dupe_factor: int, rnd: random.Random) -> np.ndarray:
+    """The reference's create_instances_from_document, over sentence boundaries only.
 
-    `doc_first[d]` is the first sentence of document d (with a sentinel at the end); `docs` are
-    the documents to use. Uniform integers come from `lo + int(random() * span)`: random.randint
-    costs several times more per call, and this loop is the only per-instance Python left. Returns int64 [n, 5]: a_start, a_len, b_start, b_len, is_random_next
-    (starts are offsets into the part's flat token array).
+    `sentence_starts` are the token offsets of the part's sentences (with the end as sentinel),
+    so the tokens of sentences i..j-1 are starts[j] - starts[i]. `doc_first[d]` is the first
+    sentence of document d (with a sentinel); `docs` are the documents to use. Where the
+    reference adds sentences one by one until a length is reached, a bisection over the offsets
+    finds the same sentence. Uniform integers come from `lo + int(random() * span)`
+    (random.randint costs several times more). Returns int64 [n, 5]: a_start, a_len, b_start,
+    b_len, is_random_next, with starts as offsets into the part's flat token array.
     """
     out: list[tuple[int, int, int, int, int]] = []
-    append, uniform = out.append, rnd.random  # bound once: this loop runs per sentence
+    append, uniform, starts = out.append, rnd.random, sentence_starts  # bound once: the loop is hot
     n_docs = len(docs)
     for _ in range(dupe_factor):
         for di, d in enumerate(docs):
@@ -141,37 +145,28 @@ def plan_pairs(sentence_starts: list[int], sentence_lengths: list[int], doc_firs
             target = max_num_tokens
             if uniform() < short_seq_prob:
                 target = 2 + int(uniform() * (max_num_tokens - 1))
-            chunk_start = i = first
-            length = 0
-            while i < last:
-                length += sentence_lengths[i]
-                if i == last - 1 or length >= target:
-                    n_chunk = i - chunk_start + 1
-                    a_end = chunk_start + (1 + int(uniform() * (n_chunk - 1)) if n_chunk >= 2 else 1)
-                    a_start = sentence_starts[chunk_start]
-                    a_len = sentence_starts[a_end] - a_start
-                    if n_chunk == 1 or uniform() < 0.5:
-                        for _ in range(10):
-                            r = int(uniform() * n_docs)
-                            if r != di:
-                                break
-                        rf, rl = doc_first[docs[r]], doc_first[docs[r] + 1]
-                        j = rf + int(uniform() * (rl - rf))
-                        b_start, b_len, target_b = sentence_starts[j], 0, target - a_len
-                        while j < rl:
-                            b_len += sentence_lengths[j]
-                            j += 1
-                            if b_len >= target_b:
-                                break
-                        append((a_start, a_len, b_start, b_len, 1))
-                        # The unused sentences of this chunk start the next one.
-                        i = a_end - 1
-                    else:
-                        b_start = sentence_starts[a_end]
-                        append((a_start, a_len, b_start, sentence_starts[i + 1] - b_start, 0))
-                    chunk_start = i + 1
-                    length = 0
-                i += 1
+            chunk_start = first
+            while chunk_start < last:
+                # The chunk ends at the first sentence that brings it to `target` tokens, or the last one.
+                chunk_end = bisect_left(starts, starts[chunk_start] + target, chunk_start + 1, last)
+                n_chunk = chunk_end - chunk_start
+                a_end = chunk_start + (1 + int(uniform() * (n_chunk - 1)) if n_chunk >= 2 else 1)
+                a_start = starts[chunk_start]
+                a_len = starts[a_end] - a_start
+                if n_chunk == 1 or uniform() < 0.5:
+                    for _ in range(10):
+                        r = int(uniform() * n_docs)
+                        if r != di:
+                            break
+                    rf, rl = doc_first[docs[r]], doc_first[docs[r] + 1]
+                    j = rf + int(uniform() * (rl - rf))
+                    b_end = bisect_left(starts, starts[j] + target - a_len, j + 1, rl)
+                    append((a_start, a_len, starts[j], starts[b_end] - starts[j], 1))
+                    # The unused sentences of this chunk start the next one.
+                    chunk_start = a_end
+                else:
+                    append((a_start, a_len, starts[a_end], starts[chunk_end] - starts[a_end], 0))
+                    chunk_start = chunk_end
     return np.array(out, dtype=np.int64).reshape(-1, 5)
 
 
@@ -276,14 +271,14 @@ def create_instances(part: TokenizedPart, part_index: int, cfg: CreateConfig, vo
     doc_first = np.zeros(len(part.doc_sentences) + 1, dtype=np.int64)
     np.cumsum(part.doc_sentences, out=doc_first[1:])
     is_test = np.random.default_rng(derive_seed(cfg.seed, part_index, 0)).random(len(part.doc_sentences)) < cfg.test_fraction
-    starts_list, lengths_list, first_list = sentence_starts.tolist(), part.sentence_lengths.tolist(), doc_first.tolist()
+    starts_list, first_list = sentence_starts.tolist(), doc_first.tolist()
     keys = KEYS if cfg.static_masking else tuple(k for k in KEYS if not k.startswith("masked_lm"))
     result = {}
     for split_index, split in enumerate(SPLITS):
         docs = np.flatnonzero(is_test if split == "test" else ~is_test).tolist()
         rnd = random.Random(derive_seed(cfg.seed, part_index, split_index, 1))
         rng = np.random.default_rng(derive_seed(cfg.seed, part_index, split_index, 2))
-        pairs = plan_pairs(starts_list, lengths_list, first_list, docs, cfg.max_seq_length - 3,
+        pairs = plan_pairs(starts_list, first_list, docs, cfg.max_seq_length - 3,
                            cfg.short_seq_prob, cfg.dupe_factor, rnd) if docs else np.zeros((0, 5), np.int64)
         truncate_pairs(pairs, cfg.max_seq_length - 3, rng)
         pairs = pairs[rng.permutation(len(pairs))]

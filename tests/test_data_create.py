@@ -1,0 +1,102 @@
+"""data.create's vectorised pieces against the reference's one-at-a-time loops, on the real tokenized sample."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from data.create import plan_pairs, truncate_pairs
+from data.tokens import load_part
+
+
+def reference_plan(lengths: list[int], doc_first: list[int], docs: list[int], max_num_tokens: int,
+                   short_seq_prob: float, dupe_factor: int, rnd: random.Random) -> list[tuple[int, ...]]:
+    """create_instances_from_document's loop, adding sentences one at a time (same draws as data.create)."""
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    out = []
+    for _ in range(dupe_factor):
+        for di, d in enumerate(docs):
+            first, last = doc_first[d], doc_first[d + 1]
+            target = max_num_tokens
+            if rnd.random() < short_seq_prob:
+                target = 2 + int(rnd.random() * (max_num_tokens - 1))
+            chunk, length, i = [], 0, first
+            while i < last:
+                chunk.append(i)
+                length += lengths[i]
+                if i == last - 1 or length >= target:
+                    a_end = 1 + int(rnd.random() * (len(chunk) - 1)) if len(chunk) >= 2 else 1
+                    a_len = sum(lengths[s] for s in chunk[:a_end])
+                    if len(chunk) == 1 or rnd.random() < 0.5:
+                        for _ in range(10):
+                            r = int(rnd.random() * len(docs))
+                            if r != di:
+                                break
+                        rf, rl = doc_first[docs[r]], doc_first[docs[r] + 1]
+                        start = rf + int(rnd.random() * (rl - rf))
+                        b_len = 0
+                        for j in range(start, rl):
+                            b_len += lengths[j]
+                            if b_len >= target - a_len:
+                                break
+                        out.append((starts[chunk[0]], a_len, starts[start], b_len, 1))
+                        i -= len(chunk) - a_end
+                    else:
+                        out.append((starts[chunk[0]], a_len, starts[chunk[a_end]],
+                                    sum(lengths[s] for s in chunk[a_end:]), 0))
+                    chunk, length = [], 0
+                i += 1
+    return out
+
+
+@pytest.fixture(scope="module")
+def part(phase1_shards):
+    return load_part(sorted((phase1_shards / "text").glob("tokens_*/part-*.npz"))[0])
+
+
+@pytest.mark.parametrize("max_seq_length", [128, 512])
+def test_plan_pairs_equals_the_sentence_by_sentence_loop(part, max_seq_length):
+    lengths = part.sentence_lengths.tolist()
+    doc_first = np.concatenate([[0], np.cumsum(part.doc_sentences)]).tolist()
+    starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+    docs = list(range(len(part.doc_sentences)))
+    ours = plan_pairs(starts, doc_first, docs, max_seq_length - 3, 0.1, 3, random.Random(5))
+    ref = reference_plan(lengths, doc_first, docs, max_seq_length - 3, 0.1, 3, random.Random(5))
+    assert len(ref) > 1000
+    assert np.array_equal(ours, np.array(ref))
+    # Every instance has both segments, and B is the continuation of A when is_random_next is 0.
+    assert (ours[:, 1] > 0).all() and (ours[:, 3] > 0).all()
+    following = ours[ours[:, 4] == 0]
+    assert np.array_equal(following[:, 0] + following[:, 1], following[:, 2])
+
+
+def test_truncation_matches_the_one_token_at_a_time_loop():
+    rng = np.random.default_rng(0)
+    n, max_num_tokens = 20000, 125
+    pairs = np.zeros((n, 5), dtype=np.int64)
+    pairs[:, 0] = 1000
+    pairs[:, 1] = rng.integers(1, 200, n)
+    pairs[:, 2] = 5000
+    pairs[:, 3] = rng.integers(1, 200, n)
+    ours = pairs.copy()
+    truncate_pairs(ours, max_num_tokens, np.random.default_rng(1))
+    rnd = random.Random(2)
+    front = np.zeros((n, 2))
+    for k, (_, la, _, lb, _) in enumerate(pairs.tolist()):
+        a, b = list(range(la)), list(range(lb))
+        while len(a) + len(b) > max_num_tokens:
+            trunc = a if len(a) > len(b) else b
+            if rnd.random() < 0.5:
+                del trunc[0]
+            else:
+                trunc.pop()
+        assert (len(a), len(b)) == (ours[k, 1], ours[k, 3])
+        front[k] = (a[0] if a else 0, b[0] if b else 0)
+    # How many tokens come off the front has the reference's distribution (same mean and spread).
+    cut = ours[:, [0, 2]] - pairs[:, [0, 2]]
+    assert (cut >= 0).all() and (ours[:, 1] + ours[:, 3] <= max_num_tokens).all()
+    for side in (0, 1):
+        assert abs(cut[:, side].mean() - front[:, side].mean()) < 0.5
+        assert abs(cut[:, side].std() - front[:, side].std()) < 1.0
