@@ -156,7 +156,11 @@ def export_and_predict(run_dir: Path, hf_dir: Path) -> dict[str, list[tuple[str,
     if subprocess.run(cmd, cwd=ROOT).returncode != 0:
         raise DemoError(f"export failed (see above); the checkpoint is in {run_dir / 'checkpoints'}")
     from transformers import pipeline
+    from transformers.utils import logging as hf_logging
 
+    # A masked-LM pipeline does not use the pooler and NSP head of a pretraining export; transformers
+    # would print them as "unexpected" weights, which reads like an error in a demo.
+    hf_logging.set_verbosity_error()
     fill = pipeline("fill-mask", model=str(hf_dir), tokenizer=str(hf_dir), device="cpu")
     predictions = {}
     for probe in PROBES:
