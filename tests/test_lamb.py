@@ -223,6 +223,7 @@ BF16_TOLERANCE = 2e-3
 CLIP = 0.5  # DeepSpeed's global-norm clipping stays on: it runs before the client step
 SCENARIOS = {
     # name: (zero stage, bf16, optimizer, round_robin_gradients)
+    "zero0_fp32_lamb": (0, False, "lamb", False),
     "zero1_fp32_lamb": (1, False, "lamb", False),
     "zero2_fp32_lamb": (2, False, "lamb", False),
     "zero2_fp32_lamb_round_robin": (2, False, "lamb", True),
@@ -309,7 +310,8 @@ def _ds_config(stage: int, bf16: bool, round_robin: bool = False) -> dict:
     }
     if bf16:
         config["bf16"] = {"enabled": True}
-        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        if stage == 1:  # what this project runs: BF16_Optimizer; stage 0 and 2 accumulate in bf16
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 
@@ -394,12 +396,17 @@ def _worker(out_path: str, ckpt_dir: str) -> None:
             results[f"{precision}_{label}"] = _fp32_params(engine)
             engine.destroy()
 
-    # ZeRO-3 partitions each tensor on its own: refused with a clear message.
-    try:
-        _engine(3, False, "lamb")
-        results["zero3_error"] = None
-    except ValueError as error:
-        results["zero3_error"] = str(error)
+    # Refused with a clear message: ZeRO-3 partitions each tensor on its own; bf16 without ZeRO
+    # (FP16_UnfusedOptimizer) steps the client inside deepspeed.initialize, before it can be bound.
+    for label, stage, bf16, error_type in (
+        ("zero3", 3, False, ValueError),
+        ("zero0_bf16", 0, True, RuntimeError),
+    ):
+        try:
+            _engine(stage, bf16, "lamb")
+            results[f"{label}_error"] = None
+        except error_type as error:
+            results[f"{label}_error"] = str(error)
     torch.save(results, f"{out_path}.rank{dist.get_rank()}")
 
 
@@ -463,6 +470,17 @@ def test_zero_partitions_match_unpartitioned_reference(two_rank_results, name):
 
 
 @pytest.mark.slow
+def test_without_zero_binding_is_a_no_op(two_rank_results):
+    rank0, rank1 = two_rank_results
+    assert rank0["zero0_fp32_lamb"]["wrapper"] == "Lamb"
+    assert (
+        max_abs_diff(rank0["zero0_fp32_lamb"]["params"], reference_with_clipping("lamb", STEPS, world=2))
+        < 1e-6
+    )
+    assert max_abs_diff(rank1["zero0_fp32_lamb"]["params"], rank0["zero0_fp32_lamb"]["params"]) == 0.0
+
+
+@pytest.mark.slow
 def test_plain_client_lamb_under_zero_is_wrong(two_rank_results):
     rank0, _ = two_rank_results
     ref = reference_with_clipping("lamb", STEPS, world=2)
@@ -502,8 +520,9 @@ def test_checkpoint_resume_continues_the_same_trajectory(two_rank_results, preci
 
 
 @pytest.mark.slow
-def test_zero3_is_refused(two_rank_results):
+def test_unsupported_layouts_are_refused(two_rank_results):
     assert "ZeRO stage 3" in two_rank_results[0]["zero3_error"]
+    assert "FP16_UnfusedOptimizer" in two_rank_results[0]["zero0_bf16_error"]
 
 
 if __name__ == "__main__":

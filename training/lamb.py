@@ -57,9 +57,8 @@ class _Pieces:
     tensor: torch.Tensor  # the optimizer tensor this table describes (identity check)
     lengths: list[int]  # element counts; they add up to tensor.numel()
     owners: list[int]  # per piece: index of the original tensor, or the padding slot (num_tensors)
-    # On tensor.device, for tables of several pieces (a ZeRO partition); None for a whole tensor.
+    # owners on tensor.device, for tables of several pieces (a ZeRO partition); None for a whole tensor
     owners_t: torch.Tensor | None = None
-    lengths_t: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -122,7 +121,10 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
                     f"{type(self).__name__}: {len(foreign)} of the tensors it steps are not the parameters it was "
                     "built with (DeepSpeed ZeRO and mixed-precision wrappers replace them with flat fp32 "
                     "partitions or copies). Call training.lamb.bind_to_deepspeed(engine) right after "
-                    "deepspeed.initialize, or the trust ratios would be computed per partition, not per tensor."
+                    "deepspeed.initialize, or the trust ratios would be computed per partition, not per tensor. "
+                    "If this is raised inside deepspeed.initialize, the wrapper steps before it can be bound: "
+                    "DeepSpeed's FP16_UnfusedOptimizer (bf16/fp16 without ZeRO) takes a zero-gradient step at "
+                    "construction, which would also decay every weight once; use ZeRO stage 1 or 2 with bf16."
                 )
         if binding is None or binding.pieces is None:
             return [_Pieces(p, [p.numel()], [index]) for index, p in enumerate(params)], len(params), None
@@ -162,10 +164,10 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
         if len(table.lengths) == 1:
             tensor.mul_(per_tensor[table.owners[0]].to(tensor.device, tensor.dtype))
         else:
+            # One device-side gather of the factors, then each piece (a view) scaled in place: no host
+            # sync and no partition-sized temporary.
             factors = per_tensor.to(tensor.device)[table.owners_t].to(tensor.dtype)
-            tensor.mul_(
-                torch.repeat_interleave(factors, table.lengths_t, output_size=tensor.numel()).view_as(tensor)
-            )
+            torch._foreach_mul_(list(torch.split(tensor.view(-1), table.lengths)), list(factors.unbind()))
 
     @staticmethod
     def _all_reduce(vector: torch.Tensor, process_group: object | None) -> None:
@@ -189,6 +191,11 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
                         raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 stepped.append((group, params))
         return stepped
+
+    @staticmethod
+    def _denominator(exp_avg_sq: torch.Tensor, step: int, group: dict) -> torch.Tensor:
+        """sqrt(v_hat) + eps in a new tensor."""
+        return exp_avg_sq.sqrt().div_(math.sqrt(1 - group["betas"][1] ** step)).add_(group["eps"])
 
     def _moments(
         self, p: torch.Tensor, grad: torch.Tensor, group: dict
@@ -240,11 +247,12 @@ class Lamb(_LayerwiseOptimizer):
 
         updates: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
         for group, params in stepped:
-            beta1, beta2 = group["betas"]
+            beta1 = group["betas"][0]
             for p in params:
                 exp_avg, exp_avg_sq, step = self._moments(p, p.grad, group)
-                denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
-                update = (exp_avg / (1 - beta1**step)).div_(denom)
+                # m_hat / (sqrt(v_hat) + eps), built in one partition-sized buffer
+                update = self._denominator(exp_avg_sq, step, group)
+                torch.div(exp_avg, update, out=update).div_(1 - beta1**step)
                 if group["weight_decay"] != 0.0:
                     update.add_(p, alpha=group["weight_decay"])
                 updates.append((group, p, update))
@@ -314,15 +322,15 @@ class Lans(_LayerwiseOptimizer):
 
         pending: list[tuple[dict, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for group, params in stepped:
-            beta1, beta2 = group["betas"]
+            beta1 = group["betas"][0]
             inverse_norm = 1.0 / (grad_norm + group["eps"])
             for p in params:
                 grad = p.grad.clone()
                 self._scale_by_piece(grad, table_of[id(p)], inverse_norm)
                 exp_avg, exp_avg_sq, step = self._moments(p, grad, group)
-                denom = (exp_avg_sq / (1 - beta2**step)).sqrt_().add_(group["eps"])
-                update_m = (exp_avg / (1 - beta1**step)).div_(denom)
-                update_c = grad.div_(denom)
+                update_m = self._denominator(exp_avg_sq, step, group)
+                update_c = grad.div_(update_m)
+                torch.div(exp_avg, update_m, out=update_m).div_(1 - beta1**step)
                 if group["weight_decay"] != 0.0:
                     update_m.add_(p, alpha=group["weight_decay"])
                     update_c.add_(p, alpha=group["weight_decay"])
@@ -359,12 +367,10 @@ def bind_to_deepspeed(engine) -> None:
 
     Call once right after ``deepspeed.initialize``. The layout survives ``engine.load_checkpoint`` (DeepSpeed
     copies into the same partition tensors). Supported: ZeRO-1/2 (DeepSpeedZeroOptimizer, also with
-    ``round_robin_gradients``), bf16 with fp32 gradient accumulation (BF16_Optimizer), and the unpartitioned
-    cases (no wrapper, or bf16 FP16_UnfusedOptimizer at stage 0), where each tensor stays whole and nothing
-    is communicated.
+    ``round_robin_gradients``), bf16 with fp32 gradient accumulation (BF16_Optimizer), and fp32 without
+    ZeRO (no wrapper), where each tensor stays whole and nothing is communicated.
     """
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     stage = engine.zero_optimization_stage()
@@ -383,10 +389,6 @@ def bind_to_deepspeed(engine) -> None:
             f"bind_to_deepspeed: the engine's optimizer wraps {type(client).__name__}, not training.lamb.Lamb or "
             "Lans; pass the Lamb/Lans instance as deepspeed.initialize(optimizer=...)"
         )
-    if isinstance(wrapper, FP16_UnfusedOptimizer):
-        # fp32 copies of each tensor, replicated on every rank: per-tensor norms need no layout.
-        client._bind(_Binding(pieces=None, num_tensors=0, process_group=None))
-        return
     if isinstance(wrapper, DeepSpeedZeroOptimizer):
         lp_groups, read_fragments = wrapper.bit16_groups, _zero_fragments
     elif isinstance(wrapper, BF16_Optimizer):
@@ -394,8 +396,8 @@ def bind_to_deepspeed(engine) -> None:
     else:
         raise TypeError(
             f"bind_to_deepspeed: DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, whose parameter "
-            "layout training.lamb does not know (supported: DeepSpeedZeroOptimizer, BF16_Optimizer, "
-            "FP16_UnfusedOptimizer). fp16 without ZeRO flattens parameters; use bf16 or ZeRO-1/2."
+            "layout training.lamb does not know (supported: DeepSpeedZeroOptimizer, BF16_Optimizer, or none "
+            "for fp32 without ZeRO); use ZeRO stage 1 or 2."
         )
     process_groups = list(wrapper.real_dp_process_group)
     if any(g is not process_groups[0] for g in process_groups):
@@ -497,6 +499,5 @@ def _piece_tables_from_fragments(
             lengths,
             owners,
             torch.tensor(owners, dtype=torch.int64, device=flat.device),
-            torch.tensor(lengths, dtype=torch.int64, device=flat.device),
         )
     return _Binding(pieces=tables, num_tensors=num_tensors, process_group=process_group)
