@@ -1,7 +1,7 @@
 """Data pipeline throughput against the reference algorithm, and peak memory as the corpus grows.
 
     .venv/bin/python benchmarks/bench_data_pipeline.py [--dump ../shared/data/enwiki-sample-pages-articles.xml.bz2]
-        [--vocab ../shared/data/bert-base-uncased-vocab.txt] [--work_dir DIR]
+        [--vocab ../shared/data/bert-base-uncased-vocab.txt] [--work_dir DIR] [--memory_scales 1,4]
 
 Everything runs on one core (one worker, one tokenizer thread) so figures are per core:
 1. the pipeline end to end (extract, segment, tokens, create, shard) on the sample dump: MB/s
@@ -289,7 +289,8 @@ def main() -> None:
     p.add_argument("--dump", type=Path, default=SHARED / "enwiki-sample-pages-articles.xml.bz2")
     p.add_argument("--vocab", type=Path, default=SHARED / "bert-base-uncased-vocab.txt")
     p.add_argument("--work_dir", type=Path, help="default: a temporary directory")
-    p.add_argument("--skip_memory", action="store_true", help="skip part 3 (two extra full runs)")
+    p.add_argument("--memory_scales", default="1,4",
+                   help="part 3: corpus sizes, in copies of the sample, to run for peak memory ('' skips it)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work_dir or Path(tmp)
@@ -323,19 +324,20 @@ def main() -> None:
         print(f"   ratio create+shard / reference:        {ours_cs / ref:.1f}x (target >= 20x)")
         print(f"   ratio tokens+create+shard / reference: {ours_tcs / ref:.1f}x")
 
-        if not a.skip_memory:
+        scales = [int(x) for x in a.memory_scales.split(",") if x]
+        if scales:
             print("\n3. peak memory (PSS) of python -m data.prepare (process + workers), 2 workers, "
-                  "50 articles per part, shards of the same size:")
-            big = _repeat_dump(a.dump, 4, work / "sample-x4.xml.bz2")
-            for label, dump, shards in (("1x", a.dump, 4), ("4x", big, 16)):
-                out = work / f"mem-{label}"
-                peak, secs = _peak_memory(["--input", str(dump), "--output_dir", str(out), "--vocab_file", str(a.vocab),
-                                        "--workers", "2", "--articles_per_part", "50", "--num_shards", str(shards),
-                                        "--test_fraction", "0.1"], work / f"mem-{label}.log")
-                size = sum(f.stat().st_size for f in (out / "hdf5").rglob("*.hdf5")) / 1e6
-                print(f"   {label}: dump {dump.stat().st_size / 1e6:.1f} MB, {size:.0f} MB of shards, "
-                      f"peak memory {peak:.0f} MiB, {secs:.1f} s")
-
+                  "50 articles per part, shards of the same size (4 per copy of the sample):")
+        for scale in scales:
+            label, shards = f"{scale}x", 4 * scale
+            dump = a.dump if scale == 1 else _repeat_dump(a.dump, scale, work / f"sample-x{scale}.xml.bz2")
+            out = work / f"mem-{label}"
+            peak, secs = _peak_memory(["--input", str(dump), "--output_dir", str(out), "--vocab_file", str(a.vocab),
+                                       "--workers", "2", "--articles_per_part", "50", "--num_shards", str(shards),
+                                       "--test_fraction", "0.1"], work / f"mem-{label}.log")
+            size = sum(f.stat().st_size for f in (out / "hdf5").rglob("*.hdf5")) / 1e6
+            print(f"   {label}: dump {dump.stat().st_size / 1e6:.1f} MB, {size:.0f} MB of shards, "
+                  f"peak memory {peak:.0f} MiB, {secs:.1f} s")
 
 if __name__ == "__main__":
     main()

@@ -32,6 +32,7 @@ Output, per part and split: `<output_dir>/<training|test>/part-NNNNN/<key>.npy` 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import random
 import time
@@ -78,6 +79,7 @@ class CreateResult:
     instances: dict[str, int]
     part_counts: dict[str, list[int]]
     masked_tokens: int
+    vocab_size: int
     seconds: float
 
 
@@ -326,9 +328,10 @@ def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
 def stage_params(cfg: CreateConfig) -> dict:
     params = asdict(cfg)
     params.pop("workers")
-    params["vocab_file"] = stage.file_identity(cfg.vocab_file)
-    params["input_dir"] = str(cfg.input_dir.resolve())
-    params["output_dir"] = str(cfg.output_dir.resolve())
+    for path_field in ("vocab_file", "input_dir", "output_dir"):
+        params.pop(path_field)
+    params["vocab_sha1"] = hashlib.sha1(cfg.vocab_file.read_bytes()).hexdigest()
+    params["tokens"] = stage.fingerprint(cfg.input_dir)
     return params
 
 
@@ -356,6 +359,7 @@ def create(cfg: CreateConfig) -> CreateResult:
     if instances["training"] == 0:
         raise PipelineError(f"{cfg.input_dir}: the corpus yields no training instances")
     summary = {"instances": instances, "part_counts": part_counts, "masked_tokens": masked,
+               "vocab_size": load_vocab(cfg.vocab_file).size,
                "seconds": round(time.perf_counter() - start, 3)}
     return CreateResult(**stage.finish(cfg.output_dir, params, summary))
 

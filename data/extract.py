@@ -203,8 +203,9 @@ def list_parts(stage_dir: Path) -> list[Path]:
 def extract(cfg: ExtractConfig) -> ExtractResult:
     if cfg.articles_per_part < 1:
         raise PipelineError(f"articles_per_part must be >= 1, got {cfg.articles_per_part}")
-    params = {"input": stage.file_identity(cfg.input) if cfg.input.is_file() else str(cfg.input),
-              "articles_per_part": cfg.articles_per_part}
+    if not cfg.input.is_file():
+        raise PipelineError(f"{cfg.input}: no such file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input")
+    params = {"input": stage.file_identity(cfg.input), "articles_per_part": cfg.articles_per_part}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return ExtractResult(**done)

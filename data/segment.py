@@ -72,7 +72,7 @@ def segment(cfg: SegmentConfig) -> SegmentResult:
     sources = list_parts(cfg.input_dir)
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete extraction; run data.extract into it first")
-    params = {"input_dir": str(cfg.input_dir.resolve()), "parts": len(sources)}
+    params = {"extracted": stage.fingerprint(cfg.input_dir), "parts": len(sources)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return SegmentResult(**done)

@@ -29,7 +29,6 @@ from data import stage
 from data.create import DTYPES, SPLITS, derive_seed
 from data.parallel import bounded_map
 from data.stage import PipelineError
-from data.vocab import load_vocab
 
 
 @dataclass(frozen=True)
@@ -111,10 +110,10 @@ def shard(cfg: ShardConfig) -> ShardResult:
                 f"use fewer shards{' or a larger --test_fraction' if split == 'test' else ''}"
             )
     attrs = {"max_seq_length": cp["max_seq_length"], "max_predictions_per_seq": cp["max_predictions_per_seq"],
-             "vocab_size": load_vocab(Path(cp["vocab_file"]["path"])).size,
+             "vocab_size": summary["vocab_size"],
              "masking": "static" if cp["static_masking"] else "dynamic"}
     keys = tuple(k for k in DTYPES if cp["static_masking"] or not k.startswith("masked_lm"))
-    params = {"instances_dir": str(cfg.instances_dir.resolve()), "created": cp, "num_shards": cfg.num_shards,
+    params = {"instances": stage.fingerprint(cfg.instances_dir), "num_shards": cfg.num_shards,
               "num_test_shards": cfg.num_test_shards, "name": cfg.name}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:

@@ -10,6 +10,7 @@ outputs made with two settings.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -112,5 +113,14 @@ def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any]) -> 
 
 
 def file_identity(path: Path) -> dict[str, Any]:
-    """What identifies an input file for the skip logic: its resolved path and size."""
-    return {"path": str(path.resolve()), "bytes": path.stat().st_size}
+    """What identifies an input file for the skip logic: its name and size (not its directory,
+    so that a moved or copied output directory still resumes)."""
+    return {"name": path.name, "bytes": path.stat().st_size}
+
+
+def fingerprint(stage_dir: Path) -> str:
+    """Identifies a complete upstream stage's output by its completion record (parameters and summary)."""
+    path = stage_dir / COMPLETE_FILE
+    if not path.is_file():
+        raise PipelineError(f"{stage_dir} is not complete (no {COMPLETE_FILE}); run the stage that writes it first")
+    return hashlib.sha1(path.read_bytes()).hexdigest()

@@ -92,7 +92,7 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
         raise PipelineError(f"{cfg.input_dir} is not a complete segmentation; run data.segment into it first")
     load_vocab(cfg.vocab_file)
     sources = list_parts(cfg.input_dir)
-    params = {"input_dir": str(cfg.input_dir.resolve()), "parts": len(sources), "lower_case": cfg.lower_case,
+    params = {"sentences": stage.fingerprint(cfg.input_dir), "parts": len(sources), "lower_case": cfg.lower_case,
               "vocab_sha1": hashlib.sha1(cfg.vocab_file.read_bytes()).hexdigest()}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:

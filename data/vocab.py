@@ -84,7 +84,7 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     files = [str(p) for p in list_parts(cfg.corpus_dir)]
     if not files:
         raise PipelineError(f"{cfg.corpus_dir}: no part-*.txt files to train a vocab on; run data.segment first")
-    params = {"corpus_dir": str(cfg.corpus_dir.resolve()), "vocab_size": cfg.vocab_size,
+    params = {"corpus": stage.fingerprint(cfg.corpus_dir), "vocab_size": cfg.vocab_size,
               "lower_case": cfg.lower_case, "min_frequency": cfg.min_frequency}
     stage_dir = cfg.output_dir / "vocab_training"
     if stage.begin(stage_dir, params) is None or not target.is_file():
