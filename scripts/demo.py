@@ -3,7 +3,7 @@
 1. generate a small MediaWiki dump (data/demo_dump.py: invented articles with real wiki markup);
 2. run the data pipeline on it (data.prepare: extract, segment, train a WordPiece vocab, create, shard);
 3. pretrain a 2-layer BERT with DeepSpeed ZeRO-1 + BF16 on 2 processes through scripts/launch.sh
-   (the `demo` preset, torchrun launcher), writing TensorBoard logs, metrics.jsonl and checkpoints;
+   (the `demo` preset, DeepSpeed's launcher), writing TensorBoard logs, metrics.jsonl and checkpoints;
 4. print the loss and MLM accuracy from metrics.jsonl and check that they improved;
 5. export the checkpoint to a Hugging Face model (scripts/export_hf.py) and run a `transformers`
    fill-mask pipeline on it;
@@ -92,11 +92,11 @@ def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
 
 
 def train(cfg: DemoConfig, data_dir: Path, model_config: Path) -> Path:
-    """Step 3: 2 processes, ZeRO-1 + BF16, through the same launcher a cluster uses."""
+    """Step 3: 2 processes, ZeRO-1 + BF16, through launch.sh's default (DeepSpeed) launcher, as on a cluster."""
     run_dir = cfg.output_dir / "run"
     _banner(f"3/5 pretraining with DeepSpeed ZeRO-1 + BF16 on {cfg.processes} processes (scripts/launch.sh)")
     cmd = ["bash", str(ROOT / "scripts" / "launch.sh"), "--preset", "demo", "--nodes", "1",
-           "--devices_per_node", str(cfg.processes), "--launcher", "torchrun", "--master_port", str(_free_port()),
+           "--devices_per_node", str(cfg.processes), "--master_port", str(_free_port()),
            "--input_dir", str(data_dir), "--output_dir", str(run_dir), "--set", f"model_config={model_config}"]
     if cfg.max_steps is not None:
         cmd += ["--set", f"max_steps={cfg.max_steps}"]

@@ -34,6 +34,7 @@ def test_demo_end_to_end_reduced(tmp_path: Path):
     run = out / "run"
     info = json.loads((run / "run_info.json").read_text())
     assert (info["world_size"], info["zero_stage"], info["bf16"]) == (2, 1, True)
+    assert "[launch] deepspeed: 1 node(s) x 2 device(s)" in proc.stderr  # launch.sh's default launcher
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(4, 33, 4))
     assert list((run / "tensorboard").rglob("events.out.tfevents.*"))
