@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from modeling import BertConfig, BertForPreTraining
+from tests.conftest import free_port
 from training.lamb import Lamb, Lans, build_param_groups
 
 
@@ -299,9 +304,9 @@ def reference_with_clipping(
     return {names[id(p)]: v for p, v in zip(params, values)}
 
 
-def _ds_config(stage: int, bf16: bool, round_robin: bool = False) -> dict:
+def _ds_config(stage: int, bf16: bool, round_robin: bool = False, micro_batch: int = 8) -> dict:
     config = {
-        "train_micro_batch_size_per_gpu": 8,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": stage, "round_robin_gradients": round_robin},
@@ -315,7 +320,7 @@ def _ds_config(stage: int, bf16: bool, round_robin: bool = False) -> dict:
     return config
 
 
-def _engine(stage: int, bf16: bool, kind: str, round_robin: bool = False, seed: int = 0):
+def _engine(stage: int, bf16: bool, kind: str, round_robin: bool = False, seed: int = 0, config=None):
     import deepspeed
 
     from training.lamb import bind_to_deepspeed
@@ -327,7 +332,7 @@ def _engine(stage: int, bf16: bool, kind: str, round_robin: bool = False, seed: 
     else:
         optimizer = (Lamb if kind == "lamb" else Lans)(groups, lr=2e-2, betas=(0.9, 0.999), eps=1e-6)
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=_ds_config(stage, bf16, round_robin)
+        model=model, optimizer=optimizer, config=config or _ds_config(stage, bf16, round_robin)
     )
     if kind != "plain":
         bind_to_deepspeed(engine)
@@ -338,7 +343,8 @@ def _train(engine, steps, first: int = 0) -> None:
     import torch.distributed as dist
 
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
-    for x, y in batches(first + steps, dist.get_rank(), dist.get_world_size())[first:]:
+    per_rank = engine.train_micro_batch_size_per_gpu()
+    for x, y in batches(first + steps, dist.get_rank(), dist.get_world_size(), batch=per_rank)[first:]:
         loss = engine(x.to(dtype), y)
         engine.backward(loss)
         engine.step()
@@ -383,7 +389,8 @@ def _worker(out_path: str, ckpt_dir: str) -> None:
     for precision, bf16 in (("fp32", False), ("bf16", True)):
         engine = _engine(1, bf16, "lamb")
         _train(engine, half)
-        engine.save_checkpoint(f"{ckpt_dir}/{precision}", tag="half")
+        universal = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
+        engine.save_checkpoint(f"{ckpt_dir}/{precision}", tag="half", client_state=universal)
         _train(engine, STEPS - half, first=half)
         results[f"{precision}_straight"] = _fp32_params(engine)
         engine.destroy()
@@ -410,48 +417,51 @@ def _worker(out_path: str, ckpt_dir: str) -> None:
     torch.save(results, f"{out_path}.rank{dist.get_rank()}")
 
 
-@pytest.fixture(scope="module")
-def two_rank_results(tmp_path_factory):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from tests.conftest import free_port
-
+def _launch(world: int, mode: str, out_path: Path, ckpt_dir: Path) -> list:
+    """Run this file as `world` DeepSpeed ranks in `mode`; return each rank's saved results."""
     root = Path(__file__).resolve().parents[1]
-    work = tmp_path_factory.mktemp("lamb_2ranks")
     port = str(free_port())
     procs = []
-    for rank in range(2):
+    for rank in range(world):
         env = dict(os.environ)
         env.update(
             RANK=str(rank),
             LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
             MASTER_ADDR="127.0.0.1",
             MASTER_PORT=port,
             OMP_NUM_THREADS="1",
             DS_ACCELERATOR="cpu",
             PYTHONPATH=str(root) + os.pathsep + env.get("PYTHONPATH", ""),
         )
-        cmd = [sys.executable, str(Path(__file__)), str(work / "results.pt"), str(work / "ckpt")]
-        log = open(work / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT), log))
-    for proc, log in procs:
+        cmd = [sys.executable, str(Path(__file__)), mode, str(out_path), str(ckpt_dir)]
+        log_path = out_path.parent / f"{mode}.rank{rank}.log"
+        with open(log_path, "w") as log:
+            procs.append(
+                (subprocess.Popen(cmd, env=env, cwd=root, stdout=log, stderr=subprocess.STDOUT), log_path)
+            )
+    for proc, _ in procs:
         try:
             proc.wait(timeout=400)
         finally:
             proc.kill()
-            log.close()
-    for rank, (proc, _) in enumerate(procs):
+    for rank, (proc, log_path) in enumerate(procs):
         if proc.returncode != 0:
             pytest.fail(
-                f"rank {rank} failed (exit {proc.returncode}):\n"
-                + (work / f"rank{rank}.log").read_text()[-6000:]
+                f"{mode} rank {rank} failed (exit {proc.returncode}):\n" + log_path.read_text()[-6000:]
             )
-    return [torch.load(work / f"results.pt.rank{r}", weights_only=False) for r in range(2)]
+    return [torch.load(f"{out_path}.rank{r}", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture(scope="module")
+def lamb_work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lamb_ranks")
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(lamb_work):
+    return _launch(2, "scenarios", lamb_work / "results.pt", lamb_work / "ckpt")
 
 
 @pytest.mark.slow
@@ -525,7 +535,34 @@ def test_unsupported_layouts_are_refused(two_rank_results):
     assert "FP16_UnfusedOptimizer" in two_rank_results[0]["zero0_bf16_error"]
 
 
-if __name__ == "__main__":
-    import sys
+@pytest.mark.slow
+def test_universal_checkpoint_resumes_on_another_world_size(two_rank_results, lamb_work):
+    """2 ranks save, DeepSpeed converts to a universal checkpoint, 1 rank with the whole global batch resumes:
+    the same trajectory, so Lamb's state (stored under Adam's key names) survives re-partitioning."""
+    half = lamb_work / "ckpt" / "fp32"
+    subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(half / "half"),
+         "--output_folder", str(half / "half_universal"), "--num_extract_workers", "1", "--num_merge_workers", "1"],
+        check=True, capture_output=True, env=dict(os.environ, DS_ACCELERATOR="cpu"), timeout=300,
+    )  # fmt: skip
+    (one_rank,) = _launch(1, "universal", lamb_work / "universal.pt", lamb_work / "ckpt")
+    assert max_abs_diff(one_rank, two_rank_results[0]["fp32_straight"]) < 1e-6
+    assert max_abs_diff(one_rank, two_rank_results[0]["fp32_resumed_without_state"]) > 1e-4
 
-    _worker(sys.argv[1], sys.argv[2])
+
+def _universal_worker(out_path: str, ckpt_dir: str) -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = _ds_config(1, False, micro_batch=16)  # the 2-rank run's global batch on one rank
+    config["checkpoint"] = {"load_universal": True}
+    engine = _engine(1, False, "lamb", seed=1, config=config)
+    engine.load_checkpoint(f"{ckpt_dir}/fp32", tag="half_universal")
+    half = STEPS // 2
+    _train(engine, STEPS - half, first=half)
+    torch.save(_fp32_params(engine), f"{out_path}.rank{dist.get_rank()}")
+
+
+if __name__ == "__main__":
+    {"scenarios": _worker, "universal": _universal_worker}[sys.argv[1]](sys.argv[2], sys.argv[3])
