@@ -21,6 +21,7 @@ command after an interruption finishes the job with identical output.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import os
 import time
@@ -94,8 +95,9 @@ class PrepareResult:
 def prepare(cfg: PrepareConfig) -> PrepareResult:
     start = time.perf_counter()
     text_dir = cfg.text_dir or cfg.output_dir / "text"
+    # The tokens directory and the vocab are known only after their stages; validate the rest now.
     create_cfg = CreateConfig(
-        input_dir=Path(), vocab_file=Path(), output_dir=cfg.output_dir / "instances",
+        input_dir=text_dir, vocab_file=Path(cfg.vocab_file or text_dir), output_dir=cfg.output_dir / "instances",
         max_seq_length=cfg.max_seq_length, max_predictions_per_seq=cfg.max_predictions_per_seq,
         dupe_factor=cfg.dupe_factor, short_seq_prob=cfg.short_seq_prob, masked_lm_prob=cfg.masked_lm_prob,
         whole_word_masking=cfg.whole_word_masking, static_masking=cfg.static_masking,
@@ -123,7 +125,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     tokens_dir = text_dir / f"tokens_{digest}_{'uncased' if cfg.lower_case else 'cased'}"
     tok = timed("tokens", tokenize, TokenizeConfig(text_dir / "sentences", vocab.path, tokens_dir,
                                                     cfg.lower_case, cfg.workers))
-    create_cfg = CreateConfig(**{**create_cfg.__dict__, "input_dir": tokens_dir, "vocab_file": vocab.path})
+    create_cfg = dataclasses.replace(create_cfg, input_dir=tokens_dir, vocab_file=vocab.path)
     timed("create", create, create_cfg)
     sh = timed("shard", shard, ShardConfig(create_cfg.output_dir, cfg.output_dir / "hdf5", cfg.num_shards,
                                            cfg.num_test_shards, cfg.name, cfg.workers))
@@ -156,6 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="wikicorpus_en", help="shard file name prefix")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
+    if a.input and a.mirror != DEFAULT_MIRROR:
+        p.error("--mirror applies to --dump_date; with --input, put the mirror in the URL")
+    if a.vocab_file and a.vocab_size != 30522:
+        p.error("--vocab_size applies when a vocab is trained; it cannot change the given --vocab_file")
     seq, pred = PHASES[a.phase]
     source: Path | str = a.input if a.input else dump_url(a.mirror, a.dump_date)
     if isinstance(source, str) and not source.startswith(("http://", "https://")):

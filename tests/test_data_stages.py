@@ -9,6 +9,7 @@ import pytest
 
 from data import shard as shard_stage
 from data.prepare import PrepareConfig, prepare
+from data.prepare import main as prepare_main
 from data.stage import PipelineError
 
 
@@ -40,3 +41,20 @@ def test_rerun_with_other_settings_is_refused(phase1_shards, sample_dump, bert_v
     assert prepare(PrepareConfig(dupe_factor=2, **cfg)).instances["training"] > 0
     with pytest.raises(PipelineError, match=r"instances holds output made with other settings"):
         prepare(PrepareConfig(dupe_factor=3, **cfg))
+
+
+def test_prepare_cli_downloads_a_pinned_dump_date_from_a_mirror(wiki_mirror, bert_vocab, tmp_path, capsys):
+    base, site = wiki_mirror
+    out = tmp_path / "out"
+    prepare_main(["--dump_date", "20241201", "--mirror", base, "--output_dir", str(out), "--vocab_file",
+                  str(bert_vocab), "--phase", "2", "--dupe_factor", "1", "--num_shards", "2", "--test_fraction", "0.1",
+                  "--workers", "2"])
+    assert "prepare: 105 articles, 105 documents, 18531 sentences" in capsys.readouterr().out
+    assert (out / "text" / "download" / "enwiki-20241201-pages-articles.xml.bz2").is_file()
+    assert ("/enwiki/20241201/enwiki-20241201-sha1sums.txt", None) in site.requests
+    with h5py.File(out / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
+        assert f.attrs["max_seq_length"] == 512 and f.attrs["max_predictions_per_seq"] == 80
+        assert f["input_ids"].shape[1] == 512 and f["masked_lm_positions"].shape[1] == 80
+    with pytest.raises(SystemExit):
+        prepare_main(["--input", "x.xml.bz2", "--mirror", base, "--output_dir", str(out)])
+    assert "--mirror applies to --dump_date" in capsys.readouterr().err
