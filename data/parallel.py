@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TypeVar
@@ -27,6 +28,10 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
     ctx = multiprocessing.get_context("fork")
     pending: collections.deque[Future[R]] = collections.deque()
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+        # With fork, the first submit starts every worker. Do it before `items` is first read: a
+        # producer may start threads (the dump read-ahead does), and forking while a thread holds
+        # a lock can deadlock the child.
+        pool.submit(os.getpid).result()
         for item in items:
             pending.append(pool.submit(fn, item))
             if len(pending) >= 2 * workers:
