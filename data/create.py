@@ -18,8 +18,6 @@ What differs from the reference is how, not what:
   from the whole corpus, and every random draw comes from generators seeded by (seed, part,
   split). The output is therefore identical whatever the number of workers.
 - random replacement tokens exclude [PAD], [UNK], [CLS], [SEP] and [MASK].
-- whole-word masking takes whole words in random order while they fit (it stops at the first
-  word that does not fit, where the reference skips it and tries smaller ones).
 
 A fraction `test_fraction` of each part's documents is held out: their instances (pairs drawn
 only among held-out documents) go to the test split.
@@ -216,6 +214,36 @@ def build_block(pairs: np.ndarray, tokens: np.ndarray, max_seq_length: int, voca
     }
 
 
+def _whole_words(keys: np.ndarray, cand: np.ndarray, is_piece: np.ndarray, n_pred: np.ndarray) -> np.ndarray:
+    """The reference's whole-word choice: words in random order, each taken if it still fits.
+
+    A "##" piece joins the word before it (never across [SEP]). Every word takes the key of its
+    first piece, so sorting by key lists the words in random order with their pieces adjacent;
+    the greedy pass then runs over word ranks, for all rows at once.
+    """
+    n, seq = keys.shape
+    cont = is_piece & cand
+    cont[:, 1:] &= cand[:, :-1]
+    col = np.arange(seq)
+    word_keys = np.take_along_axis(keys, np.maximum.accumulate(np.where(cont, 0, col[None, :]), axis=1), axis=1)
+    order = np.argsort(word_keys, axis=1, kind="stable")
+    ordered = np.take_along_axis(word_keys, order, axis=1)
+    in_word = np.take_along_axis(cand, order, axis=1)
+    first = in_word.copy()
+    first[:, 1:] &= ordered[:, 1:] != ordered[:, :-1]
+    rank = np.cumsum(first, axis=1) - 1  # the word's place in the random order
+    lengths = np.bincount((np.arange(n)[:, None] * seq + rank)[in_word], minlength=n * seq).reshape(n, seq)
+    taken = np.zeros((n, seq), dtype=bool)
+    count = np.zeros(n, dtype=np.int64)
+    for w in range(int(first.sum(axis=1).max(initial=0))):
+        fits = (lengths[:, w] > 0) & (count + lengths[:, w] <= n_pred)
+        count += np.where(fits, lengths[:, w], 0)
+        taken[:, w] = fits
+    selected = np.zeros((n, seq), dtype=bool)
+    np.put_along_axis(selected, order, np.take_along_axis(taken, np.maximum(rank, 0), axis=1) & in_word, axis=1)
+    return selected
+
+
 def mask_block(block: dict[str, np.ndarray], cfg: CreateConfig, vocab: _VocabInfo, rng: np.random.Generator
                ) -> None:
     """Choose and replace the masked tokens of a block in place; adds the two masked_lm keys."""
@@ -231,22 +259,10 @@ def mask_block(block: dict[str, np.ndarray], cfg: CreateConfig, vocab: _VocabInf
     keys[~cand] = np.iinfo(np.int32).max
     rows = np.arange(n)
     if cfg.whole_word_masking:
-        # A "##" piece joins the word before it (never across [SEP]); a word takes its first key,
-        # so after sorting each word's pieces are adjacent. Words are taken while they fit.
-        cont = vocab.is_continuation[ids] & cand
-        cont[:, 1:] &= cand[:, :-1]
-        word_start = np.maximum.accumulate(np.where(cont, 0, col[None, :]), axis=1)
-        keys = np.take_along_axis(keys, word_start, axis=1)
-        ordered = np.sort(keys, axis=1)
-        word_end = np.ones((n, seq), dtype=bool)
-        word_end[:, :-1] = ordered[:, 1:] != ordered[:, :-1]
-        end_rank = np.where(word_end, col + 1, seq + 1)
-        taken_through = np.minimum.accumulate(end_rank[:, ::-1], axis=1)[:, ::-1]
-        n_taken = np.count_nonzero(taken_through <= n_pred[:, None], axis=1)
-        threshold = np.where(n_taken > 0, ordered[rows, np.maximum(n_taken - 1, 0)], -1)
+        selected = _whole_words(keys, cand, vocab.is_continuation[ids], n_pred)
     else:
         threshold = np.sort(keys, axis=1)[rows, n_pred - 1]
-    selected = (keys <= threshold[:, None]) & cand
+        selected = (keys <= threshold[:, None]) & cand
     # np.nonzero walks row-major, so each row's positions come out ascending.
     sel_rows, sel_cols = np.nonzero(selected)
     counts = np.count_nonzero(selected, axis=1)

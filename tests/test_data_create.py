@@ -100,3 +100,40 @@ def test_truncation_matches_the_one_token_at_a_time_loop():
     for side in (0, 1):
         assert abs(cut[:, side].mean() - front[:, side].mean()) < 0.5
         assert abs(cut[:, side].std() - front[:, side].std()) < 1.0
+
+
+def test_whole_word_choice_equals_the_reference_greedy_loop(phase1_shards):
+    """Same random word order (the keys) -> the same words as the reference's per-word loop."""
+    from data.create import _whole_words
+
+    tokens = (phase1_shards / "vocab.txt").read_text().splitlines()
+    is_piece = np.array([t.startswith("##") for t in tokens])
+    part = load_part(sorted((phase1_shards / "text").glob("tokens_*/part-*.npz"))[0])
+    n, seq = 300, 128
+    rng = np.random.default_rng(3)
+    ids = np.stack([part.ids[s:s + seq] for s in rng.integers(0, len(part.ids) - seq, n)])
+    cand = np.ones((n, seq), dtype=bool)
+    cand[:, 0] = cand[:, 60] = False  # [CLS] and a [SEP]
+    cand[np.arange(n) % 3 == 0, 100:] = False  # some short rows
+    keys = rng.permutation(n * seq).reshape(n, seq).astype(np.int32)
+    n_pred = np.minimum(20, np.round(cand.sum(1) * 0.15).astype(np.int64))
+    ours = _whole_words(keys, cand, is_piece[ids], n_pred)
+    for row in range(n):
+        words: list[list[int]] = []
+        for i in range(seq):
+            if not cand[row, i]:
+                continue
+            if is_piece[ids[row, i]] and words and words[-1][-1] == i - 1:
+                words[-1].append(i)
+            else:
+                words.append([i])
+        words.sort(key=lambda w: keys[row, w[0]])  # the shuffled order
+        chosen: list[int] = []
+        for w in words:
+            if len(chosen) >= n_pred[row]:
+                break
+            if len(chosen) + len(w) > n_pred[row]:
+                continue
+            chosen.extend(w)
+        assert sorted(chosen) == np.flatnonzero(ours[row]).tolist(), row
+    assert (ours.sum(1) == n_pred).mean() > 0.8
