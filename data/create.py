@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> None:
     add_masking_arguments(p)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
-    r = create(CreateConfig(a.input_dir, a.vocab_file, a.output_dir, a.max_seq_length, a.max_predictions_per_seq,
+    r = stage.cli_call(create, CreateConfig(a.input_dir, a.vocab_file, a.output_dir, a.max_seq_length, a.max_predictions_per_seq,
                             a.dupe_factor, a.short_seq_prob, a.masked_lm_prob, a.whole_word_masking,
                             not a.dynamic_masking, a.test_fraction, a.seed, a.workers))
     print(f"create: {r.instances['training']} training + {r.instances['test']} test instances, {r.seconds:.1f} s")

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     p.add_argument("--articles_per_part", type=int, default=2000)
     a = p.parse_args(argv)
-    r = extract(ExtractConfig(a.input, a.output_dir, a.workers, a.articles_per_part))
+    r = stage.cli_call(extract, ExtractConfig(a.input, a.output_dir, a.workers, a.articles_per_part))
     print(f"extract: {r.articles} articles, {r.parts} parts, {r.text_bytes / 1e6:.1f} MB of text, {r.seconds:.1f} s")
 
 

@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output_dir", type=Path, required=True)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
-    r = segment(SegmentConfig(a.input_dir, a.output_dir, a.workers))
+    r = stage.cli_call(segment, SegmentConfig(a.input_dir, a.output_dir, a.workers))
     print(f"segment: {r.documents} documents, {r.sentences} sentences, {r.seconds:.1f} s")
 
 

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--name", default="wikicorpus_en", help="file name prefix")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
-    r = shard(ShardConfig(a.instances_dir, a.output_dir, a.num_shards, a.num_test_shards, a.name, a.workers))
+    r = stage.cli_call(shard, ShardConfig(a.instances_dir, a.output_dir, a.num_shards, a.num_test_shards, a.name, a.workers))
     print(f"shard: {r.shards} shards, {r.instances} instances, {r.bytes_written / 1e6:.1f} MB, {r.seconds:.1f} s")
 
 

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -110,6 +110,14 @@ def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
 def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     write_json_atomic(stage_dir / COMPLETE_FILE, {"params": _normalise(params), "summary": summary})
     return summary
+
+
+def cli_call(fn: Callable[[Any], Any], cfg: Any) -> Any:
+    """Run a stage from its CLI: a PipelineError becomes a one-line message and exit status 1."""
+    try:
+        return fn(cfg)
+    except PipelineError as exc:
+        raise SystemExit(f"error: {exc}") from exc
 
 
 def file_identity(path: Path) -> dict[str, Any]:

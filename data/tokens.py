@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
-    r = tokenize(TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
+    r = stage.cli_call(tokenize, TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
     print(f"tokenize: {r.documents} documents, {r.sentences} sentences, {r.tokens} tokens, {r.seconds:.1f} s")
 
 

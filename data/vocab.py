@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2):
         p.error("--vocab_size/--min_frequency apply only when training (--corpus_dir), not with --vocab_file")
-    v = build_vocab(VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case,
+    v = stage.cli_call(build_vocab, VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case,
                                 a.min_frequency))
     print(f"vocab: {v.size} tokens -> {v.path}")
 
