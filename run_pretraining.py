@@ -245,22 +245,69 @@ def _model_inputs(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
 
 
+@dataclass
+class StepResult:
+    complete: bool  # False when a stop request ended the accumulation window early
+    stopped: bool
+    consumed: int  # stream position after the micro batches read
+    totals: torch.Tensor  # [loss, mlm_loss, nsp_loss, mlm_accuracy] summed over micro batches and ranks
+
+
+def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, guard: NonFiniteGuard,
+               stop: StopRequest, acc: accel.Accelerator, step: int) -> StepResult:
+    """One optimizer step: `grad_accum` accepted micro batches, then DeepSpeed's update.
+
+    One all-reduce per micro batch carries a non-finite flag, the stop request and the four
+    metrics. A micro batch that is non-finite on any rank is dropped on every rank before backward."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    totals = torch.zeros(4, dtype=torch.float64)
+    accepted, stopped = 0, False
+    while accepted < sizes.grad_accum and not stopped:
+        batch = next(batches)
+        seed_micro_step(seed, consumed, rank)
+        consumed += sizes.micro_batch * world
+        out = engine(**_model_inputs(batch, acc.device))
+        metrics = torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach(),
+                               out.mlm_accuracy.detach()]).float()
+        finite = torch.isfinite(metrics).all()
+        # float32 on the wire (HPUs have no float64); one device-to-host copy per micro batch
+        flags = torch.cat([(~finite).float().reshape(1),
+                           torch.tensor([1.0 if stop.signal else 0.0], device=metrics.device),
+                           torch.where(finite, metrics, torch.zeros_like(metrics))])
+        dist.all_reduce(flags)
+        flags = flags.cpu().double()
+        stopped = flags[1].item() > 0
+        if flags[0].item() > 0:
+            guard.update(False, step)
+            continue
+        guard.update(True, step)
+        engine.backward(out.loss)
+        acc.mark_step()
+        engine.step()  # DeepSpeed applies the update at the accumulation boundary
+        acc.mark_step()
+        totals += flags[2:]
+        accepted += 1
+    return StepResult(accepted == sizes.grad_accum, stopped, consumed, totals)
+
+
 def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -> dict:
     """Mean losses and MLM accuracy over the first --num_eval_samples test samples (all ranks)."""
     limit = min(args.num_eval_samples, len(dataset))
     sampler = RankSampler(0, sizes.micro_batch, dist.get_rank(), dist.get_world_size(), limit=limit)
-    sums = torch.zeros(5, dtype=torch.float64, device=acc.device)
+    sums = torch.zeros(5, dtype=torch.float64)
     engine.eval()
     with torch.no_grad():
         for batch in make_loader(dataset, sampler, sizes.micro_batch, num_workers=0):
             out = engine(**_model_inputs(batch, acc.device))
-            n = batch["input_ids"].shape[0]
-            sums += torch.stack([out.loss.double() * n, out.mlm_loss.double() * n, out.nsp_loss.double() * n,
-                                 out.mlm_accuracy.double() * n, torch.tensor(n, dtype=torch.float64,
-                                                                             device=acc.device)])
             acc.mark_step()
+            n = batch["input_ids"].shape[0]
+            values = torch.stack([out.loss, out.mlm_loss, out.nsp_loss, out.mlm_accuracy]).float().cpu().double()
+            sums += torch.cat([values * n, torch.tensor([n], dtype=torch.float64)])
     engine.train()
+    # float32 on the wire: HPUs have no float64
+    sums = sums.float().to(acc.device)
     dist.all_reduce(sums)
+    sums = sums.cpu().double()
     n = sums[4].item()
     return {"loss": sums[0].item() / n, "mlm_loss": sums[1].item() / n, "nsp_loss": sums[2].item() / n,
             "mlm_accuracy": sums[3].item() / n, "samples": int(n)}
@@ -359,8 +406,7 @@ def train(args: argparse.Namespace) -> dict:
     flops_per_seq = training_flops_per_sequence(config, args.max_seq_length, args.max_predictions_per_seq)
     peak = peak_tflops(acc.device_name, "bf16" if engine.bfloat16_enabled() else "fp32")
     writer = MetricsWriter(args.output_dir, args.max_steps, step, enabled=rank == 0)
-    meter = Throughput(warmup=min(2, max(args.max_steps - step - 1, 0)))
-    micro_samples = sizes.micro_batch * world
+    meter = Throughput(warmup=2)
     last_saved = step
     consumed_at_step = consumed  # stream position at the end of the last complete step
     stopped = False
@@ -372,45 +418,16 @@ def train(args: argparse.Namespace) -> dict:
     try:
         while step < args.max_steps:
             lr = scheduler.get_last_lr()[0]
-            # [loss, mlm_loss, nsp_loss, mlm_accuracy] summed over accepted micro batches and ranks
-            totals = torch.zeros(4, dtype=torch.float64)
-            accepted = 0
-            while accepted < sizes.grad_accum:
-                batch = next(batches)
-                seed_micro_step(args.seed, consumed, rank)
-                consumed += micro_samples
-                out = engine(**_model_inputs(batch, acc.device))
-                # One all-reduce per micro batch: non-finite flag, stop request, the four metrics.
-                local = torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach(),
-                                     out.mlm_accuracy.detach()]).double().cpu()
-                finite = bool(torch.isfinite(local).all())
-                flags = torch.cat([torch.tensor([0.0 if finite else 1.0, 1.0 if stop.signal else 0.0],
-                                                dtype=torch.float64), local if finite else torch.zeros(4,
-                                                dtype=torch.float64)]).to(acc.device)
-                dist.all_reduce(flags)
-                flags = flags.cpu()
-                stopped = stopped or flags[1].item() > 0
-                if flags[0].item() > 0:  # dropped on every rank: no backward, the window takes the next batch
-                    guard.update(False, step)
-                    del out
-                else:
-                    guard.update(True, step)
-                    engine.backward(out.loss)
-                    acc.mark_step()
-                    engine.step()
-                    acc.mark_step()
-                    totals += flags[2:]
-                    accepted += 1
-                if stopped:
-                    break
-            if accepted < sizes.grad_accum:  # stopped mid-window: the partial gradients are never applied
+            result = train_step(engine, batches, consumed, sizes, args.seed, guard, stop, acc, step)
+            consumed, stopped = result.consumed, result.stopped
+            if not result.complete:  # stopped mid-window: the partial gradients are never applied
                 break
             step += 1
             consumed_at_step = consumed
             meter.update(sizes.train_batch_size)
             writer.advance(step)
             if step % args.log_freq == 0 or step == args.max_steps:
-                mean = (totals / (sizes.grad_accum * world)).tolist()
+                mean = (result.totals / (sizes.grad_accum * world)).tolist()
                 seq_per_s = meter.take()
                 tflops = None if seq_per_s is None else flops_per_seq * seq_per_s / world / 1e12
                 grad_norm = engine.get_global_grad_norm()

@@ -1,4 +1,4 @@
-"""Training metrics: model FLOPs, MFU, metrics.jsonl, TensorBoard and the console progress line."""
+"""Training metrics: throughput, MFU, metrics.jsonl, TensorBoard and the console progress line."""
 
 from __future__ import annotations
 
@@ -32,10 +32,12 @@ def format_duration(seconds: float) -> str:
 
 
 class Throughput:
-    """Sequences per second over the steps since the last report, skipping the first `warmup`
-    steps (compilation, allocator growth and worker start-up would distort them)."""
+    """Sequences per second over the steps since the last `take`, with the clock started at the
+    end of step `warmup` (compilation, allocator growth and worker start-up distort the first steps)."""
 
-    def __init__(self, warmup: int):
+    def __init__(self, warmup: int = 2):
+        if warmup < 1:
+            raise ValueError(f"warmup must be >= 1 step, got {warmup}")
         self.warmup = warmup
         self.steps_seen = 0
         self._t0: float | None = None
@@ -43,15 +45,13 @@ class Throughput:
 
     def update(self, sequences: int) -> None:
         self.steps_seen += 1
-        if self.steps_seen == self.warmup or (self.warmup == 0 and self._t0 is None):
+        if self.steps_seen == self.warmup:
             self._t0, self._sequences = time.perf_counter(), 0
-            if self.warmup:
-                return
-        if self._t0 is not None:
+        elif self.steps_seen > self.warmup:
             self._sequences += sequences
 
     def take(self) -> float | None:
-        """Sequences/s since the previous take (None until past warm-up); restarts the window."""
+        """Sequences/s since the previous take (None until a step after warm-up); restarts the window."""
         if self._t0 is None or self._sequences == 0:
             return None
         now = time.perf_counter()

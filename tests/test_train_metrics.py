@@ -1,0 +1,63 @@
+"""Metrics sinks and helpers: throughput window, MFU peaks, metrics.jsonl / eval.jsonl, progress line."""
+
+import json
+import time
+
+import pytest
+
+from training.metrics import MetricsWriter, Throughput, format_duration, peak_tflops
+
+
+def test_throughput_skips_warmup_steps_and_restarts_each_window():
+    meter = Throughput(warmup=2)
+    meter.update(8)
+    assert meter.take() is None
+    meter.update(8)  # end of warm-up: the clock starts here
+    assert meter.take() is None
+    time.sleep(0.05)
+    meter.update(8)
+    meter.update(8)
+    rate = meter.take()
+    assert 16 / 0.5 < rate <= 16 / 0.05
+    assert meter.take() is None  # nothing since the last take
+    with pytest.raises(ValueError):
+        Throughput(warmup=0)
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("GAUDI2", "bf16", 432.0), ("GAUDI3", "bf16", 1835.0), ("NVIDIA H200", "fp32", 67.0),
+    ("cpu", "bf16", None), ("Tesla T4", "bf16", None),
+])
+def test_device_peaks_come_from_the_planner_table(name, dtype, peak):
+    assert peak_tflops(name, dtype) == peak
+
+
+def test_writer_appends_jsonl_and_prints_progress(tmp_path, capsys):
+    writer = MetricsWriter(tmp_path, total_steps=10, start_step=4, enabled=True)
+    writer.log({"step": 5, "loss": 7.25, "lr": 1e-4, "seq_per_s": 12.5, "mfu": None})
+    writer.log({"step": 5, "loss": 7.5, "samples": 32}, prefix="eval")
+    writer.close()
+    assert [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 5, "loss": 7.25, "lr": 1e-4, "seq_per_s": 12.5, "mfu": None}]
+    assert json.loads((tmp_path / "eval.jsonl").read_text())["samples"] == 32
+    out = capsys.readouterr().out  # the bar is on stderr, the progress lines on stdout
+    assert "train step 5/10 | loss 7.2500 | lr 1.000e-04 | 12.5 seq/s | ETA " in out
+    assert "eval step 5/10 | loss 7.5000" in out
+    assert any(p.name.startswith("events.out.tfevents") for p in (tmp_path / "tensorboard").iterdir())
+    # a second writer (a resumed run) appends
+    writer = MetricsWriter(tmp_path, total_steps=10, start_step=5, enabled=True)
+    writer.log({"step": 6, "loss": 7.0})
+    writer.close()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_other_ranks_write_nothing(tmp_path):
+    writer = MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=False)
+    writer.log({"step": 1, "loss": 1.0})
+    writer.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_duration_format_beyond_a_day():
+    assert format_duration(3 * 86400 + 3661) == "73:01:01"
