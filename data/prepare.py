@@ -32,7 +32,7 @@ from data.create import CreateConfig, add_masking_arguments, create, validate
 from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_url
 from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
-from data.shard import ShardConfig, shard
+from data.shard import ShardConfig, add_compression_argument, compression_filter, shard
 from data.stage import PipelineError
 from data.tokens import TokenizeConfig, tokenize
 from data.vocab import VocabConfig, build_vocab
@@ -62,6 +62,7 @@ class PrepareConfig:
     vocab_size: int = 30522
     articles_per_part: int = 2000
     name: str = "wikicorpus_en"
+    hdf5_compression: str | None = None
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     create_cfg = dataclasses.replace(create_cfg, input_dir=tokens_dir, vocab_file=vocab.path)
     timed("create", create, create_cfg)
     sh = timed("shard", shard, ShardConfig(create_cfg.output_dir, cfg.output_dir / "hdf5", cfg.num_shards,
-                                           cfg.num_test_shards, cfg.name, cfg.workers))
+                                           cfg.num_test_shards, cfg.name, cfg.workers, cfg.hdf5_compression))
     return PrepareResult(
         output_dir=cfg.output_dir, vocab_file=vocab.path, articles=ex.articles, documents=tok.documents,
         sentences=tok.sentences, tokens=tok.tokens, instances=sh.instances, shards=sh.shards,
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num_test_shards", type=int, default=1)
     p.add_argument("--articles_per_part", type=int, default=2000, help="articles per parallel work unit")
     p.add_argument("--name", default="wikicorpus_en", help="shard file name prefix")
+    add_compression_argument(p)
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
     if a.input and a.mirror != DEFAULT_MIRROR:
@@ -173,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
         whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
         test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
-        articles_per_part=a.articles_per_part, name=a.name)
+        articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression))
     try:
         result = prepare(cfg)
     except PipelineError as exc:

@@ -58,3 +58,20 @@ def test_prepare_cli_downloads_a_pinned_dump_date_from_a_mirror(wiki_mirror, ber
     with pytest.raises(SystemExit):
         prepare_main(["--input", "x.xml.bz2", "--mirror", base, "--output_dir", str(out)])
     assert "--mirror applies to --dump_date" in capsys.readouterr().err
+
+
+def test_gzip_shards_hold_the_same_arrays(phase1_shards, tmp_path):
+    shard_stage.main(["--instances_dir", str(phase1_shards / "instances"), "--output_dir", str(tmp_path),
+                      "--num_shards", "2", "--hdf5_compression", "gzip", "--workers", "2"])
+    plain = gzip = 0
+    for split, i in (("training", 0), ("training", 1), ("test", 0)):
+        name = f"{split}/wikicorpus_en_{split}_{i}.hdf5"
+        with h5py.File(tmp_path / name, "r") as fz, h5py.File(phase1_shards / "hdf5" / name, "r") as f:
+            assert set(fz) == set(f)
+            for key in f:
+                assert fz[key].compression == "gzip" and f[key].compression is None
+                assert (fz[key][:] == f[key][:]).all()
+        gzip += (tmp_path / name).stat().st_size
+        plain += (phase1_shards / "hdf5" / name).stat().st_size
+    assert gzip < plain / 2
+    print(f"gzip shards: {plain / gzip:.1f}x smaller")
