@@ -204,10 +204,10 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
                              weight_decay=args.weight_decay)
 
 
-def seed_micro_step(seed: int, position: int, rank: int) -> None:
+def micro_step_seed(seed: int, position: int, rank: int) -> int:
     """Dropout randomness as a function of (seed, stream position, rank): a resumed run draws
     the same masks as an uninterrupted one without saving generator states."""
-    torch.manual_seed(int(np.random.SeedSequence([seed, position, rank]).generate_state(1, np.uint64)[0] >> 1))
+    return int(np.random.SeedSequence([seed, position, rank]).generate_state(1, np.uint64)[0] >> 1)
 
 
 class StopRequest:
@@ -264,7 +264,7 @@ def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, gua
     accepted, stopped = 0, False
     while accepted < sizes.grad_accum and not stopped:
         batch = next(batches)
-        seed_micro_step(seed, consumed, rank)
+        acc.manual_seed(micro_step_seed(seed, consumed, rank))
         consumed += sizes.micro_batch * world
         out = engine(**_model_inputs(batch, acc.device))
         metrics = torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach(),

@@ -34,6 +34,14 @@ class Accelerator:
 
             htcore.mark_step()
 
+    def manual_seed(self, seed: int) -> None:
+        """Seed the CPU generator and the device's (torch.manual_seed covers CUDA, not HPU)."""
+        torch.manual_seed(seed)
+        if self.name != "cpu":
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator().manual_seed(seed)
+
     def compile_engine(self, engine) -> bool:
         """HPU eager mode runs the model through torch.compile with Habana's backend (DeepSpeed's
         `engine.compile` wraps the module in place). Returns whether it compiled."""
