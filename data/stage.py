@@ -131,4 +131,6 @@ def fingerprint(stage_dir: Path) -> str:
     path = stage_dir / COMPLETE_FILE
     if not path.is_file():
         raise PipelineError(f"{stage_dir} is not complete (no {COMPLETE_FILE}); run the stage that writes it first")
-    return hashlib.sha1(path.read_bytes()).hexdigest()
+    record = json.loads(path.read_text(encoding="utf-8"))
+    record["summary"].pop("seconds", None)  # a redo with the same result has the same fingerprint
+    return hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()
