@@ -32,9 +32,6 @@ class Vocab:
     def size(self) -> int:
         return len(self.tokens)
 
-    def id(self, token: str) -> int:
-        return self.tokens.index(token)
-
 
 @dataclass(frozen=True)
 class VocabConfig:
@@ -110,8 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
                    help="keep case (and accents) when training the vocab and tokenizing")
     a = p.parse_args(argv)
-    if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2):
-        p.error("--vocab_size/--min_frequency apply only when training (--corpus_dir), not with --vocab_file")
+    if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2 or not a.lower_case):
+        p.error("--vocab_size, --min_frequency and --no_lower_case apply when training (--corpus_dir), not with "
+                "--vocab_file (tokenization case is data.tokens' --no_lower_case)")
     v = stage.cli_call(build_vocab, VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case,
                                 a.min_frequency))
     print(f"vocab: {v.size} tokens -> {v.path}")
