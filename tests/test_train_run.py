@@ -323,3 +323,17 @@ def test_batch_sizes_that_do_not_divide_fail_clearly(phase1_shards, tmp_path):
     assert result.returncode == 1
     assert f"{ds}: train_batch_size 12 != 4 x 2 x 1" in result.stderr
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_diverged_run_drops_nonfinite_batches_and_stops_clearly(fp32_setup, phase1_shards, tmp_path):
+    args, _ = fp32_setup
+    out = tmp_path / "diverged"
+    cli = args(phase1_shards, out)
+    cli[cli.index("--learning_rate") + 1] = "1e30"  # the first update overflows the weights
+    result = run(1, cli + ["--max_nonfinite_steps", "3", "--num_steps_per_checkpoint", "100"])
+    assert result.returncode == 1
+    assert "error: 3 micro batches in a row had a non-finite loss at step 1 (3 in total)" in result.stderr
+    recs = records(out)
+    assert list(recs) == [1] and recs[1]["skipped_batches"] == 0
+    assert not (out / "checkpoints").exists()  # nothing diverged is saved
