@@ -49,7 +49,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data and model")
     g.add_argument("--input_dir", type=Path, required=True,
-                   help="shards: *training*.hdf5 for training, *test*.hdf5 for evaluation (searched recursively)")
+                   help="shards, searched recursively: *training*.hdf5 (or in training/) train, *test*.hdf5 (or in test/) evaluate")
     g.add_argument("--output_dir", type=Path, required=True, help="checkpoints, metrics, model_config.json")
     g.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
     g.add_argument("--max_seq_length", type=int, default=128, help="must equal the shards' sequence length")

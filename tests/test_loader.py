@@ -54,6 +54,17 @@ def test_evaluation_sampler_stops_at_the_limit():
     assert len(RankSampler(0, 4, 0, 2, limit=10)) == 6
 
 
+def test_shards_are_found_by_name_or_by_directory(tmp_path):
+    for rel in ("a/wiki_training_1.hdf5", "a/wiki_training_0.hdf5", "b/training/part-00000.hdf5",
+                "b/test/part-00000.hdf5", "c/wiki_test_0.hdf5", "c/notes.txt", "d/other.hdf5"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).touch()
+    assert [str(p.relative_to(tmp_path)) for p in find_shards(tmp_path, "training")] == [
+        "a/wiki_training_0.hdf5", "a/wiki_training_1.hdf5", "b/training/part-00000.hdf5"]
+    assert [str(p.relative_to(tmp_path)) for p in find_shards(tmp_path, "test")] == [
+        "b/test/part-00000.hdf5", "c/wiki_test_0.hdf5"]
+
+
 def test_every_epoch_visits_every_row_once_in_a_seeded_order(phase1_shards):
     ds = training_set(phase1_shards)
     n = len(ds)

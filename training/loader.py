@@ -60,8 +60,11 @@ class SpecialTokens:
 
 
 def find_shards(input_dir: Path, split: str) -> list[Path]:
-    """All `*<split>*.hdf5` files under input_dir (recursively), sorted by path."""
-    return sorted(p for p in Path(input_dir).rglob(f"*{split}*.hdf5") if p.is_file())
+    """The split's `.hdf5` files under input_dir (recursively), sorted by path: those with the
+    split in their name (`*training*.hdf5`) or inside a directory named after it (`training/`)."""
+    root = Path(input_dir)
+    return sorted(p for p in root.rglob("*.hdf5")
+                  if p.is_file() and (split in p.name or split in p.relative_to(root).parts[:-1]))
 
 
 def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_size: int) -> ShardInfo:
