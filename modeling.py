@@ -19,6 +19,7 @@ import difflib
 import json
 import math
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -476,40 +477,55 @@ def to_hf_model(model: BertForPreTraining):
     return hf_model.eval()
 
 
-def save_hf(model: BertForPreTraining, directory: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None) -> Path:
+def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None) -> Path:
     """Write a Hugging Face model directory (config.json + model.safetensors) that
     `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM) loads.
-    With `tokenizer_dir` (a folder holding vocab.txt), the tokenizer files are written too."""
-    directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.tmp")
-    hf_model = to_hf_model(model)
-    hf_model.save_pretrained(tmp)
-    if tokenizer_dir is not None:
-        from transformers import BertTokenizerFast
-
-        vocab_file = Path(tokenizer_dir) / "vocab.txt"
-        if not vocab_file.is_file():
-            raise FileNotFoundError(f"{vocab_file}: no vocab.txt to export the tokenizer from")
-        lower = _vocab_is_lowercase(vocab_file)
-        BertTokenizerFast(vocab_file=str(vocab_file), do_lower_case=lower).save_pretrained(tmp)
+    With `vocab_file` (a WordPiece vocab.txt), the tokenizer files are written too.
+    The directory is staged beside its final name and swapped in whole."""
+    if vocab_file is not None:
+        n_lines = len(Path(vocab_file).read_text(encoding="utf-8").splitlines())
+        if n_lines != model.config.vocab_size:
+            raise ValueError(f"{vocab_file}: {n_lines} tokens, but the model's vocab_size is "
+                             f"{model.config.vocab_size}; pass the vocab.txt the shards were made with")
+    directory = Path(directory).resolve()
+    staging = directory.with_name(f".{directory.name}.tmp")
+    if staging.exists():
+        shutil.rmtree(staging)
+    to_hf_model(model).save_pretrained(staging)
+    if vocab_file is not None:
+        save_tokenizer(Path(vocab_file), staging)
     if directory.exists():
-        _replace_dir(tmp, directory)
+        _replace_dir(staging, directory)
     else:
-        os.replace(tmp, directory)
+        os.replace(staging, directory)
     return directory
 
 
-def _vocab_is_lowercase(vocab_file: Path) -> bool:
-    words = [w for w in vocab_file.read_text(encoding="utf-8").split("\n") if w and not w.startswith("[")]
-    return not any(w != w.lower() for w in words)
+def save_tokenizer(vocab_file: Path, directory: Path) -> None:
+    """Hugging Face tokenizer files for a WordPiece vocab.txt, built from the `tokenizers` object:
+    `BertTokenizerFast(vocab_file=...)` silently ignores the file in transformers 5.x (every token
+    becomes [UNK])."""
+    from tokenizers import BertWordPieceTokenizer
+    from transformers import BertTokenizerFast
+
+    lines = vocab_file.read_text(encoding="utf-8").splitlines()
+    words = [w for w in lines if w and not w.startswith("[")]
+    lower = all(w == w.lower() for w in words)
+    wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
+    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
+                                  sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
+    if len(tokenizer) != len(lines):
+        raise ValueError(f"{vocab_file}: the tokenizer built from it has {len(tokenizer)} tokens but the file has "
+                         f"{len(lines)} lines; remove duplicate or blank lines")
+    tokenizer.save_pretrained(directory)
 
 
 def _replace_dir(new: Path, old: Path) -> None:
     trash = old.with_name(f".{old.name}.old")
+    if trash.exists():
+        shutil.rmtree(trash)
     os.replace(old, trash)
     os.replace(new, old)
-    import shutil
-
     shutil.rmtree(trash)
 
 

@@ -17,9 +17,7 @@ and `AutoTokenizer.from_pretrained`.
 from __future__ import annotations
 
 import argparse
-import os
 import re
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -162,39 +160,11 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
     except RuntimeError as e:
         raise ExportError(f"{loc.tag_dir}: the weights do not fit {config_file} ({e}); pass the model config "
                           "the run trained with (--config_file)") from e
-    # Stage the model and the tokenizer side by side, then swap the finished directory into place.
-    output = output.resolve()
-    staging = output.with_name(f".{output.name}.export")
-    shutil.rmtree(staging, ignore_errors=True)
-    save_hf(model.eval(), staging)
-    save_tokenizer(vocab_file, staging)
-    if output.exists():
-        trash = output.with_name(f".{output.name}.old")
-        shutil.rmtree(trash, ignore_errors=True)
-        os.replace(output, trash)
-        os.replace(staging, output)
-        shutil.rmtree(trash)
-    else:
-        os.replace(staging, output)
+    try:
+        save_hf(model.eval(), output, vocab_file=vocab_file)
+    except ValueError as e:
+        raise ExportError(str(e)) from e
     return output, source
-
-
-def save_tokenizer(vocab_file: Path, directory: Path) -> None:
-    """Hugging Face tokenizer files for a WordPiece vocab.txt. Built from the `tokenizers` object:
-    `BertTokenizerFast(vocab_file=...)` silently ignores the file in transformers 5.x (every token
-    becomes [UNK]), so modeling.save_hf's tokenizer_dir path is not used here."""
-    from tokenizers import BertWordPieceTokenizer
-    from transformers import BertTokenizerFast
-
-    words = [w for w in vocab_file.read_text(encoding="utf-8").splitlines() if w and not w.startswith("[")]
-    lower = all(w == w.lower() for w in words)
-    wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
-    tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
-                                  sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
-    if len(tokenizer) != len(vocab_file.read_text(encoding="utf-8").splitlines()):
-        raise ExportError(f"{vocab_file}: the tokenizer built from it has {len(tokenizer)} tokens; the file has "
-                          "duplicate or blank lines")
-    tokenizer.save_pretrained(directory)
 
 
 def main(argv: list[str] | None = None) -> int:

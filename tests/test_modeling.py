@@ -125,6 +125,21 @@ def test_save_hf_load_hf_round_trip(tmp_path, pre_layer_norm):
     assert torch.equal(a.loss, b.loss)
 
 
+def test_save_hf_writes_a_working_tokenizer(tmp_path, bert_vocab):
+    config = BertConfig.from_json_file(MODEL_CONFIGS / "bert-tiny.json")
+    model = BertForPreTraining(config).eval()
+    modeling.save_hf(model, tmp_path / "hf", vocab_file=bert_vocab)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert len(tokenizer) == 30522
+    ids = tokenizer("The quick brown fox jumps.")["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(ids) == ["[CLS]", "the", "quick", "brown", "fox", "jumps", ".", "[SEP]"]
+    fill = transformers.pipeline("fill-mask", model=str(tmp_path / "hf"))
+    assert len(fill("paris is the [MASK] of france.")) == 5
+    with pytest.raises(ValueError, match="vocab_size is 1001"):
+        modeling.save_hf(BertForPreTraining(small_config()), tmp_path / "bad", vocab_file=bert_vocab)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing half-written
+
+
 def test_load_hf_from_a_transformers_model(tmp_path):
     """The other direction: a checkpoint written by transformers loads into our model."""
     hf_config = transformers.BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
