@@ -16,6 +16,7 @@ from training.checkpoint import (
     complete_tags,
     describe_files,
     find_resume,
+    make_room,
     read_latest,
     tag_for,
     verify_files,
@@ -86,6 +87,26 @@ def test_keep_last_k_and_drop_unfinished(tmp_path):
     _save(tmp_path, 30, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step00000020", "step00000030"]
     assert read_latest(tmp_path) == "step00000030"
+
+
+def test_rewound_timeline_is_neither_pruned_nor_overwritten(tmp_path):
+    for step in (10, 20, 30):
+        _save(tmp_path, step, keep=3)
+    (tmp_path / LATEST).write_text("step00000010\n")  # the user rewinds to step 10
+    assert find_resume(tmp_path)[0] == "step00000010"
+    make_room(tmp_path, "step00000020")  # the resumed run reaches step 20 again
+    assert (tmp_path / "step00000020.abandoned" / RUN_STATE).is_file()
+    _save(tmp_path, 20, keep=1)
+    # keep=1 up to latest; step 30 of the abandoned timeline stays
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "step00000020", "step00000020.abandoned", "step00000030"]
+
+
+def test_crash_debris_of_the_same_name_is_removed_before_saving(tmp_path):
+    _fake_deepspeed_tag(tmp_path, 20)
+    make_room(tmp_path, "step00000020")
+    assert not (tmp_path / "step00000020").exists()
+    assert not (tmp_path / "step00000020.abandoned").exists()
 
 
 def test_truncated_file_is_a_loud_error(tmp_path):

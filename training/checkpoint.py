@@ -154,15 +154,34 @@ def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int, files: dict[
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:
-    """Keep the newest `keep` complete tags (and `latest`'s); drop older tags, their universal
-    copies, and unfinished tags left by a crash."""
+    """Keep the newest `keep` complete tags up to `latest` (and `latest` itself); drop older tags,
+    their universal copies, and unfinished tags left by a crash. Complete tags newer than `latest`
+    (a timeline the user rewound from by editing `latest`) are left alone."""
     latest = read_latest(ckpt_dir)
-    tags = complete_tags(ckpt_dir)
+    tags = [t for t in complete_tags(ckpt_dir) if latest is None or t <= latest]
     keep_set = set(tags[-keep:]) | ({latest} if latest else set())
+    complete = set(complete_tags(ckpt_dir))
     for path in ckpt_dir.iterdir():
         base = path.name.removesuffix(UNIVERSAL_SUFFIX)
-        if _TAG.match(base) and path.is_dir() and base not in keep_set:
+        if not (_TAG.match(base) and path.is_dir()) or base in keep_set:
+            continue
+        if base not in complete or (latest is not None and base < latest):
             shutil.rmtree(path)
+
+
+def make_room(ckpt_dir: Path, tag: str) -> None:
+    """Before saving `tag`: crash debris of that name goes; a complete tag of that name (from a
+    timeline rewound by editing `latest`) is kept as `<tag>.abandoned`, replacing an older one."""
+    path = ckpt_dir / tag
+    if not path.exists():
+        return
+    if (path / RUN_STATE).is_file():
+        aside = ckpt_dir / f"{tag}.abandoned"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(path, aside)
+        print(f"warning: {path} belonged to a run rewound past it; moved to {aside}", file=sys.stderr)
+    else:
+        shutil.rmtree(path)
 
 
 def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, skipped_batches: int,
@@ -172,8 +191,7 @@ def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, sk
     rank = dist.get_rank()
     if rank == 0:
         ckpt_dir.mkdir(parents=True, exist_ok=True)
-        if (ckpt_dir / tag).exists():  # left over from a crash after this step was last saved
-            shutil.rmtree(ckpt_dir / tag)
+        make_room(ckpt_dir, tag)
     dist.barrier()
     # The universal-checkpoint info lets ds_to_universal convert this tag for another world size.
     client_state = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
