@@ -1,7 +1,7 @@
 """Stage 1: download an English Wikipedia dump by dump date, resumable and checksum-verified.
 
-    python -m data.download --dump_date 20241201 --output_dir text/download [--mirror URL]
-    python -m data.download --url https://host/enwiki/20241201/enwiki-20241201-pages-articles.xml.bz2 ...
+    python -m data.download --dump_date 20261101 --output_dir text/download [--mirror URL]
+    python -m data.download --url https://host/enwiki/20261101/enwiki-20261101-pages-articles.xml.bz2 ...
 
 The default date is pinned (never the moving "latest", which is 404 while it is refreshed).
 The file streams to `<name>.part`; an interrupted transfer resumes with an HTTP Range request,
@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from data.stage import PipelineError
 
-DEFAULT_DUMP_DATE = "20241201"
+DEFAULT_DUMP_DATE = "20261101"
 DEFAULT_MIRROR = "https://dumps.wikimedia.org"
 CHUNK = 1 << 20
 _DUMP_NAME = re.compile(r"^(?P<wiki>[a-z_]+)-(?P<date>\d{8})-")

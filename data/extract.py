@@ -9,7 +9,7 @@ Output: `<output_dir>/part-NNNNN.txt`, `articles_per_part` articles each, one pa
 and a blank line after each article. Parts are cleaned in parallel worker processes, at most
 `2 * workers` parts in flight, so memory stays bounded whatever the dump size.
 
-    python -m data.extract --input enwiki-20241201-pages-articles.xml.bz2 --output_dir text/extracted
+    python -m data.extract --input enwiki-20261101-pages-articles.xml.bz2 --output_dir text/extracted
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 #
 # Without VOCAB_FILE a 30,522-token uncased WordPiece vocab is trained on the corpus.
 # Environment (all optional):
-#   DUMP_DATE   enwiki dump date, YYYYMMDD (default 20241201; never "latest")
+#   DUMP_DATE   enwiki dump date, YYYYMMDD (default 20261101; never "latest")
 #   DUMP        a local dump file or URL instead of downloading DUMP_DATE
 #   MIRROR      dump mirror (default https://dumps.wikimedia.org)
 #   WORKERS     worker processes (default: all cores)
@@ -34,7 +34,7 @@ TEST_SHARDS=${TEST_SHARDS:-8}
 if [[ -n ${DUMP:-} ]]; then
     source_args=(--input "$DUMP")
 else
-    source_args=(--dump_date "${DUMP_DATE:-20241201}" --mirror "${MIRROR:-https://dumps.wikimedia.org}")
+    source_args=(--dump_date "${DUMP_DATE:-20261101}" --mirror "${MIRROR:-https://dumps.wikimedia.org}")
 fi
 vocab_args=()
 if [[ -n $VOCAB ]]; then vocab_args=(--vocab_file "$VOCAB"); fi
