@@ -102,6 +102,15 @@ class Stepper:
         self.step(record=False)
         return torch.accelerator.max_memory_allocated() - start
 
+    def op_profile(self, rows: int) -> str:
+        """torch.profiler table of one step: where the time goes, operator by operator."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            self.step(record=False)
+        return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+
     def result(self) -> Result:
         medians = (statistics.median(self.parts[k]) for k in ("forward", "backward", "optimizer"))
         return Result(self.name, *medians, self.peak_bytes())
@@ -136,6 +145,9 @@ def run(config: BertConfig, dtype: str, args: argparse.Namespace, device: torch.
             steppers.append(Stepper(name, hf.to(device=device, dtype=DTYPES[dtype]), inputs["hf"], device))
         steppers.append(Stepper(f"ours ({label})", ours.to(device=device, dtype=DTYPES[dtype]), inputs["ours"], device))
         results = compare(steppers, args.warmup, args.steps)
+        if args.profile_ops:
+            for stepper in steppers:
+                print(f"\n{dtype} {stepper.name}: operators of one step\n{stepper.op_profile(args.profile_ops)}")
         pairs += [(results[-1], ref) for ref in results[:-1]]
         del steppers, ours
     return pairs
@@ -152,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--hf_sdpa", action="store_true", help="also time transformers' post-LN BERT with sdpa attention")
+    p.add_argument("--profile_ops", type=int, default=0, metavar="ROWS",
+                   help="also print a torch.profiler operator table (ROWS rows) of one step of each model")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
 

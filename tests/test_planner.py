@@ -103,16 +103,20 @@ def config_params(config: BertConfig):
         return BertForPreTraining(config).parameters()
 
 
-@pytest.mark.parametrize(("name", "batch", "checkpointing"), [
-    ("bert-tiny", 8, False), ("bert-tiny", 8, True), ("bert-tiny", 32, True),
+@pytest.mark.parametrize(("name", "layers", "batch", "seq", "checkpointing"), [
+    ("bert-tiny", None, 8, 128, False), ("bert-tiny", None, 8, 128, True), ("bert-tiny", None, 32, 128, True),
     # base at 8 without checkpointing peaks at the start of backward (activations); with it, at the
     # end of backward (gradients), already at batch 2.
-    ("bert-base", 8, False), ("bert-base", 2, True),
+    ("bert-base", None, 8, 128, False), ("bert-base", None, 2, 128, True),
+    # seq 512 with checkpointing peaks while the first layer is recomputed
+    ("bert-base", 2, 2, 512, True),
 ])
-def test_peak_memory_matches_cpu_measurement_fp32(name, batch, checkpointing):
+def test_peak_memory_matches_cpu_measurement_fp32(name, layers, batch, seq, checkpointing):
     config = _config(name)
-    states, above = _measure_step(config, batch, 128, checkpointing, torch.float32)
-    plan = planner.plan_memory(config, device=CPU, zero_stage=0, micro_batch=batch, seq_len=128,
+    if layers:
+        config = dataclasses.replace(config, num_hidden_layers=layers)
+    states, above = _measure_step(config, batch, seq, checkpointing, torch.float32)
+    plan = planner.plan_memory(config, device=CPU, zero_stage=0, micro_batch=batch, seq_len=seq,
                                precision="fp32", checkpoint_activations=checkpointing, bucket_elements=0)
     # The planner's fp32 states (4 B weights + 8 B Adam moments) are what torch holds, but for
     # AdamW's 4-byte step counter per tensor.

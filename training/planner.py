@@ -245,8 +245,8 @@ def plan_memory(
     """Memory per device for one training step.
 
     Three moments can set the peak: the start of backward (all activations plus the loss gradient),
-    the recomputation of a checkpointed segment (the head's activations are gone, the tied
-    embedding/decoder gradient exists), and the end of backward (all gradients, plus the embedding
+    the recomputation of the first checkpointed segment (the head's activations are gone; the tied
+    embedding/decoder gradient and the later layers' gradients exist), and the end of backward (all gradients, plus the embedding
     backward's dense [vocab, hidden] gradient and its sum with the decoder's). `bucket_elements` is
     DeepSpeed's `reduce_bucket_size` (default 5e8), one contiguous gradient bucket held under
     ZeRO-1/2; 0 for plain PyTorch.
@@ -267,7 +267,17 @@ def plan_memory(
     embedding_grad = config.padded_vocab_size * config.hidden_size * g_bytes
     base = weights + optimizer + buffers
     loss_phase = act.saved + act.loss_transient
-    recompute_phase = act.saved - act.head_saved + embedding_grad + act.recompute
+    # Recomputing the first segment: the later segments' weight gradients exist (partitioned under
+    # ZeRO-2/3), and so does the gradient flowing into the segment.
+    h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    layer_params = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+    later_grads = layer_params * max(L - checkpoint_interval, 0) * g_bytes
+    if zero_stage >= 2:
+        later_grads = math.ceil(later_grads / devices)
+    recompute_phase = (act.saved - act.head_saved + embedding_grad + later_grads
+                       + act.recompute + micro_batch * seq_len * h * g_bytes)
+    if not checkpoint_activations:  # no recomputation: this phase is bounded by the other two
+        recompute_phase = 0
     backward_peak = base + max(loss_phase, recompute_phase)
     step_peak = base + gradients + 2 * embedding_grad
     return MemoryPlan(parameters, weights, gradients, optimizer, act.saved, without.saved, with_ckpt.saved,
