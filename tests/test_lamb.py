@@ -95,28 +95,41 @@ def make_model(seed: int = 0) -> Straddler:
     return model
 
 
-def run_reference(kind: str, steps: int, world: int = 1, lr: float = 2e-2, wd: float = 0.01):
-    """Single process, unpartitioned: the mean gradient over `world` ranks' micro-batches, reference rule."""
+def run_reference(
+    kind: str, steps: int, world: int = 1, clip: float | None = None, bf16: bool = False, lr: float = 2e-2
+):
+    """Single process, unpartitioned, the reference rule on the mean gradient over `world` ranks'
+    micro-batches; with `clip`, DeepSpeed's global-norm clipping first. With bf16, forward and backward
+    run on bf16 copies of the fp32 weights and each rank's bf16 gradient is averaged in fp32, as
+    DeepSpeed's bf16 mixed precision does."""
     model = make_model()
-    groups = build_param_groups(model, wd)
+    if bf16:
+        model = model.to(torch.bfloat16)
+    groups = build_param_groups(model, 0.01)
     params = [p for g in groups for p in g["params"]]
     wds = [g["weight_decay"] for g in groups for _ in g["params"]]
-    values = [p.detach().clone() for p in params]
+    # DeepSpeed builds its fp32 master weights from the bf16 model, so they start bf16-rounded too.
+    values = [p.detach().float() for p in params]
     states = [(torch.zeros_like(v), torch.zeros_like(v), 0) for v in values]
     per_rank = [batches(steps, r, world) for r in range(world)]
+    dtype = torch.bfloat16 if bf16 else torch.float32
     for step in range(steps):
         with torch.no_grad():
             for p, v in zip(params, values):
                 p.copy_(v)
-        model.zero_grad()
+        grads = [torch.zeros_like(v) for v in values]
         for r in range(world):
+            model.zero_grad()
             x, y = per_rank[r][step]
-            (model(x, y) / world).backward()
-        grads = [p.grad.detach().clone() for p in params]
-        if kind == "lamb":
-            reference_lamb_step(values, grads, states, wds, lr, (0.9, 0.999), 1e-6)
-        else:
-            reference_lans_step(values, grads, states, wds, lr, (0.9, 0.999), 1e-6)
+            model(x.to(dtype), y).backward()
+            for g, p in zip(grads, params):
+                g.add_(p.grad.float() / world)
+        if clip is not None:
+            total = torch.sqrt(sum(g.double().square().sum() for g in grads)).item()
+            scale = max((total + 1e-6) / clip, 1.0)
+            grads = [g / scale for g in grads]
+        step_fn = reference_lamb_step if kind == "lamb" else reference_lans_step
+        step_fn(values, grads, states, wds, lr, (0.9, 0.999), 1e-6)
     names = {id(p): n for n, p in model.named_parameters()}
     return {names[id(p)]: v for p, v in zip(params, values)}
 
@@ -265,43 +278,6 @@ class PlainLamb(torch.optim.Optimizer):
                 )
                 p.copy_(values[0])
                 state["m"], state["v"], state["t"] = states[0]
-
-
-def reference_with_clipping(
-    kind: str, steps: int, world: int, bf16: bool = False, lr: float = 2e-2, wd: float = 0.01
-):
-    """run_reference with DeepSpeed's gradient clipping rule applied to the mean gradient. With bf16, the
-    forward and backward run on bf16 copies of the fp32 weights and each rank's bf16 gradient is averaged
-    in fp32, as DeepSpeed's bf16 mixed precision does."""
-    model = make_model()
-    if bf16:
-        model = model.to(torch.bfloat16)
-    groups = build_param_groups(model, wd)
-    params = [p for g in groups for p in g["params"]]
-    wds = [g["weight_decay"] for g in groups for _ in g["params"]]
-    # DeepSpeed builds its fp32 master weights from the bf16 model, so they start bf16-rounded too.
-    values = [p.detach().float() for p in params]
-    states = [(torch.zeros_like(v), torch.zeros_like(v), 0) for v in values]
-    per_rank = [batches(steps, r, world) for r in range(world)]
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    for step in range(steps):
-        with torch.no_grad():
-            for p, v in zip(params, values):
-                p.copy_(v)
-        grads = [torch.zeros_like(v) for v in values]
-        for r in range(world):
-            model.zero_grad()
-            x, y = per_rank[r][step]
-            model(x.to(dtype), y).backward()
-            for g, p in zip(grads, params):
-                g.add_(p.grad.float() / world)
-        total = torch.sqrt(sum(g.double().square().sum() for g in grads)).item()
-        scale = max((total + 1e-6) / CLIP, 1.0)
-        grads = [g / scale for g in grads]
-        step_fn = reference_lamb_step if kind == "lamb" else reference_lans_step
-        step_fn(values, grads, states, wds, lr, (0.9, 0.999), 1e-6)
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)]: v for p, v in zip(params, values)}
 
 
 def _ds_config(stage: int, bf16: bool, round_robin: bool = False, micro_batch: int = 8) -> dict:
@@ -474,7 +450,7 @@ def test_zero_partitions_match_unpartitioned_reference(two_rank_results, name):
     assert rank0[name]["wrapper"] == "DeepSpeedZeroOptimizer"
     if not round_robin:
         assert rank0[name]["straddlers"] + rank1[name]["straddlers"] >= 2
-    ref = reference_with_clipping(kind, STEPS, world=2)
+    ref = run_reference(kind, STEPS, world=2, clip=CLIP)
     assert max_abs_diff(rank0[name]["params"], ref) < 1e-6
     assert max_abs_diff(rank1[name]["params"], ref) < 1e-6
 
@@ -484,7 +460,7 @@ def test_without_zero_binding_is_a_no_op(two_rank_results):
     rank0, rank1 = two_rank_results
     assert rank0["zero0_fp32_lamb"]["wrapper"] == "Lamb"
     assert (
-        max_abs_diff(rank0["zero0_fp32_lamb"]["params"], reference_with_clipping("lamb", STEPS, world=2))
+        max_abs_diff(rank0["zero0_fp32_lamb"]["params"], run_reference("lamb", STEPS, world=2, clip=CLIP))
         < 1e-6
     )
     assert max_abs_diff(rank1["zero0_fp32_lamb"]["params"], rank0["zero0_fp32_lamb"]["params"]) == 0.0
@@ -493,7 +469,7 @@ def test_without_zero_binding_is_a_no_op(two_rank_results):
 @pytest.mark.slow
 def test_plain_client_lamb_under_zero_is_wrong(two_rank_results):
     rank0, _ = two_rank_results
-    ref = reference_with_clipping("lamb", STEPS, world=2)
+    ref = run_reference("lamb", STEPS, world=2, clip=CLIP)
     plain = max_abs_diff(rank0["zero1_fp32_plain"]["params"], ref)
     exact = max_abs_diff(rank0["zero1_fp32_lamb"]["params"], ref)
     assert plain > 1e-3 > 1e-6 > exact
@@ -507,7 +483,7 @@ def test_bf16_partitions_match_reference_within_bf16_noise(two_rank_results, nam
     rank0, rank1 = two_rank_results
     assert rank0[name]["wrapper"] == wrapper
     assert rank0[name]["straddlers"] + rank1[name]["straddlers"] >= 2
-    ref = reference_with_clipping("lamb", STEPS, world=2, bf16=True)
+    ref = run_reference("lamb", STEPS, world=2, clip=CLIP, bf16=True)
     exact = max_abs_diff(rank0[name]["params"], ref)
     plain = max_abs_diff(rank0["zero1_bf16_plain"]["params"], ref)
     assert exact < BF16_TOLERANCE < plain
@@ -524,7 +500,7 @@ def test_checkpoint_resume_continues_the_same_trajectory(two_rank_results, preci
             max_abs_diff(results[f"{precision}_resumed_without_state"], results[f"{precision}_straight"])
             > 1e-4
         )
-    ref = reference_with_clipping("lamb", STEPS, world=2, bf16=precision == "bf16")
+    ref = run_reference("lamb", STEPS, world=2, clip=CLIP, bf16=precision == "bf16")
     tolerance = BF16_TOLERANCE if precision == "bf16" else 1e-6
     assert max_abs_diff(two_rank_results[0][f"{precision}_resumed"], ref) < tolerance
 
