@@ -139,6 +139,31 @@ def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
     assert 0.72 < replaced_by_mask / total < 0.88  # 80% [MASK], 10% random, 10% unchanged
 
 
+def test_at_most_two_shards_are_open_per_process(phase1_shards, tmp_path):
+    # four shards: the two of phase1_shards, twice (as copies under other names)
+    for i, src in enumerate(find_shards(phase1_shards, "training") * 2):
+        (tmp_path / f"x_training_{i}.hdf5").write_bytes(src.read_bytes())
+    ds = training_set(tmp_path)
+    seen = set()
+    for position in range(0, len(ds), 37):
+        ds[position]
+        seen.add(ds.locate(position)[0])
+        assert len(ds._files) <= 2
+    assert len(seen) == 4
+
+
+def test_compressed_shards_read_the_same_samples(phase1_shards, tmp_path):
+    for src in find_shards(phase1_shards, "training"):
+        with h5py.File(src, "r") as fin, h5py.File(tmp_path / src.name, "w") as fout:
+            for key in fin:
+                fout.create_dataset(key, data=fin[key][()], compression="gzip")
+            fout.attrs.update(fin.attrs)
+    plain, packed = training_set(phase1_shards), training_set(tmp_path)
+    for position in range(0, len(plain), 53):
+        a, b = plain[position], packed[position]
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
 def test_workers_prefetch_the_same_batches(phase1_shards):
     ds = training_set(phase1_shards)
     serial = list(itertools.islice(make_loader(ds, RankSampler(16, 4, 1, 2), 4, num_workers=0), 3))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,6 +31,9 @@ from modeling import IGNORE_INDEX
 REQUIRED_KEYS = ("input_ids", "input_mask", "segment_ids", "next_sentence_labels")
 MASK_KEYS = ("masked_lm_positions", "masked_lm_ids")
 MASKED_LM_PROB = 0.15
+OPEN_FILES = 2  # HDF5 handles per process
+CHUNK_CACHE_BYTES = 64 << 20  # per dataset of an open file; only chunked (compressed) shards use it
+CHUNK_CACHE_SLOTS = 100_003  # a prime well above the chunk count, as HDF5 advises
 
 
 class DataConfigError(ValueError):
@@ -159,7 +163,7 @@ class PretrainingDataset(Dataset):
         self.epoch_size = int(self.sizes.sum())
         self._order_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._rows_cache: dict[tuple[int, int], np.ndarray] = {}
-        self._files: dict[int, h5py.File] = {}
+        self._files: OrderedDict[int, h5py.File] = OrderedDict()
         self._files_pid = -1
 
     def __len__(self) -> int:
@@ -200,10 +204,17 @@ class PretrainingDataset(Dataset):
         return shard, int(self._row_order(epoch, shard)[within - start])
 
     def _file(self, shard: int) -> h5py.File:
+        """An open handle, at most OPEN_FILES per process (the stream visits one shard after another)."""
         if self._files_pid != os.getpid():  # handles must not cross a fork into DataLoader workers
-            self._files, self._files_pid = {}, os.getpid()
-        if shard not in self._files:
-            self._files[shard] = h5py.File(self.shards[shard].path, "r")
+            self._files, self._files_pid = OrderedDict(), os.getpid()
+        if shard in self._files:
+            self._files.move_to_end(shard)
+        else:
+            if len(self._files) >= OPEN_FILES:
+                self._files.popitem(last=False)[1].close()
+            # A large chunk cache: compressed (chunked) shards are read row by row in random order.
+            self._files[shard] = h5py.File(self.shards[shard].path, "r", rdcc_nbytes=CHUNK_CACHE_BYTES,
+                                           rdcc_nslots=CHUNK_CACHE_SLOTS)
         return self._files[shard]
 
     def __getitem__(self, position: int) -> dict[str, np.ndarray]:
