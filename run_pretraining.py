@@ -241,8 +241,16 @@ class NonFiniteGuard:
                 "lower --learning_rate or a longer --warmup_proportion")
 
 
-def _model_inputs(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+def _model_inputs(batch: dict, device: torch.device, nsp: bool) -> dict:
+    """The batch on the device; without an NSP head (next_sentence_prediction false) the shards'
+    next-sentence labels are not used."""
+    return {k: v.to(device, non_blocking=True) for k, v in batch.items() if nsp or k != "next_sentence_labels"}
+
+
+def _losses(out) -> torch.Tensor:
+    """[loss, mlm_loss, nsp_loss, mlm_accuracy] as float32 (nsp_loss 0 without an NSP head)."""
+    nsp = out.nsp_loss.detach() if out.nsp_loss is not None else torch.zeros_like(out.mlm_loss)
+    return torch.stack([out.loss.detach(), out.mlm_loss.detach(), nsp, out.mlm_accuracy.detach()]).float()
 
 
 @dataclass
@@ -266,9 +274,8 @@ def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, gua
         batch = next(batches)
         acc.manual_seed(micro_step_seed(seed, consumed, rank))
         consumed += sizes.micro_batch * world
-        out = engine(**_model_inputs(batch, acc.device))
-        metrics = torch.stack([out.loss.detach(), out.mlm_loss.detach(), out.nsp_loss.detach(),
-                               out.mlm_accuracy.detach()]).float()
+        out = engine(**_model_inputs(batch, acc.device, engine.module.config.next_sentence_prediction))
+        metrics = _losses(out)
         finite = torch.isfinite(metrics).all()
         # float32 on the wire (HPUs have no float64); one device-to-host copy per micro batch
         flags = torch.cat([(~finite).float().reshape(1),
@@ -298,10 +305,10 @@ def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -
     engine.eval()
     with torch.no_grad():
         for batch in make_loader(dataset, sampler, sizes.micro_batch, num_workers=0):
-            out = engine(**_model_inputs(batch, acc.device))
+            out = engine(**_model_inputs(batch, acc.device, engine.module.config.next_sentence_prediction))
             acc.mark_step()
             n = batch["input_ids"].shape[0]
-            values = torch.stack([out.loss, out.mlm_loss, out.nsp_loss, out.mlm_accuracy]).float().cpu().double()
+            values = _losses(out).cpu().double()
             sums += torch.cat([values * n, torch.tensor([n], dtype=torch.float64)])
     engine.train()
     # float32 on the wire: HPUs have no float64

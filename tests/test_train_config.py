@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from run_pretraining import (
     DEFAULT_DS_CONFIG,
@@ -115,3 +116,19 @@ def test_nonfinite_guard_counts_and_stops_after_n_in_a_row():
     with pytest.raises(NonFiniteLossError, match="3 micro batches in a row had a non-finite loss at step 7 "
                                                  r"\(5 in total\)"):
         guard.update(False, step=7)
+
+
+def test_models_without_nsp_head_train_on_shards_with_nsp_labels():
+    from modeling import BertConfig, BertForPreTraining
+    from run_pretraining import _losses, _model_inputs
+
+    values = json.loads((DEFAULT_DS_CONFIG.parents[1] / "models" / "bert-tiny.json").read_text())
+    model = BertForPreTraining(BertConfig.from_dict(values | {"next_sentence_prediction": False}))
+    batch = {"input_ids": torch.randint(5, 1000, (2, 16)), "token_type_ids": torch.zeros(2, 16, dtype=torch.long),
+             "attention_mask": torch.ones(2, 16, dtype=torch.long), "masked_lm_positions": torch.tensor([[1, 2]] * 2),
+             "masked_lm_labels": torch.tensor([[7, -100]] * 2), "next_sentence_labels": torch.tensor([0, 1])}
+    inputs = _model_inputs(batch, torch.device("cpu"), nsp=model.config.next_sentence_prediction)
+    assert "next_sentence_labels" not in inputs
+    losses = _losses(model(**inputs))
+    assert losses[2] == 0 and losses[0] == losses[1] > 0
+    assert "next_sentence_labels" in _model_inputs(batch, torch.device("cpu"), nsp=True)
