@@ -9,7 +9,8 @@ config, dtype, batch, sequence length and optimizer:
   pre-LN:  transformers.MegatronBertForPreTraining against our model built with pre_layer_norm=true.
 The models step in turn (A, B, A, B, ...) so that load from other processes hits them alike.
 Each step is timed in three parts (forward, backward, optimizer) after warm-up steps; the table
-prints tokens/s, the parts, peak memory and the ratio to the reference. Peak memory is the tensor
+prints tokens/s, the parts, the process CPU time of a step (all threads; on a machine shared with
+other jobs it moves less than wall time), peak memory and the ratios to the reference. Peak memory is the tensor
 high-water mark of one extra step above the weights and optimizer states: `max_memory_allocated()` on
 an accelerator, torch.profiler allocator events on CPU (training.planner.profile_peak_bytes).
 """
@@ -62,6 +63,7 @@ class Result:
     backward: float
     optimizer: float
     peak_bytes: int
+    cpu_seconds: float  # process CPU time of a step, all threads: less sensitive to other jobs than wall time
 
     @property
     def step(self) -> float:
@@ -75,9 +77,11 @@ class Stepper:
         self.name, self.model, self.inputs, self.device = name, model.train(), inputs, device
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
         self.parts: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+        self.cpu: list[float] = []
 
     def step(self, record: bool = True) -> None:
         _sync(self.device)
+        c0 = time.process_time()
         t0 = time.perf_counter()
         loss = self.model(**self.inputs).loss
         _sync(self.device)
@@ -89,7 +93,9 @@ class Stepper:
         self.optimizer.zero_grad(set_to_none=True)
         _sync(self.device)
         t3 = time.perf_counter()
+        c3 = time.process_time()
         if record:
+            self.cpu.append(c3 - c0)
             for key, seconds in zip(self.parts, (t1 - t0, t2 - t1, t3 - t2)):
                 self.parts[key].append(seconds)
 
@@ -113,7 +119,7 @@ class Stepper:
 
     def result(self) -> Result:
         medians = (statistics.median(self.parts[k]) for k in ("forward", "backward", "optimizer"))
-        return Result(self.name, *medians, self.peak_bytes())
+        return Result(self.name, *medians, self.peak_bytes(), statistics.median(self.cpu))
 
 
 def compare(steppers: list[Stepper], warmup: int, steps: int) -> list[Result]:
@@ -181,14 +187,15 @@ def main(argv: list[str] | None = None) -> int:
           f"{config.num_hidden_layers} layers, micro batch {args.micro_batch}, seq {args.seq_len}, "
           f"median of {args.steps} steps after {args.warmup} warm-up")
     header = (f"{'dtype':5} {'model':44} {'tokens/s':>9} {'fwd ms':>8} {'bwd ms':>8} {'opt ms':>7} "
-              f"{'peak MiB':>9} {'speed-up':>9} {'memory':>7}")
+              f"{'cpu s':>6} {'peak MiB':>9} {'speed-up':>9} {'cpu-time':>9} {'memory':>7}")
     print(header)
     for dtype in args.dtypes:
         for ours, ref in run(config, dtype, args, device):
             for r in (ref, ours):
                 print(f"{dtype:5} {r.name:44} {tokens / r.step:9.0f} {r.forward * 1e3:8.1f} {r.backward * 1e3:8.1f} "
-                      f"{r.optimizer * 1e3:7.1f} {r.peak_bytes / 2**20:9.1f}"
-                      + (f" {ref.step / ours.step:8.2f}x {ours.peak_bytes / ref.peak_bytes:6.2f}x" if r is ours else ""))
+                      f"{r.optimizer * 1e3:7.1f} {r.cpu_seconds:6.2f} {r.peak_bytes / 2**20:9.1f}"
+                      + (f" {ref.step / ours.step:8.2f}x {ref.cpu_seconds / ours.cpu_seconds:8.2f}x "
+                         f"{ours.peak_bytes / ref.peak_bytes:6.2f}x" if r is ours else ""))
     return 0
 
 
