@@ -245,8 +245,9 @@ def plan_memory(
     """Memory per device for one training step.
 
     Three moments can set the peak: the start of backward (all activations plus the loss gradient),
-    the recomputation of the first checkpointed segment (the head's activations are gone; the tied
-    embedding/decoder gradient and the later layers' gradients exist), and the end of backward (all gradients, plus the embedding
+    the start of the encoder's backward (the head's activations are gone, the tied embedding/decoder
+    gradient exists; with checkpointing, the recomputation of the first segment, when the later
+    layers' gradients exist too), and the end of backward (all gradients, plus the embedding
     backward's dense [vocab, hidden] gradient and its sum with the decoder's). `bucket_elements` is
     DeepSpeed's `reduce_bucket_size` (default 5e8), one contiguous gradient bucket held under
     ZeRO-1/2; 0 for plain PyTorch.
@@ -267,18 +268,18 @@ def plan_memory(
     embedding_grad = config.padded_vocab_size * config.hidden_size * g_bytes
     base = weights + optimizer + buffers
     loss_phase = act.saved + act.loss_transient
-    # Recomputing the first segment: the later segments' weight gradients exist (partitioned under
-    # ZeRO-2/3), and so does the gradient flowing into the segment.
+    # Encoder backward: the head's activations are freed, the tied embedding/decoder gradient and the
+    # gradient flowing into the encoder exist. With checkpointing it peaks while the first segment
+    # is recomputed, when the later segments' weight gradients (partitioned under ZeRO-2/3) exist too.
     h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    layer_params = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
-    later_grads = layer_params * max(L - checkpoint_interval, 0) * g_bytes
-    if zero_stage >= 2:
-        later_grads = math.ceil(later_grads / devices)
-    recompute_phase = (act.saved - act.head_saved + embedding_grad + later_grads
-                       + act.recompute + micro_batch * seq_len * h * g_bytes)
-    if not checkpoint_activations:  # no recomputation: this phase is bounded by the other two
-        recompute_phase = 0
-    backward_peak = base + max(loss_phase, recompute_phase)
+    encoder_phase = act.saved - act.head_saved + embedding_grad + micro_batch * seq_len * h * g_bytes
+    if checkpoint_activations:
+        layer_params = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+        later_grads = layer_params * max(L - checkpoint_interval, 0) * g_bytes
+        if zero_stage >= 2:
+            later_grads = math.ceil(later_grads / devices)
+        encoder_phase += later_grads + act.recompute
+    backward_peak = base + max(loss_phase, encoder_phase)
     step_peak = base + gradients + 2 * embedding_grad
     return MemoryPlan(parameters, weights, gradients, optimizer, act.saved, without.saved, with_ckpt.saved,
                       backward_peak - base - act.saved, buffers, backward_peak, step_peak)
