@@ -81,8 +81,9 @@ def get_device(name: str) -> Device:
 
 
 def device_peak_tflops(device_name: str, dtype: str) -> float | None:
-    """Peak dense TFLOP/s of one device for a dtype ("bf16", "fp32", "tf32"), or None where unknown.
-    Accepts torch-style names too ("bfloat16", "float32", "hpu", "cuda" are not device models: None)."""
+    """Peak dense TFLOP/s of one device model (a DEVICES key or alias, any case) for a dtype
+    ("bf16"/"bfloat16", "fp32"/"float32", "tf32"); None for an unknown device model (e.g. a
+    backend name such as "cuda" or "hpu") or a dtype without a published peak."""
     key = _ALIASES.get(device_name.lower(), device_name.lower())
     device = DEVICES.get(key)
     if device is None:
