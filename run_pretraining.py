@@ -58,7 +58,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_steps", type=int, required=True, help="optimizer steps in this phase")
-    g.add_argument("--optimizer", choices=("lamb", "adamw"), default="lamb")
+    g.add_argument("--optimizer", choices=("lamb", "lans", "adamw"), default="lamb",
+                   help="lamb (BERT recipe), lans (Gaudi BERT-1.5B recipe) or adamw")
     g.add_argument("--learning_rate", type=float, default=6e-3)
     g.add_argument("--weight_decay", type=float, default=0.01, help="not applied to biases and LayerNorm")
     g.add_argument("--warmup_proportion", type=float, default=0.2843,
@@ -195,11 +196,12 @@ def check_fp32_accumulation(engine) -> str:
 
 
 def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
-    from training.lamb import Lamb, build_param_groups
+    from training.lamb import Lamb, Lans, build_param_groups
 
     groups = build_param_groups(model, args.weight_decay)
-    if args.optimizer == "lamb":
-        return Lamb(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-6, weight_decay=args.weight_decay)
+    if args.optimizer in ("lamb", "lans"):
+        layerwise = Lamb if args.optimizer == "lamb" else Lans
+        return layerwise(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-6, weight_decay=args.weight_decay)
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-6,
                              weight_decay=args.weight_decay)
 
@@ -373,7 +375,7 @@ def train(args: argparse.Namespace) -> dict:
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=build_optimizer(model, args), config=ds_config,
         lr_scheduler=lambda opt: WarmupConstantDecay(opt, schedule_cfg))
-    if args.optimizer == "lamb":
+    if args.optimizer in ("lamb", "lans"):
         from training.lamb import bind_to_deepspeed
 
         bind_to_deepspeed(engine)

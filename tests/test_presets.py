@@ -110,7 +110,7 @@ def _write(tmp_path: Path, **changes) -> Path:
     ({"learning_rate": {"8": 0.001}}, "learning_rate", "without a \"default\" entry"),
     ({"learning_rate": {"default": 0.001, "eight": 0.002}}, "learning_rate.eight", "node count"),
     ({"micro_batch_per_device": {"default": 0}}, "micro_batch_per_device.default", "positive integer"),
-    ({"optimizer": "sgd"}, "optimizer", "must be one of lamb, adamw"),
+    ({"optimizer": "sgd"}, "optimizer", "must be one of lamb, lans, adamw"),
     ({"phase": 3}, "phase", "must be 1 or 2"),
     ({"source": []}, "source", "must name where the recipe comes from"),
     ({"max_seq_length": 1024}, "max_seq_length", "max_position_embeddings 512"),

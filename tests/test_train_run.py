@@ -178,11 +178,12 @@ def test_phase2_starts_from_phase1_weights_with_fresh_optimizer(bf16_run, dynami
     out = tmp_path / "phase2"
     ds = ds_config(tmp_path / "ds.json", bf16=True, train_micro_batch_size_per_gpu=4)
     phase1_files = {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()}
-    ok(run(1, base_args(dynamic_shards, out, bf16_run / "model_config.json", ds, 3, optimizer="adamw",
+    ok(run(1, base_args(dynamic_shards, out, bf16_run / "model_config.json", ds, 3, optimizer="lans",
                         learning_rate=1e-3, warmup_proportion=0.5, phase2=True, init_checkpoint=bf16_run,
                         checkpoint_activations=True)))
     info = json.loads((out / "run_info.json").read_text())
     assert info["activation_checkpointing"] and not info["compiled"]
+    assert info["optimizer"] == "lans" and info["optimizer_wrapper"] == "BF16_Optimizer"
     assert info["init_checkpoint"].endswith("checkpoints/step00000016") and info["start_step"] == 0
     recs, phase1 = records(out), records(bf16_run)
     # fresh schedule: step 1 of a 2-step warm-up; phase-1 weights: the loss continues where phase 1 ended

@@ -25,7 +25,7 @@ from pathlib import Path
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PRESET_DIR = PROJECT_ROOT / "configs" / "presets"
-OPTIMIZERS = ("lamb", "adamw")
+OPTIMIZERS = ("lamb", "lans", "adamw")
 DEFAULT_KEY = "default"
 # Fields a user may override at launch (--set name=value); the recipe's identity fields are not among them.
 OVERRIDABLE = ("model_config", "deepspeed_config", "max_steps", "num_steps_per_checkpoint", "learning_rate", "micro_batch_per_device",
