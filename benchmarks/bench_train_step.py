@@ -133,6 +133,45 @@ def compare(steppers: list[Stepper], warmup: int, steps: int) -> list[Result]:
     return [s.result() for s in steppers]
 
 
+def attention_variants(config: BertConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
+                       repeats: int = 20) -> dict[str, float]:
+    """Median process-CPU seconds of forward + backward of one layer's attention core, four ways:
+    how much of the step the choice of attention kernel explains on this device."""
+    import torch.nn.functional as F
+
+    heads, head_dim = config.num_attention_heads, config.head_dim
+    p = config.attention_probs_dropout_prob
+    mask = torch.ones(batch, 1, 1, seq, dtype=torch.bool, device=device)
+    additive = torch.zeros(batch, 1, 1, seq, dtype=dtype, device=device)
+
+    def eager(q, k, v):
+        probs = torch.softmax(q @ k.transpose(-1, -2) / head_dim**0.5 + additive, dim=-1)
+        return F.dropout(probs, p, training=True) @ v
+
+    variants = {
+        "SDPA, boolean mask, dropout (ours)": lambda q, k, v: F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p),
+        "SDPA, no mask, dropout": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p),
+        "SDPA, boolean mask, no dropout": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),
+        "eager matmul-softmax-dropout-matmul (transformers)": eager,
+    }
+    results = {}
+    for name, fn in variants.items():
+        q, k, v = (torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device, requires_grad=True)
+                   for _ in range(3))
+        grad = torch.randn(batch, heads, seq, head_dim, dtype=dtype, device=device)
+        times = []
+        for i in range(repeats + 3):
+            _sync(device)
+            c0 = time.process_time()
+            fn(q, k, v).backward(grad)
+            _sync(device)
+            if i >= 3:
+                times.append(time.process_time() - c0)
+        results[name] = statistics.median(times)
+    return results
+
+
 def run(config: BertConfig, dtype: str, args: argparse.Namespace, device: torch.device) -> list[tuple[Result, Result]]:
     predictions = args.max_predictions or default_max_predictions(args.seq_len)
     inputs = make_batch(config, args.micro_batch, args.seq_len, predictions, device)
@@ -172,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf_sdpa", action="store_true", help="also time transformers' post-LN BERT with sdpa attention")
     p.add_argument("--profile_ops", type=int, default=0, metavar="ROWS",
                    help="also print a torch.profiler operator table (ROWS rows) of one step of each model")
+    p.add_argument("--attention_variants", action="store_true",
+                   help="also time one layer's attention core four ways (SDPA with/without mask and dropout, eager)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
 
@@ -196,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r.optimizer * 1e3:7.1f} {r.cpu_seconds:6.2f} {r.peak_bytes / 2**20:9.1f}"
                       + (f" {ref.step / ours.step:8.2f}x {ref.cpu_seconds / ours.cpu_seconds:8.2f}x "
                          f"{ours.peak_bytes / ref.peak_bytes:6.2f}x" if r is ours else ""))
+        if args.attention_variants:
+            for name, seconds in attention_variants(config, args.micro_batch, args.seq_len, DTYPES[dtype],
+                                                    device).items():
+                print(f"{dtype:5} attention per layer, forward + backward, CPU time: {name:52} {seconds * 1e3:7.1f} ms")
     return 0
 
 
