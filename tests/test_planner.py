@@ -184,10 +184,15 @@ def test_flops_per_sequence_of_bert_large():
 
 
 def test_time_and_mfu_are_consistent():
-    flops = 10**12
-    seconds = planner.training_seconds(3_600_000, flops, devices=100, peak_tflops=100.0, mfu=0.5)
-    assert seconds == pytest.approx(3_600_000 * flops / (100 * 100e12 * 0.5))
-    assert planner.implied_mfu(50.0, flops, 100.0) == pytest.approx(0.5)
+    config = _config("bert-1.5b")
+    flops = planner.training_flops_per_sequence(config, 128, 20)
+    seconds = planner.training_seconds(10**8, flops, devices=128, peak_tflops=60.0, mfu=0.4)
+    per_device_rate = 10**8 / seconds / 128
+    assert planner.implied_mfu(per_device_rate, flops, 60.0) == pytest.approx(0.4)
+    # 1e8 sequences x 1153.7 GFLOP / (128 x 60 TFLOP/s x 0.4) = 37,556 s, about 10.4 hours
+    assert seconds == pytest.approx(37_556, rel=1e-3)
+    with pytest.raises(ValueError, match="mfu"):
+        planner.training_seconds(1, flops, devices=1, peak_tflops=60.0, mfu=1.5)
 
 
 def test_device_table():
