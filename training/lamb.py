@@ -76,11 +76,11 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable,
-        lr: float,
-        betas: tuple[float, float],
-        eps: float,
-        weight_decay: float,
-        adapt_no_decay: bool,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        adapt_no_decay: bool = False,
     ):
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr!r}")
@@ -223,17 +223,6 @@ class Lamb(_LayerwiseOptimizer):
     ``gradient_clipping`` clips by the global norm before this step, as the recipe does.
     """
 
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        adapt_no_decay: bool = False,
-    ):
-        super().__init__(params, lr, betas, eps, weight_decay, adapt_no_decay)
-
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -285,17 +274,6 @@ class Lans(_LayerwiseOptimizer):
     ``adapt_no_decay=True``, as for Lamb. Under ZeRO this takes two small all-reduces per step: the gradient
     norms are needed before the moments, the update norms after them.
     """
-
-    def __init__(
-        self,
-        params: Iterable,
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-6,
-        weight_decay: float = 0.01,
-        adapt_no_decay: bool = False,
-    ):
-        super().__init__(params, lr, betas, eps, weight_decay, adapt_no_decay)
 
     @torch.no_grad()
     def step(self, closure=None):
