@@ -14,7 +14,10 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import BertWordPieceTokenizer
+from tokenizers import BertWordPieceTokenizer, Tokenizer
+from tokenizers.models import WordPiece
+from tokenizers.normalizers import BertNormalizer
+from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from data import stage
 from data.extract import list_parts
@@ -62,9 +65,19 @@ def load_vocab(path: Path) -> Vocab:
     return Vocab(path, tokens)
 
 
-def make_tokenizer(vocab_path: Path, lower_case: bool) -> BertWordPieceTokenizer:
-    # Note: transformers.BertTokenizer(vocab_file=...) silently ignores the file in transformers 5.x.
-    return BertWordPieceTokenizer(str(vocab_path), lowercase=lower_case, strip_accents=lower_case)
+def make_tokenizer(vocab_path: Path, lower_case: bool) -> Tokenizer:
+    """BERT's WordPiece tokenizer (the Rust one) for corpus text.
+
+    Unlike `BertWordPieceTokenizer`, it knows no special tokens, so article text that spells
+    "[SEP]" or "[MASK]" becomes ordinary pieces ("[", "sep", "]") as in Google's
+    create_pretraining_data.py, never a real separator or mask inside an instance.
+    (transformers.BertTokenizer(vocab_file=...) is no alternative: 5.x silently ignores the file.)
+    """
+    tokenizer = Tokenizer(WordPiece.from_file(str(vocab_path), unk_token="[UNK]", max_input_chars_per_word=100))
+    tokenizer.normalizer = BertNormalizer(clean_text=True, handle_chinese_chars=True,
+                                          strip_accents=lower_case, lowercase=lower_case)
+    tokenizer.pre_tokenizer = BertPreTokenizer()
+    return tokenizer
 
 
 def build_vocab(cfg: VocabConfig) -> Vocab:

@@ -1,0 +1,80 @@
+"""data.tokens' word-level tokenization against the Rust WordPiece tokenizer run on whole sentences."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from data.tokens import WordPieceTokenizer, tokenize_text
+from data.vocab import make_tokenizer
+
+# Every character Python's str.split() splits at, and what BERT's normalizer does with it.
+PYTHON_WHITESPACE = "".join(chr(c) for c in range(0x3001) if chr(c).isspace())
+
+
+def rust_reference(sentences: list[str], vocab, lower_case: bool) -> tuple[np.ndarray, np.ndarray]:
+    encodings = make_tokenizer(vocab, lower_case).encode_batch(sentences, add_special_tokens=False)
+    ids = np.array([i for e in encodings for i in e.ids], dtype=np.int32)
+    return ids, np.array([len(e.ids) for e in encodings], dtype=np.int32)
+
+
+@pytest.mark.parametrize("lower_case", [True, False])
+def test_sample_corpus_equals_the_rust_tokenizer_sentence_by_sentence(phase1_shards, bert_vocab, lower_case):
+    text = "".join(p.read_text(encoding="utf-8")
+                   for p in sorted((phase1_shards / "text" / "sentences").glob("part-*.txt")))
+    part = tokenize_text(text, WordPieceTokenizer(bert_vocab, lower_case))
+    sentences = [s for d in text.split("\n\n") if d.strip() for s in d.split("\n")]
+    ids, lengths = rust_reference(sentences, bert_vocab, lower_case)
+    assert len(ids) > 500_000
+    np.testing.assert_array_equal(part.ids, ids)
+    np.testing.assert_array_equal(part.sentence_lengths, lengths[lengths > 0])
+    assert part.doc_sentences.sum() == len(part.sentence_lengths) and len(part.doc_sentences) == 105
+
+
+EDGE_CASES = [
+    "plain words, punctuation (brackets) and 1,234.5 numbers!",
+    "Café naïve Ångström résumé ĲSSELMEER straße",           # accents: stripped when uncased
+    "日本語のテキスト and 中文 mixed漢字with latin",              # CJK characters are split one by one
+    "emoji 🙂 and symbols ™ © ° ± → ∞ and math 𝔸",
+    "a" * 99 + " " + "b" * 100 + " " + "c" * 101,              # WordPiece gives [UNK] above 100 characters
+    "supercalifragilisticexpialidocious antidisestablishmentarianism",
+    "literal [SEP] and [MASK] and x[CLS]y are text, [PAD][UNK]",
+    "zero\u200bwidth soft\u00adhyphen bidi\u200emark bom\ufeffx nul\x00x repl\ufffdx",
+    "tab\there cr\rthere " + "".join(f"w{i}{c}v{i}" for i, c in enumerate(PYTHON_WHITESPACE)),
+    "control\x01\x02\x7f\x9fchars and private\ue000use",
+    "UPPER lower MiXeD O'Neill's don't e-mail U.S.A. 3rd 1990s",
+    "",
+    "   ",
+    "\x1c\x1d",
+]
+
+
+@pytest.mark.parametrize("lower_case", [True, False])
+def test_edge_cases_equal_the_rust_tokenizer(bert_vocab, lower_case):
+    tokenizer = WordPieceTokenizer(bert_vocab, lower_case)
+    ids, lengths = tokenizer.tokenize_sentences(EDGE_CASES)
+    ref_ids, ref_lengths = rust_reference(EDGE_CASES, bert_vocab, lower_case)
+    np.testing.assert_array_equal(lengths, ref_lengths)
+    np.testing.assert_array_equal(ids, ref_ids)
+    unk = tokenizer.rust.token_to_id("[UNK]")
+    assert unk in ids  # the 101-character word and the emoji
+
+
+def test_every_python_separator_splits_or_joins_as_bert_does(bert_vocab):
+    tokenizer = WordPieceTokenizer(bert_vocab, True)
+    rust = make_tokenizer(bert_vocab, True)
+    for c in PYTHON_WHITESPACE:
+        sentence = f"dog{c}house"
+        ids, _ = tokenizer.tokenize_sentences([sentence])
+        assert ids.tolist() == rust.encode(sentence, add_special_tokens=False).ids, hex(ord(c))
+    # BERT deletes the control characters among them: the two words become one ("doghouse").
+    joined, _ = tokenizer.tokenize_sentences(["dog\x1chouse"])
+    assert joined.tolist() == rust.encode("doghouse", add_special_tokens=False).ids
+
+
+def test_text_spelling_a_special_token_is_not_that_token(bert_vocab):
+    tokenizer = WordPieceTokenizer(bert_vocab, True)
+    ids, _ = tokenizer.tokenize_sentences(["a [SEP] b [MASK]"])
+    vocab = tokenizer.rust.get_vocab()
+    assert ids.tolist() == [vocab[t] for t in ("a", "[", "sep", "]", "b", "[", "mask", "]")]
+    assert vocab["[SEP]"] not in ids and vocab["[MASK]"] not in ids
