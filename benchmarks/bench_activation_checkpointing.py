@@ -8,7 +8,7 @@ per segment) and one without, step in turn (A, B, A, B, ...) so that load from o
 them alike. Peak memory is the tensor high-water mark of one extra step above the weights and
 optimizer states (torch.profiler allocator events on CPU, `max_memory_allocated()` on an
 accelerator). The planner's prediction for the same setup is printed beside it; on an accelerator
-the planner assumes fused attention, on CPU the math path that PyTorch takes there.
+the planner assumes fused attention, on CPU the composed path modeling.py takes there.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from modeling import BertConfig, BertForPreTraining, to_hf_model  # noqa: E402
+from modeling import BertConfig, BertForPreTraining, _composed_attention, to_hf_model  # noqa: E402
 from training.planner import default_max_predictions, profile_peak_bytes  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -135,7 +135,7 @@ def compare(steppers: list[Stepper], warmup: int, steps: int) -> list[Result]:
 
 def attention_variants(config: BertConfig, batch: int, seq: int, dtype: torch.dtype, device: torch.device,
                        repeats: int = 20) -> dict[str, float]:
-    """Median process-CPU seconds of forward + backward of one layer's attention core, four ways:
+    """Median process-CPU seconds of forward + backward of one layer's attention core, five ways:
     how much of the step the choice of attention kernel explains on this device."""
     import torch.nn.functional as F
 
@@ -149,7 +149,9 @@ def attention_variants(config: BertConfig, batch: int, seq: int, dtype: torch.dt
         return F.dropout(probs, p, training=True) @ v
 
     variants = {
-        "SDPA, boolean mask, dropout (ours)": lambda q, k, v: F.scaled_dot_product_attention(
+        "modeling.py's CPU path (composed, boolean mask, dropout)": lambda q, k, v: _composed_attention(
+            q, k, v, mask, p),
+        "SDPA, boolean mask, dropout (ours on accelerators)": lambda q, k, v: F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=p),
         "SDPA, no mask, dropout": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=p),
         "SDPA, boolean mask, no dropout": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask),

@@ -152,11 +152,11 @@ def _saved_bytes(model: torch.nn.Module, inputs: dict[str, torch.Tensor]) -> int
 
 
 @pytest.mark.parametrize(("precision", "dtype"), [("fp32", torch.float32), ("bf16", torch.bfloat16)])
-@pytest.mark.parametrize("attention", ["math", "fused"])
+@pytest.mark.parametrize("attention", ["composed", "fused"])
 def test_saved_activation_bytes_equal_what_autograd_saves(precision, dtype, attention):
     # base width with 2 layers: the count is per layer, plus embeddings and heads. Without attention
     # dropout, PyTorch's CPU SDPA runs its fused (flash) kernel, which checks the "fused" accounting
-    # that Gaudi and NVIDIA devices use; with it, the math path.
+    # that Gaudi and NVIDIA devices use; with it, modeling.py's composed CPU path.
     config = dataclasses.replace(_config("bert-base"), num_hidden_layers=2)
     if attention == "fused":
         config = dataclasses.replace(config, attention_probs_dropout_prob=0.0)

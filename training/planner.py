@@ -37,8 +37,9 @@ class Device:
     """Peak dense matrix throughput (TFLOP/s) by dtype and memory of one accelerator.
 
     `attention` is how `F.scaled_dot_product_attention` runs there: "fused" (flash-style kernels that
-    keep only the output and a log-sum-exp for backward) or "math" (softmax probabilities of
-    [batch, heads, seq, seq] saved in fp32). `mask_bytes` is the size of one saved dropout-mask element.
+    keep only the output and a log-sum-exp for backward) or "composed" (modeling.py's CPU path with
+    attention dropout: matmul, softmax, dropout, matmul, each saving its [batch, heads, seq, seq]
+    tensor in the compute dtype). `mask_bytes` is the size of one saved dropout-mask element.
     """
 
     name: str
@@ -64,10 +65,10 @@ DEVICES: dict[str, Device] = {
     "h100": Device("h100", 80 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
     # NVIDIA H200 SXM datasheet: same tensor cores as H100 SXM (BF16 989 dense), 141 GB HBM3e.
     "h200": Device("h200", 141 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
-    # This machine class: no meaningful peak; memory comes from --device_memory. PyTorch's CPU SDPA
-    # with a mask and dropout takes the math path, and CPU dropout saves its mask in the input dtype;
-    # mask_bytes=0 means "the compute dtype" (see activation_bytes).
-    "cpu": Device("cpu", 0, {}, attention="math", mask_bytes=0),
+    # This machine class: no meaningful peak; memory comes from --device_memory. With attention
+    # dropout, modeling.py composes attention from plain operators on CPU, and CPU dropout saves its
+    # mask in the input dtype; mask_bytes=0 means "the compute dtype" (see activation_bytes).
+    "cpu": Device("cpu", 0, {}, attention="composed", mask_bytes=0),
 }
 
 _ALIASES = {"gaudi1": "gaudi", "dl1": "gaudi", "hl-205": "gaudi", "a100-80gb": "a100", "h100-sxm": "h100"}
@@ -198,9 +199,9 @@ def activation_bytes(
 
     per layer, [tokens, hidden] tensors: the layer input, q, k, v, the attention context, two LayerNorm
     inputs and one LayerNorm output (or the pre-LN equivalents), two dropout masks; two
-    [tokens, intermediate] tensors (GELU input and output); LayerNorm mean/rstd. Attention "math"
-    keeps probabilities, dropout mask and dropped probabilities (3 x [batch, heads, seq, seq], fp32)
-    with q, k, v in fp32; "fused" keeps the output and a [batch, heads, seq] fp32 log-sum-exp.
+    [tokens, intermediate] tensors (GELU input and output); LayerNorm mean/rstd. "Composed" attention
+    keeps q, k, v, the probabilities, the dropout mask and the dropped probabilities
+    (3 x [batch, heads, seq, seq]); "fused" keeps the output and a [batch, heads, seq] fp32 log-sum-exp.
     With checkpointing, each segment of `checkpoint_interval` layers keeps only its input, and one
     segment is recomputed at a time during backward.
     """
@@ -212,8 +213,10 @@ def activation_bytes(
     n = b * max_predictions  # rows decoded by the sparse MLM head
     stats = 4  # LayerNorm mean and rstd: fp32 on accelerators (bf16 on CPU: a negligible difference)
 
-    if device.attention == "math":
-        attention = tokens * h * 3 * 4 + 3 * b * a * s * s * 4
+    # Without attention dropout, modeling.py runs SDPA on CPU too, whose flash kernel keeps no seq x seq tensor.
+    composed = device.attention == "composed" and config.attention_probs_dropout_prob > 0
+    if composed:
+        attention = tokens * h * 3 * e + b * a * s * s * (2 * e + m)
     else:
         attention = tokens * h * 4 * e + b * a * s * 4
     layer = (tokens * h * (5 * e + 2 * m)  # input, context, LN in, LN out, 2nd LN in; two dropout masks
