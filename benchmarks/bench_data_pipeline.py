@@ -1,9 +1,11 @@
 """Data pipeline throughput against the reference algorithm, and peak memory as the corpus grows.
 
     .venv/bin/python benchmarks/bench_data_pipeline.py [--dump ../shared/data/enwiki-sample-pages-articles.xml.bz2]
-        [--vocab ../shared/data/bert-base-uncased-vocab.txt] [--work_dir DIR] [--memory_scales 1,4]
+        [--vocab ../shared/data/bert-base-uncased-vocab.txt] [--work_dir DIR] [--repeats 3]
+        [--memory_scales 1,4] [--extract_scale 4]
 
-Everything runs on one core (one worker, one tokenizer thread) so figures are per core:
+Parts 1 and 2 run on one core (one worker, one tokenizer thread) so figures are per core; ours and
+the reference alternate, `--repeats` times each, and medians are shown (outside load hits both):
 1. the pipeline end to end (extract, segment, tokens, create, shard) on the sample dump: MB/s
    of article text, instances/s, and each stage's share of the time;
 2. the reference: a re-implementation, written for this benchmark (Google's code is not copied),
@@ -14,8 +16,12 @@ Everything runs on one core (one worker, one tokenizer thread) so figures are pe
    segmented text. Its instances/s is compared with ours for create+shard and for
    tokens+create+shard;
 3. peak memory (proportional set size of the process and its workers together) of
-   `python -m data.prepare` on the sample and on the sample's pages repeated four times, with the
-   same part size and the same shard size (4x the shards for 4x the data).
+   `python -m data.prepare` on the sample's pages repeated `--memory_scales` times, as a
+   single-stream and as a multistream dump, with the same part size and the same shard size
+   (4x the shards for 4x the data);
+4. extraction of the sample repeated `--extract_scale` times, as a single-stream dump (read by one
+   process, cleaned by the workers) and as a Wikimedia-style multistream dump (read, parsed and
+   cleaned by the workers), with 1 and 2 workers; the text must be identical in all four.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import bz2
 import collections
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -43,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from data.create import CreateConfig, create  # noqa: E402
 from data.extract import ExtractConfig, extract  # noqa: E402
+from data.multistream import write_multistream  # noqa: E402
 from data.segment import SegmentConfig, segment  # noqa: E402
 from data.shard import ShardConfig, shard  # noqa: E402
 from data.tokens import TokenizeConfig, tokenize  # noqa: E402
@@ -246,15 +254,18 @@ def _timed(fn, *args):
     return out, time.perf_counter() - t
 
 
-def _repeat_dump(dump: Path, times: int, out: Path) -> Path:
+def _repeat_dump(dump: Path, times: int, out: Path, multistream: bool) -> tuple[Path, float]:
+    """The sample's pages repeated `times` times, as a single-stream dump or a Wikimedia-style
+    multistream one (100 pages per stream). Returns (path, MB of XML)."""
     xml = bz2.decompress(dump.read_bytes())
-    head_end, tail_start = xml.index(b"  <page>"), xml.rindex(b"</mediawiki>")
-    with bz2.open(out, "wb", compresslevel=1) as f:
-        f.write(xml[:head_end])
-        for _ in range(times):
-            f.write(xml[head_end:tail_start])
-        f.write(xml[tail_start:])
-    return out
+    first, last = xml.index(b"  <page>"), xml.rindex(b"</mediawiki>")
+    pages = re.findall(rb"  <page>.*?</page>\n", xml[first:last], flags=re.S) * times
+    with out.open("wb") as f:
+        if multistream:
+            write_multistream(f, xml[:first], pages, xml[last:])
+        else:
+            f.write(bz2.compress(xml[:first] + b"".join(pages) + xml[last:]))
+    return out, (first + sum(map(len, pages)) + len(xml) - last) / 1e6
 
 
 def _peak_memory(args: list[str], log: Path) -> tuple[float, float]:
@@ -284,13 +295,47 @@ def _watch(proc: psutil.Popen) -> int:
     return peak
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _ours_after_text(text: Path, vocab: Path, out: Path) -> tuple[int, float, float, float]:
+    """tokens, create and shard on segmented text into a fresh `out`: (instances, seconds of each)."""
+    _, t_tokens = _timed(tokenize, TokenizeConfig(text / "sentences", vocab, out / "tokens", True, 1))
+    created, t_create = _timed(create, CreateConfig(out / "tokens", vocab, out / "instances", SEQ, PRED, DUPE,
+                                                    test_fraction=0.02, workers=1))
+    _, t_shard = _timed(shard, ShardConfig(out / "instances", out / "hdf5", 4, 1, workers=1))
+    return sum(created.instances.values()), t_tokens, t_create, t_shard
+
+
+def _extract_rates(dump: Path, work: Path, scale: int) -> None:
+    """Extraction of the sample repeated `scale` times: the single-stream dump read serially against its
+    multistream form read by 1 and 2 workers."""
+    single, mb = _repeat_dump(dump, scale, work / f"x{scale}-single.xml.bz2", multistream=False)
+    multi, _ = _repeat_dump(dump, scale, work / f"x{scale}-multistream.xml.bz2", multistream=True)
+    print(f"\n4. extraction, the sample x{scale} ({mb:.1f} MB of XML; multistream chunks of 1 MiB):")
+    runs = [("single-stream dump, 1 worker", single, 1), ("single-stream dump, 2 workers", single, 2),
+            ("multistream dump, 1 worker", multi, 1), ("multistream dump, 2 workers", multi, 2)]
+    texts = []
+    for label, path, workers in runs:
+        out = work / f"extract-{path.stem}-{workers}"
+        _, t = _timed(extract, ExtractConfig(path, out, workers, articles_per_part=200, chunk_bytes=1 << 20))
+        texts.append([p.read_bytes() for p in sorted(out.glob("part-*.txt"))])
+        print(f"   {label:32s} {t:6.2f} s = {mb / t:5.1f} MB/s of XML")
+    assert all(t == texts[0] for t in texts), "extraction differs between the dump forms or worker counts"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dump", type=Path, default=SHARED / "enwiki-sample-pages-articles.xml.bz2")
     p.add_argument("--vocab", type=Path, default=SHARED / "bert-base-uncased-vocab.txt")
     p.add_argument("--work_dir", type=Path, help="default: a temporary directory")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of ours (tokens, create, shard) and of the reference, interleaved; medians are shown")
     p.add_argument("--memory_scales", default="1,4",
                    help="part 3: corpus sizes, in copies of the sample, to run for peak memory ('' skips it)")
+    p.add_argument("--extract_scale", type=int, default=4,
+                   help="part 4: copies of the sample for the extraction comparison (0 skips it)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = a.work_dir or Path(tmp)
@@ -299,14 +344,18 @@ def main() -> None:
 
         ex, t_extract = _timed(extract, ExtractConfig(a.dump, text / "extracted", 1))
         seg, t_segment = _timed(segment, SegmentConfig(text / "extracted", text / "sentences", 1))
-        tok, t_tokens = _timed(tokenize, TokenizeConfig(text / "sentences", a.vocab, text / "tokens", True, 1))
-        created, t_create = _timed(create, CreateConfig(text / "tokens", a.vocab, work / "instances", SEQ, PRED,
-                                                        DUPE, test_fraction=0.02, workers=1))
-        sharded, t_shard = _timed(shard, ShardConfig(work / "instances", work / "hdf5", 4, 1, workers=1))
-        n = sum(created.instances.values())
+        files = sorted((text / "sentences").glob("part-*.txt"))
+        ours: list[tuple[int, float, float, float]] = []
+        reference: list[tuple[int, float]] = []
+        for r in range(a.repeats):
+            ours.append(_ours_after_text(text, a.vocab, work / f"ours-{r}"))
+            reference.append(_timed(reference_create, files, a.vocab, work / f"reference-{r}.hdf5"))
+        n = ours[0][0]
+        t_tokens, t_create, t_shard = (_median([o[k] for o in ours]) for k in (1, 2, 3))
         mb = seg.text_bytes / 1e6
         total = t_extract + t_segment + t_tokens + t_create + t_shard
-        print(f"\n1. ours, end to end: {ex.articles} articles, {mb:.2f} MB of text, {tok.tokens} tokens, {n} instances")
+        print(f"\n1. ours, end to end: {ex.articles} articles, {mb:.2f} MB of text, {n} instances "
+              f"(tokens, create, shard: medians of {a.repeats})")
         for name, t in (("extract", t_extract), ("segment", t_segment), ("tokens", t_tokens),
                         ("create", t_create), ("shard", t_shard)):
             print(f"   {name:8s} {t:6.2f} s  {100 * t / total:4.1f}%")
@@ -316,28 +365,30 @@ def main() -> None:
         print(f"   create+shard:        {ours_cs:,.0f} instances/s")
         print(f"   tokens+create+shard: {ours_tcs:,.0f} instances/s")
 
-        files = sorted((text / "sentences").glob("part-*.txt"))
-        ref_n, t_ref = _timed(reference_create, files, a.vocab, work / "reference.hdf5")
-        ref = ref_n / t_ref
-        print(f"\n2. reference (re-implemented per-instance algorithm, tokenization included): "
-              f"{ref_n} instances in {t_ref:.2f} s = {ref:,.0f} instances/s")
+        ref_n = reference[0][0]
+        ref = ref_n / _median([t for _, t in reference])
+        print(f"\n2. reference (re-implemented per-instance algorithm, tokenization included; median of "
+              f"{a.repeats}): {ref_n} instances, {ref:,.0f} instances/s")
         print(f"   ratio create+shard / reference:        {ours_cs / ref:.1f}x (target >= 20x)")
         print(f"   ratio tokens+create+shard / reference: {ours_tcs / ref:.1f}x")
-
         scales = [int(x) for x in a.memory_scales.split(",") if x]
         if scales:
             print("\n3. peak memory (PSS) of python -m data.prepare (process + workers), 2 workers, "
                   "50 articles per part, shards of the same size (4 per copy of the sample):")
         for scale in scales:
-            label, shards = f"{scale}x", 4 * scale
-            dump = a.dump if scale == 1 else _repeat_dump(a.dump, scale, work / f"sample-x{scale}.xml.bz2")
-            out = work / f"mem-{label}"
-            peak, secs = _peak_memory(["--input", str(dump), "--output_dir", str(out), "--vocab_file", str(a.vocab),
-                                       "--workers", "2", "--articles_per_part", "50", "--num_shards", str(shards),
-                                       "--test_fraction", "0.1"], work / f"mem-{label}.log")
-            size = sum(f.stat().st_size for f in (out / "hdf5").rglob("*.hdf5")) / 1e6
-            print(f"   {label}: dump {dump.stat().st_size / 1e6:.1f} MB, {size:.0f} MB of shards, "
-                  f"peak memory {peak:.0f} MiB, {secs:.1f} s")
+            for form in ("single-stream", "multistream"):
+                label, shards = f"{scale}x {form}", 4 * scale
+                dump, _ = _repeat_dump(a.dump, scale, work / f"sample-x{scale}-{form}.xml.bz2", form == "multistream")
+                out = work / f"mem-{scale}-{form}"
+                peak, secs = _peak_memory(["--input", str(dump), "--output_dir", str(out), "--vocab_file",
+                                           str(a.vocab), "--workers", "2", "--articles_per_part", "50",
+                                           "--num_shards", str(shards), "--test_fraction", "0.1"],
+                                          work / f"mem-{scale}-{form}.log")
+                size = sum(f.stat().st_size for f in (out / "hdf5").rglob("*.hdf5")) / 1e6
+                print(f"   {label}: dump {dump.stat().st_size / 1e6:.1f} MB, {size:.0f} MB of shards, "
+                      f"peak memory {peak:.0f} MiB, {secs:.1f} s")
+        if a.extract_scale:
+            _extract_rates(a.dump, work, a.extract_scale)
 
 if __name__ == "__main__":
     main()

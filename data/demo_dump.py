@@ -1,7 +1,8 @@
 """A small, real MediaWiki XML dump for the demo, generated from a fictional world.
 
 The demo must run with no network and no outside data, yet go through the same code paths as
-a real Wikipedia run. So this writes a `pages-articles.xml.bz2` in the export-0.10 schema that
+a real Wikipedia run. So this writes a `pages-articles-multistream.xml.bz2` (bz2 streams of 100
+pages, as Wikimedia publishes them, which extraction reads in parallel) in the export-0.10 schema that
 Wikipedia uses, with the markup the extractor has to strip: infobox and citation templates,
 wikitables, <ref> tags, piped and plain links, file links, headings, lists, categories, plus
 redirect pages and pages outside the article namespace (templates, categories) that it must skip.
@@ -10,13 +11,12 @@ The prose is generated here from sentence patterns about invented places, rivers
 animals, with facts that stay consistent within an article (a city keeps its river, its founding
 year and its country), so a small BERT has something learnable to fit.
 
-    python -m data.demo_dump --output results/demo/demo-pages-articles.xml.bz2 --articles 400
+    python -m data.demo_dump --output results/demo/demo-pages-articles-multistream.xml.bz2 --articles 400
 """
 
 from __future__ import annotations
 
 import argparse
-import bz2
 import os
 import random
 import sys
@@ -26,6 +26,8 @@ from pathlib import Path
 from xml.sax.saxutils import escape, quoteattr
 
 from tqdm import tqdm
+
+from data.multistream import write_multistream
 
 _ONSETS = ["b", "br", "d", "dr", "f", "g", "gr", "h", "k", "kr", "l", "m", "n", "p", "r", "s", "st", "t",
            "tr", "v", "w", "z", "th", "sh", "ch"]
@@ -252,32 +254,38 @@ def generate_demo_dump(output: str | os.PathLike, articles: int = 400, seed: int
     page_id, redirects, other, size = 0, 0, 0, 0
     fd, tmp = tempfile.mkstemp(prefix=f".{output.name}.", dir=output.parent)
     os.close(fd)
+
+    def pages():
+        nonlocal page_id, redirects, other, size
+        for i in tqdm(range(articles), desc="demo dump", unit="article", leave=False):
+            make = _KINDS[i % len(_KINDS)]
+            name = next(subjects[make], None) if make in subjects else world.name("person")
+            if name is None:  # every pre-drawn city or river has its article: write an animal instead
+                make, name = _animal, world.name("person")
+            title, text, aliases = make(world, name)
+            page_id += 1
+            chunk = [_page(title, 0, page_id, text)]
+            for alias in aliases:
+                if alias != title:
+                    page_id += 1
+                    redirects += 1
+                    chunk.append(_page(alias, 0, page_id, f"#REDIRECT [[{title}]] {{{{R from alternative name}}}}",
+                                       redirect=title))
+            if i % 25 == 0:  # pages outside the article namespace, which extraction must skip
+                page_id += 2
+                other += 2
+                chunk.append(_page(f"Template:Demo box {i}", 10, page_id - 1,
+                                   "<includeonly>{| class=\"infobox\"\n|-\n| {{{name}}}\n|}</includeonly>"))
+                chunk.append(_page(f"Category:Demo {i}", 14, page_id,
+                                   "Pages generated for the demo. [[Category:Demo]]"))
+            for page in chunk:
+                data = page.encode("utf-8")
+                size += len(data)
+                yield data
+
     try:
-        with bz2.open(tmp, "wt", encoding="utf-8") as f:
-            f.write(_HEADER)
-            for i in tqdm(range(articles), desc="demo dump", unit="article", leave=False):
-                make = _KINDS[i % len(_KINDS)]
-                name = next(subjects[make], None) if make in subjects else world.name("person")
-                if name is None:  # every pre-drawn city or river has its article: write an animal instead
-                    make, name = _animal, world.name("person")
-                title, text, aliases = make(world, name)
-                page_id += 1
-                chunk = _page(title, 0, page_id, text)
-                for alias in aliases:
-                    if alias != title:
-                        page_id += 1
-                        redirects += 1
-                        chunk += _page(alias, 0, page_id, f"#REDIRECT [[{title}]] {{{{R from alternative name}}}}",
-                                       redirect=title)
-                if i % 25 == 0:  # pages outside the article namespace, which extraction must skip
-                    page_id += 2
-                    other += 2
-                    chunk += _page(f"Template:Demo box {i}", 10, page_id - 1,
-                                   "<includeonly>{| class=\"infobox\"\n|-\n| {{{name}}}\n|}</includeonly>")
-                    chunk += _page(f"Category:Demo {i}", 14, page_id, "Pages generated for the demo. [[Category:Demo]]")
-                f.write(chunk)
-                size += len(chunk.encode())
-            f.write("</mediawiki>\n")
+        with open(tmp, "wb") as f:
+            write_multistream(f, _HEADER.encode("utf-8"), pages(), b"</mediawiki>\n")
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; a dump is an ordinary shared file
         os.replace(tmp, output)
     finally:

@@ -3,6 +3,8 @@
     python -m data.download --dump_date 20261101 --output_dir text/download [--mirror URL]
     python -m data.download --url https://host/enwiki/20261101/enwiki-20261101-pages-articles.xml.bz2 ...
 
+By date it fetches `<wiki>-<date>-pages-articles-multistream.xml.bz2`, which data.extract reads in parallel.
+
 The default date is pinned (never the moving "latest", which is 404 while it is refreshed).
 The file streams to `<name>.part`; an interrupted transfer resumes with an HTTP Range request,
 with retries and exponential back-off. The result is checked against the dump's published
@@ -42,9 +44,11 @@ class DownloadConfig:
 
 
 def dump_url(mirror: str, date: str, wiki: str = "enwiki") -> str:
+    """The URL of the date's pages-articles dump in its multistream form: the same XML as
+    `pages-articles.xml.bz2`, as independent bz2 streams that data.extract reads in parallel."""
     if not re.fullmatch(r"\d{8}", date or ""):
         raise PipelineError(f"dump date {date!r} is not YYYYMMDD, e.g. {DEFAULT_DUMP_DATE}")
-    return f"{mirror.rstrip('/')}/{wiki}/{date}/{wiki}-{date}-pages-articles.xml.bz2"
+    return f"{mirror.rstrip('/')}/{wiki}/{date}/{wiki}-{date}-pages-articles-multistream.xml.bz2"
 
 
 def _checksum_urls(url: str) -> list[tuple[str, str]]:

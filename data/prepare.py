@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", help="a MediaWiki dump (.xml.bz2 or .xml) path, or an http(s) URL to download")
-    src.add_argument("--dump_date", help=f"download enwiki-<date>-pages-articles.xml.bz2, e.g. {DEFAULT_DUMP_DATE}")
+    src.add_argument("--dump_date",
+                     help=f"download enwiki-<date>-pages-articles-multistream.xml.bz2, e.g. {DEFAULT_DUMP_DATE}")
     p.add_argument("--mirror", default=DEFAULT_MIRROR, help="dump mirror used with --dump_date")
     p.add_argument("--output_dir", type=Path, required=True)
     p.add_argument("--text_dir", type=Path, help="where text stages go (default <output_dir>/text)")

@@ -72,7 +72,7 @@ def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
     from data.prepare import PrepareConfig, prepare
     from modeling import BertConfig
 
-    dump = cfg.output_dir / "dump" / "demowiki-pages-articles.xml.bz2"
+    dump = cfg.output_dir / "dump" / "demowiki-pages-articles-multistream.xml.bz2"
     _banner(f"1/5 generating a MediaWiki dump with {cfg.articles} articles")
     stats = generate_demo_dump(dump, articles=cfg.articles, seed=cfg.seed)
     print(f"{dump}: {stats.articles} articles, {stats.redirects} redirects, "

@@ -124,18 +124,49 @@ def _mirror_handler(site: MirrorSite):
 MIRROR_DUMP_DATE = "20241201"
 
 
+def _multistream(sample_dump: Path, out: Path, pages_per_stream: int) -> Path:
+    import bz2
+    import re
+
+    from data.multistream import write_multistream
+
+    xml = bz2.decompress(sample_dump.read_bytes())
+    first, last = xml.index(b"  <page>"), xml.rindex(b"</mediawiki>")
+    pages = re.findall(rb"  <page>.*?</page>\n", xml[first:last], flags=re.S)
+    assert b"".join(pages) == xml[first:last]
+    with out.open("wb") as f:
+        write_multistream(f, xml[:first], pages, xml[last:], pages_per_stream)
+    assert bz2.decompress(out.read_bytes()) == xml
+    return out
+
+
+@pytest.fixture(scope="session")
+def multistream_sample(sample_dump, tmp_path_factory) -> Path:
+    """The sample dump's XML laid out as Wikimedia's pages-articles-multistream files are (bz2 streams
+    of 100 pages, the header and the closing tag in streams of their own)."""
+    out = tmp_path_factory.mktemp("multistream") / "enwiki-sample-pages-articles-multistream.xml.bz2"
+    return _multistream(sample_dump, out, 100)
+
+
 @pytest.fixture
-def wiki_mirror(sample_dump):
+def make_multistream(sample_dump, tmp_path):
+    """make_multistream(pages_per_stream) -> the sample in that multistream layout."""
+    return lambda pages_per_stream: _multistream(sample_dump, tmp_path / f"ms-{pages_per_stream}.xml.bz2",
+                                                 pages_per_stream)
+
+
+@pytest.fixture
+def wiki_mirror(sample_dump, multistream_sample):
     """A dumps.wikimedia.org look-alike on 127.0.0.1 (HTTP Range supported) serving the real sample dump as
-    /enwiki/20241201/enwiki-20241201-pages-articles.xml.bz2 with its enwiki-20241201-sha1sums.txt.
+    /enwiki/20241201/enwiki-20241201-pages-articles.xml.bz2 and in its multistream form as
+    .../enwiki-20241201-pages-articles-multistream.xml.bz2, with their enwiki-20241201-sha1sums.txt.
     Yields (base URL, MirrorSite)."""
-    data = sample_dump.read_bytes()
-    name = f"enwiki-{MIRROR_DUMP_DATE}-pages-articles.xml.bz2"
-    site = MirrorSite({
-        f"/enwiki/{MIRROR_DUMP_DATE}/{name}": data,
-        f"/enwiki/{MIRROR_DUMP_DATE}/enwiki-{MIRROR_DUMP_DATE}-sha1sums.txt":
-            f"{'0' * 40}  enwiki-{MIRROR_DUMP_DATE}-stub-articles.xml.gz\n{hashlib.sha1(data).hexdigest()}  {name}\n".encode(),
-    })
+    prefix = f"/enwiki/{MIRROR_DUMP_DATE}/enwiki-{MIRROR_DUMP_DATE}"
+    files = {f"{prefix}-pages-articles.xml.bz2": sample_dump.read_bytes(),
+             f"{prefix}-pages-articles-multistream.xml.bz2": multistream_sample.read_bytes()}
+    sums = [f"{'0' * 40}  enwiki-{MIRROR_DUMP_DATE}-stub-articles.xml.gz"]
+    sums += [f"{hashlib.sha1(data).hexdigest()}  {path.rsplit('/', 1)[1]}" for path, data in files.items()]
+    site = MirrorSite({**files, f"{prefix}-sha1sums.txt": ("\n".join(sums) + "\n").encode()})
     httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _mirror_handler(site))
     thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
     thread.start()

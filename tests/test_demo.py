@@ -25,7 +25,7 @@ def test_demo_end_to_end_reduced(tmp_path: Path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     stdout = proc.stdout
     # the dump, the pipeline's trained vocab and shards
-    assert (out / "dump" / "demowiki-pages-articles.xml.bz2").is_file()
+    assert (out / "dump" / "demowiki-pages-articles-multistream.xml.bz2").is_file()
     vocab = (out / "data" / "vocab.txt").read_text().splitlines()
     assert vocab[0] == "[PAD]" and "[MASK]" in vocab
     assert json.loads((out / "bert-demo-model.json").read_text())["vocab_size"] == len(vocab)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from data.demo_dump import generate_demo_dump
+from data.multistream import stream_offsets
 
 NS = "{http://www.mediawiki.org/xml/export-0.10/}"
 
@@ -39,6 +40,13 @@ def test_is_a_mediawiki_export_with_markup_redirects_and_other_namespaces(dump: 
         assert markup in wikitext, f"the demo dump lacks {markup!r}, which extraction must strip"
     ids = [int(p.findtext(f"{NS}id")) for p in pages]
     assert ids == sorted(ids) and len(set(ids)) == len(ids)
+    # Laid out as Wikimedia's multistream files: the header, 100 pages per bz2 stream, the closing tag.
+    offsets = stream_offsets(dump)
+    streams = [bz2.decompress(dump.read_bytes()[a:b]) for a, b in zip(offsets, offsets[1:])]
+    assert streams[0].lstrip().startswith(b"<mediawiki") and b"<page>" not in streams[0]
+    assert [s.count(b"<page>") for s in streams[1:-1]] == [100] * (len(pages) // 100) + (
+        [len(pages) % 100] if len(pages) % 100 else [])
+    assert streams[-1] == b"</mediawiki>\n"
 
 
 def test_deterministic_for_a_seed(dump: Path, tmp_path: Path):

@@ -1,0 +1,124 @@
+"""Multistream bz2 dumps are read in parallel and give exactly the text of the single-stream dump."""
+
+from __future__ import annotations
+
+import bz2
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from data import multistream
+from data.extract import CHUNK_RECORD, ExtractConfig, extract, list_parts
+from data.stage import PipelineError
+
+
+def _xml(sample_dump: Path) -> bytes:
+    return bz2.decompress(sample_dump.read_bytes())
+
+
+def cut_anywhere_multistream(xml: bytes, out: Path, stream_bytes: int) -> Path:
+    """As pbzip2 or lbzip2 write them: fixed slices of the XML, each its own stream, cutting pages anywhere."""
+    return cut_at_multistream(xml, out, list(range(stream_bytes, len(xml), stream_bytes)))
+
+
+def cut_at_multistream(xml: bytes, out: Path, cuts: list[int]) -> Path:
+    bounds = [0, *cuts, len(xml)]
+    out.write_bytes(b"".join(bz2.compress(xml[a:b]) for a, b in zip(bounds, bounds[1:])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def serial_text(sample_dump, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("serial") / "extracted"
+    extract(ExtractConfig(sample_dump, out, workers=1, articles_per_part=40))
+    return out
+
+
+def _parts(directory: Path) -> list[bytes]:
+    return [p.read_bytes() for p in list_parts(directory)]
+
+
+def test_stream_offsets_are_where_each_stream_starts(sample_dump, tmp_path):
+    xml = _xml(sample_dump)
+    path = cut_anywhere_multistream(xml, tmp_path / "cut.xml.bz2", 300_000)
+    sizes = [len(bz2.compress(xml[i:i + 300_000])) for i in range(0, len(xml), 300_000)]
+    expected = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
+    assert multistream.stream_offsets(path) == expected and len(expected) == 22
+    assert multistream.stream_offsets(sample_dump) == [0, sample_dump.stat().st_size]
+    assert multistream.chunk_bounds(expected, 1) == [(k, k + 1) for k in range(21)]
+    assert multistream.chunk_bounds(expected, 10**9) == [(0, 21)]
+
+
+def test_read_boundaries_do_not_hide_a_stream_header(multistream_sample):
+    path = multistream_sample
+    expected = multistream.stream_offsets(path)
+    assert len(expected) == 6  # header, 100 + 100 + 6 pages, footer; then the file size
+    # Blocks so small that every stream header straddles two reads, at every possible cut.
+    for block_size in (7, 8, 9, 10, 11, 4096 + 3):
+        assert multistream.stream_offsets(path, block_size=block_size) == expected
+
+
+@pytest.mark.parametrize("layout", ["wikimedia", "cut_anywhere", "cut_tags"])
+def test_multistream_dump_gives_the_single_stream_text(sample_dump, multistream_sample, serial_text, tmp_path,
+                                                       layout):
+    xml = _xml(sample_dump)
+    if layout == "wikimedia":
+        dump = multistream_sample
+    elif layout == "cut_anywhere":
+        dump = cut_anywhere_multistream(xml, tmp_path / "enwiki-x-pages-articles.xml.bz2", 97_001)
+    else:
+        # Streams that end inside a <page> or </page> tag, at every possible place in it.
+        starts = [m.start() for m in re.finditer(rb"<page>", xml)][1::20]
+        ends = [m.start() for m in re.finditer(rb"</page>", xml)][5::20]
+        cuts = [p + 1 + k % 5 for k, p in enumerate(starts)] + [p + 1 + k % 6 for k, p in enumerate(ends)]
+        dump = cut_at_multistream(xml, tmp_path / "cut-tags.xml.bz2", sorted(cuts))
+    assert len(multistream.stream_offsets(dump)) > 3
+    out = tmp_path / "extracted"
+    result = extract(ExtractConfig(dump, out, workers=2, articles_per_part=40, chunk_bytes=60_000))
+    assert _parts(out) == _parts(serial_text) and len(_parts(out)) == 3
+    assert (result.articles, result.parts) == (105, 3)
+
+
+def test_resume_reads_only_chunks_whose_parts_are_missing(make_multistream, serial_text, tmp_path, monkeypatch):
+    dump = make_multistream(10)
+    out = tmp_path / "extracted"
+    cfg = ExtractConfig(dump, out, workers=1, articles_per_part=40, chunk_bytes=1)  # a chunk per stream
+    extract(cfg)
+    chunk_articles = json.loads((out / CHUNK_RECORD).read_text())["articles"]
+    assert sum(chunk_articles) == 106 and len(chunk_articles) == 23
+    # As if killed before the last part was written.
+    (out / "_COMPLETE.json").unlink()
+    list_parts(out)[-1].unlink()
+    read: list[int] = []
+    real = multistream.chunk_pages
+
+    def counting(path, offsets, own):
+        read.append(offsets[0])
+        return real(path, offsets, own)
+
+    monkeypatch.setattr(multistream, "chunk_pages", counting)
+    extract(cfg)
+    assert _parts(out) == _parts(serial_text)
+    # Articles 80..105 are the last part's: only the chunks holding them were read again.
+    first_article = [sum(chunk_articles[:k]) for k in range(len(chunk_articles))]
+    needed = [k for k, (a, n) in enumerate(zip(first_article, chunk_articles)) if n and a + n > 80]
+    offsets = multistream.stream_offsets(dump)
+    assert read == [offsets[k] for k in needed] and 0 < len(read) < 10
+
+
+def test_truncated_multistream_dump_is_named(multistream_sample, tmp_path):
+    dump = multistream_sample
+    truncated = tmp_path / "truncated.xml.bz2"
+    truncated.write_bytes(dump.read_bytes()[:-5000])
+    with pytest.raises(PipelineError, match=f"{re.escape(str(truncated))}: the bz2 stream at byte \\d+ does not"):
+        extract(ExtractConfig(truncated, tmp_path / "out", chunk_bytes=100_000))
+    assert not (tmp_path / "out" / "_COMPLETE.json").exists()
+
+
+def test_multistream_file_that_is_not_mediawiki_is_refused(tmp_path):
+    path = tmp_path / "feed.xml.bz2"
+    path.write_bytes(bz2.compress(b"<rss><channel>") + bz2.compress(b"</channel></rss>"))
+    with pytest.raises(PipelineError, match="not a MediaWiki XML dump: its first bz2 stream does not open"):
+        extract(ExtractConfig(path, tmp_path / "out"))
