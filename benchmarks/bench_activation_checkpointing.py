@@ -36,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro_batch", type=int, default=4)
     p.add_argument("--seq_len", type=int, default=512)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
-    p.add_argument("--warmup", type=int, default=1)
+    # Without checkpointing, the first steps on CPU fault in fresh pages for the activations: times
+    # settle after a few steps.
+    p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
