@@ -364,6 +364,9 @@ def main() -> None:
         ours_tcs = n / (t_tokens + t_create + t_shard)
         print(f"   create+shard:        {ours_cs:,.0f} instances/s")
         print(f"   tokens+create+shard: {ours_tcs:,.0f} instances/s")
+        _, t_bz2 = _timed(bz2.decompress, a.dump.read_bytes())
+        print(f"   for scale: bz2 decompression of the dump alone takes {t_bz2:.2f} s "
+              f"({t_bz2 / (t_create + t_shard):.1f}x create+shard)")
 
         ref_n = reference[0][0]
         ref = ref_n / _median([t for _, t in reference])

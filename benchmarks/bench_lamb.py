@@ -171,6 +171,10 @@ def worker(args: argparse.Namespace) -> None:
         "allreduce_1_5b": _time_allreduce(2 * (big_tensors + 1), args.allreduce_iterations),
     }
     Path(args.result_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    # Leave together and close gloo before exit: a rank that exits while its peer's gloo threads still
+    # talk to it can abort ('terminate called without an active exception').
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def launch(args: argparse.Namespace, result_dir: str) -> list[dict]:

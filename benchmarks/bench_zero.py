@@ -73,6 +73,10 @@ def worker(args: argparse.Namespace) -> None:
     result = {"rank": engine.global_rank, "world_size": engine.world_size, "moments": moments, "master": master,
               "optimizer_class": type(zero).__name__, "parameters": sum(p.numel() for p in model.parameters())}
     Path(args.result_dir, f"rank{engine.global_rank}.json").write_text(json.dumps(result))
+    # Leave together and close gloo before exit: a rank that exits while its peer's gloo threads still
+    # talk to it can abort ('terminate called without an active exception').
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 def launch(world_size: int, args: argparse.Namespace, result_dir: str) -> list[dict]:

@@ -568,4 +568,9 @@ def _universal_worker(out_path: str, ckpt_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    import torch.distributed
+
     {"scenarios": _worker, "universal": _universal_worker}[sys.argv[1]](sys.argv[2], sys.argv[3])
+    # Leave together and close gloo: a rank exiting while its peer still talks to it can abort.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
