@@ -14,7 +14,6 @@ the planner assumes fused attention, on CPU the composed path modeling.py takes 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -23,9 +22,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench_train_step import DTYPES, Stepper, compare, make_batch  # noqa: E402
+from bench_train_step import DTYPES, Stepper, compare, make_batch, setup  # noqa: E402
 
-from modeling import ActivationCheckpointing, BertConfig, BertForPreTraining  # noqa: E402
+from modeling import ActivationCheckpointing, BertForPreTraining  # noqa: E402
 from training import planner  # noqa: E402
 
 
@@ -43,13 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    device = torch.device(acc.type if acc is not None else "cpu")
-    config = BertConfig.from_json_file(args.config_file)
-    if args.num_hidden_layers:
-        config = dataclasses.replace(config, num_hidden_layers=args.num_hidden_layers)
+    device, config = setup(args)
     predictions = planner.default_max_predictions(args.seq_len)
     inputs = make_batch(config, args.micro_batch, args.seq_len, predictions, device)["ours"]
 

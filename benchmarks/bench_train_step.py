@@ -51,6 +51,19 @@ def make_batch(config: BertConfig, batch: int, seq: int, predictions: int, devic
     return {"ours": move(ours), "hf": move(hf)}
 
 
+def setup(args: argparse.Namespace) -> tuple[torch.device, BertConfig]:
+    """The device (the accelerator if there is one), torch's CPU threads, and the model config with
+    `--num_hidden_layers` applied, from a benchmark's arguments."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    device = torch.device(acc.type if acc is not None else "cpu")
+    config = BertConfig.from_json_file(args.config_file)
+    if args.num_hidden_layers:
+        config = dataclasses.replace(config, num_hidden_layers=args.num_hidden_layers)
+    return device, config
+
+
 def _sync(device: torch.device) -> None:
     if device.type != "cpu":
         torch.accelerator.synchronize()
@@ -218,13 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    device = torch.device(acc.type if acc is not None else "cpu")
-    config = BertConfig.from_json_file(args.config_file)
-    if args.num_hidden_layers:
-        config = dataclasses.replace(config, num_hidden_layers=args.num_hidden_layers)
+    device, config = setup(args)
     tokens = args.micro_batch * args.seq_len
     print(f"device {device}, threads {torch.get_num_threads()}, {args.config_file.name} with "
           f"{config.num_hidden_layers} layers, micro batch {args.micro_batch}, seq {args.seq_len}, "

@@ -87,7 +87,7 @@ class WordPieceTokenizer:
     def encode_words(self, words: list[str]) -> tuple[np.ndarray, np.ndarray]:
         """(token ids of all `words` concatenated, int32; tokens per word, int64).
 
-        `words` must be distinct and free of whitespace (as `words()` returns them, deduplicated).
+        `words` must be distinct and free of whitespace (as `split_words` returns them, deduplicated).
         """
         n = len(words)
         vocab_get, pieces_of = self._vocab.get, _ASCII_PIECES.findall
