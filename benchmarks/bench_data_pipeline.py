@@ -31,7 +31,6 @@ import bz2
 import collections
 import os
 import random
-import re
 import subprocess
 import sys
 import tempfile
@@ -50,7 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from data.create import CreateConfig, create  # noqa: E402
 from data.extract import ExtractConfig, extract  # noqa: E402
-from data.multistream import write_multistream  # noqa: E402
+from data.multistream import split_pages, write_multistream  # noqa: E402
 from data.segment import SegmentConfig, segment  # noqa: E402
 from data.shard import ShardConfig, shard  # noqa: E402
 from data.tokens import TokenizeConfig, tokenize  # noqa: E402
@@ -257,15 +256,14 @@ def _timed(fn, *args):
 def _repeat_dump(dump: Path, times: int, out: Path, multistream: bool) -> tuple[Path, float]:
     """The sample's pages repeated `times` times, as a single-stream dump or a Wikimedia-style
     multistream one (100 pages per stream). Returns (path, MB of XML)."""
-    xml = bz2.decompress(dump.read_bytes())
-    first, last = xml.index(b"  <page>"), xml.rindex(b"</mediawiki>")
-    pages = re.findall(rb"  <page>.*?</page>\n", xml[first:last], flags=re.S) * times
+    header, pages, footer = split_pages(bz2.decompress(dump.read_bytes()))
+    pages *= times
     with out.open("wb") as f:
         if multistream:
-            write_multistream(f, xml[:first], pages, xml[last:])
+            write_multistream(f, header, pages, footer)
         else:
-            f.write(bz2.compress(xml[:first] + b"".join(pages) + xml[last:]))
-    return out, (first + sum(map(len, pages)) + len(xml) - last) / 1e6
+            f.write(bz2.compress(header + b"".join(pages) + footer))
+    return out, (len(header) + sum(map(len, pages)) + len(footer)) / 1e6
 
 
 def _peak_memory(args: list[str], log: Path) -> tuple[float, float]:

@@ -12,6 +12,7 @@ following streams to finish its last page.
 from __future__ import annotations
 
 import bz2
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -128,3 +129,13 @@ def write_multistream(f: BinaryIO, header: bytes, pages: Iterable[bytes], footer
     if batch:
         f.write(bz2.compress(b"".join(batch)))
     f.write(bz2.compress(footer))
+
+
+def split_pages(xml: bytes) -> tuple[bytes, list[bytes], bytes]:
+    """A dump's whole XML as (header, pages, footer) for `write_multistream`: each page keeps its
+    indentation and newline, so that header + pages + footer is `xml` again."""
+    first, last = xml.index(b"  <page>"), xml.rindex(b"</mediawiki>")
+    pages = re.findall(rb"  <page>.*?</page>\n", xml[first:last], flags=re.S)
+    if b"".join(pages) != xml[first:last]:
+        raise ValueError("the XML between the header and </mediawiki> is not a run of <page> elements")
+    return xml[:first], pages, xml[last:]

@@ -126,16 +126,13 @@ MIRROR_DUMP_DATE = "20241201"
 
 def _multistream(sample_dump: Path, out: Path, pages_per_stream: int) -> Path:
     import bz2
-    import re
 
-    from data.multistream import write_multistream
+    from data.multistream import split_pages, write_multistream
 
     xml = bz2.decompress(sample_dump.read_bytes())
-    first, last = xml.index(b"  <page>"), xml.rindex(b"</mediawiki>")
-    pages = re.findall(rb"  <page>.*?</page>\n", xml[first:last], flags=re.S)
-    assert b"".join(pages) == xml[first:last]
+    header, pages, footer = split_pages(xml)
     with out.open("wb") as f:
-        write_multistream(f, xml[:first], pages, xml[last:], pages_per_stream)
+        write_multistream(f, header, pages, footer, pages_per_stream)
     assert bz2.decompress(out.read_bytes()) == xml
     return out
 
