@@ -215,7 +215,7 @@ def _composed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_
 
     Used on CPU with attention dropout only: PyTorch's CPU SDPA has no fused kernel with dropout and
     falls back to a math path that computes in fp32; this composition stays in the input dtype and
-    took 0.75x the time in bf16 (docs/PERFORMANCE.md). Accelerators keep SDPA's fused kernels.
+    took 0.66x SDPA's time in bf16 (docs/PERFORMANCE.md). Accelerators keep SDPA's fused kernels.
     """
     scores = torch.matmul(q * q.shape[-1] ** -0.5, k.transpose(-1, -2))
     if attn_mask is not None:

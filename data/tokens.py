@@ -106,8 +106,7 @@ class WordPieceTokenizer:
             enc = self.rust.encode([words[i] for i in rest], is_pretokenized=True, add_special_tokens=False)
             rest_ids = np.asarray(enc.ids, dtype=np.int32)
             counts[rest] = np.bincount(np.asarray(enc.word_ids, dtype=np.int64), minlength=len(rest))
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
+        offsets = _offsets(counts)
         flat = np.empty(int(offsets[-1]), dtype=np.int32)
         is_direct = np.ones(n, dtype=bool)
         is_direct[rest] = False
@@ -125,15 +124,9 @@ class WordPieceTokenizer:
         occurrences = np.fromiter(map(index.__getitem__, itertools.chain.from_iterable(sentence_words)),
                                   dtype=np.int64, count=int(n_words.sum()))
         flat, counts = self.encode_words(distinct)
-        offsets = np.zeros(len(counts) + 1, dtype=np.int64)
-        np.cumsum(counts, out=offsets[1:])
         per_word = counts[occurrences]
-        ids = flat[_ranges(offsets[occurrences], per_word)]
-        ends = np.zeros(len(occurrences) + 1, dtype=np.int64)
-        np.cumsum(per_word, out=ends[1:])
-        word_ends = np.zeros(len(sentences) + 1, dtype=np.int64)
-        np.cumsum(n_words, out=word_ends[1:])
-        return ids, np.diff(ends[word_ends]).astype(np.int32)
+        ids = flat[_ranges(_offsets(counts)[occurrences], per_word)]
+        return ids, np.diff(_offsets(per_word)[_offsets(n_words)]).astype(np.int32)
 
 
 def split_words(text: str) -> list[str]:
@@ -143,12 +136,17 @@ def split_words(text: str) -> list[str]:
     return text.split()
 
 
+def _offsets(counts: np.ndarray) -> np.ndarray:
+    """[0, c0, c0 + c1, ...]: where each run of `counts` starts in the concatenation, then its end (int64)."""
+    offsets = np.zeros(len(counts) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    return offsets
+
+
 def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """The concatenation of arange(s, s + n) for each (s, n), without a Python loop."""
-    total = int(lengths.sum())
-    run_starts = np.zeros(len(lengths), dtype=np.int64)
-    np.cumsum(lengths[:-1], out=run_starts[1:])
-    return np.repeat(starts - run_starts, lengths) + np.arange(total)
+    run_starts = _offsets(lengths)
+    return np.repeat(starts - run_starts[:-1], lengths) + np.arange(run_starts[-1])
 
 
 def tokenize_text(text: str, tokenizer: WordPieceTokenizer) -> TokenizedPart:
@@ -156,9 +154,8 @@ def tokenize_text(text: str, tokenizer: WordPieceTokenizer) -> TokenizedPart:
     docs = [d.split("\n") for d in text.split("\n\n") if d.strip()]
     ids, lengths = tokenizer.tokenize_sentences([s for d in docs for s in d])
     # Documents by their sentence counts; sentences that tokenize to nothing are dropped.
-    doc_ends = np.cumsum([0] + [len(d) for d in docs])
-    nonempty = np.concatenate([[0], np.cumsum(lengths > 0)])
-    counts = np.diff(nonempty[doc_ends]).astype(np.int32)
+    doc_ends = _offsets(np.fromiter(map(len, docs), dtype=np.int64, count=len(docs)))
+    counts = np.diff(_offsets(lengths > 0)[doc_ends]).astype(np.int32)
     return TokenizedPart(ids, lengths[lengths > 0], counts[counts > 0])
 
 
