@@ -114,10 +114,15 @@ class _Prefetcher(io.RawIOBase):
         super().close()
 
 
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        what = "is a directory, not a file" if path.is_dir() else "no such file"
+        raise PipelineError(f"{path}: {what}; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input")
+
+
 def _open_dump(path: Path):
     """Open a dump for binary reading, checking that it looks like one."""
-    if not path.is_file():
-        raise PipelineError(f"{path}: no such file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input")
+    _require_file(path)
     with path.open("rb") as f:
         head = f.read(3)
     if head == b"BZh":
@@ -221,8 +226,7 @@ def list_parts(stage_dir: Path) -> list[Path]:
 def extract(cfg: ExtractConfig) -> ExtractResult:
     if cfg.articles_per_part < 1:
         raise PipelineError(f"articles_per_part must be >= 1, got {cfg.articles_per_part}")
-    if not cfg.input.is_file():
-        raise PipelineError(f"{cfg.input}: no such file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input")
+    _require_file(cfg.input)
     if cfg.chunk_bytes < 1:
         raise PipelineError(f"chunk_bytes must be >= 1, got {cfg.chunk_bytes}")
     params = {"input": stage.file_identity(cfg.input), "articles_per_part": cfg.articles_per_part}

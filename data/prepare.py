@@ -35,7 +35,7 @@ from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, compression_filter, shard
 from data.stage import PipelineError
 from data.tokens import TokenizeConfig, tokenize
-from data.vocab import VocabConfig, build_vocab
+from data.vocab import VocabConfig, build_vocab, load_vocab
 
 PHASES = {1: (128, 20), 2: (512, 80)}
 
@@ -103,9 +103,9 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         dupe_factor=cfg.dupe_factor, short_seq_prob=cfg.short_seq_prob, masked_lm_prob=cfg.masked_lm_prob,
         whole_word_masking=cfg.whole_word_masking, static_masking=cfg.static_masking,
         test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
-    validate(create_cfg)  # before any long stage runs
-    if cfg.vocab_file is not None and not Path(cfg.vocab_file).is_file():
-        raise PipelineError(f"{cfg.vocab_file}: no such vocab file")
+    validate(create_cfg)  # before any long stage runs, like the given vocab's special tokens
+    if cfg.vocab_file is not None:
+        load_vocab(Path(cfg.vocab_file))
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):

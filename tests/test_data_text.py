@@ -69,6 +69,11 @@ def test_trained_vocab_is_valid_and_case_is_configurable(phase1_shards, tmp_path
 
 
 def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_path):
+    with pytest.raises(PipelineError, match=f"{re.escape(str(tmp_path / 'missing.xml.bz2'))}: no such file"):
+        extract(ExtractConfig(tmp_path / "missing.xml.bz2", tmp_path / "m"))
+    with pytest.raises(PipelineError, match=f"{re.escape(str(tmp_path))}: is a directory, not a file"):
+        extract(ExtractConfig(tmp_path, tmp_path / "m"))
+
     not_dump = tmp_path / "notes.txt.bz2"
     not_dump.write_bytes(b"hello, this is not a dump\n")
     with pytest.raises(PipelineError, match=f"{re.escape(str(not_dump))} is not a MediaWiki XML dump"):
@@ -93,11 +98,16 @@ def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_pa
         extract(ExtractConfig(only_redirects, tmp_path / "d"))
 
 
-def test_vocab_without_special_tokens_is_refused(bert_vocab, tmp_path):
+def test_vocab_without_special_tokens_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path):
     bad = tmp_path / "vocab.txt"
     bad.write_text("\n".join(t for t in bert_vocab.read_text().splitlines() if t != "[MASK]") + "\n")
-    with pytest.raises(PipelineError, match=rf"{re.escape(str(bad))} lacks the special token\(s\) \[MASK\]"):
+    lacks_mask = rf"{re.escape(str(bad))} lacks the special token\(s\) \[MASK\]"
+    with pytest.raises(PipelineError, match=lacks_mask):
         load_vocab(bad)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=lacks_mask):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bad)])
+    assert not out.exists()
 
 
 def test_impossible_max_predictions_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path, capsys):
