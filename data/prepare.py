@@ -35,7 +35,7 @@ from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, compression_filter, shard
 from data.stage import PipelineError
 from data.tokens import TokenizeConfig, tokenize
-from data.vocab import VocabConfig, build_vocab, load_vocab
+from data.vocab import VocabConfig, build_vocab, check_case, load_vocab
 
 PHASES = {1: (128, 20), 2: (512, 80)}
 
@@ -105,7 +105,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
     validate(create_cfg)  # before any long stage runs, like the given vocab's special tokens
     if cfg.vocab_file is not None:
-        load_vocab(Path(cfg.vocab_file))
+        check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):

@@ -30,7 +30,7 @@ from data import stage
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
-from data.vocab import load_vocab, make_tokenizer
+from data.vocab import check_case, load_vocab, make_tokenizer
 
 
 @dataclass(frozen=True)
@@ -178,7 +178,7 @@ def _tokenize_part(task: tuple[Path, Path, Path, bool]) -> tuple[int, int, int]:
 def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete segmentation; run data.segment into it first")
-    load_vocab(cfg.vocab_file)
+    check_case(load_vocab(cfg.vocab_file), cfg.lower_case)
     sources = list_parts(cfg.input_dir)
     params = {"sentences": stage.fingerprint(cfg.input_dir), "parts": len(sources), "lower_case": cfg.lower_case,
               "special_tokens": "as_text",

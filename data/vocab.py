@@ -65,6 +65,23 @@ def load_vocab(path: Path) -> Vocab:
     return Vocab(path, tokens)
 
 
+def check_case(vocab: Vocab, lower_case: bool) -> None:
+    """Refuse a vocab whose case contradicts the tokenization's (Google's validate_case_matches_checkpoint).
+
+    Cased text against an uncased vocab turns every capitalised word into [UNK]; lower-cased text against
+    a cased vocab can never produce its capitalised tokens. A few stray capitals in a custom vocab pass.
+    """
+    cased = [t for t in vocab.tokens if t not in SPECIAL_TOKENS and t != t.lower()]
+    if not lower_case and not cased:
+        raise PipelineError(
+            f"{vocab.path} is an uncased vocab (no token has a capital letter), but lower-casing is off: every "
+            "capitalised word would become [UNK]. Drop --no_lower_case, or pass a cased vocab.txt")
+    if lower_case and len(cased) > 0.01 * len(vocab.tokens):
+        raise PipelineError(
+            f"{vocab.path} is a cased vocab ({len(cased)} tokens such as {cased[0]!r} have capitals), but the text "
+            "is lower-cased, so those tokens could never occur. Pass --no_lower_case, or an uncased vocab.txt")
+
+
 def make_tokenizer(vocab_path: Path, lower_case: bool) -> Tokenizer:
     """BERT's WordPiece tokenizer (the Rust one) for corpus text.
 

@@ -11,7 +11,8 @@ from data.create import CreateConfig, validate
 from data.extract import ExtractConfig, extract, iter_articles
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
-from data.vocab import VocabConfig, build_vocab, load_vocab
+from data.tokens import TokenizeConfig, tokenize
+from data.vocab import VocabConfig, build_vocab, check_case, load_vocab
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +67,19 @@ def test_trained_vocab_is_valid_and_case_is_configurable(phase1_shards, tmp_path
         assert load_vocab(vocab.path).tokens == vocab.tokens
     assert not any(t != t.lower() for t in uncased.tokens[5:])
     assert sum(t != t.lower() for t in cased.tokens) > 100
+    check_case(uncased, lower_case=True)
+    check_case(cased, lower_case=False)
+    with pytest.raises(PipelineError, match=f"{re.escape(str(cased.path))} is a cased vocab .* Pass --no_lower_case"):
+        tokenize(TokenizeConfig(corpus, cased.path, tmp_path / "tokens", lower_case=True))
+    assert not (tmp_path / "tokens").exists()
+
+
+def test_cased_text_with_the_uncased_vocab_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=f"{re.escape(str(bert_vocab))} is an uncased vocab .* Drop --no_lower_case"):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab),
+                      "--no_lower_case"])
+    assert not out.exists()
 
 
 def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_path):
