@@ -47,7 +47,13 @@ class TokenizeResult:
     documents: int
     sentences: int
     tokens: int
+    # [UNK]s: 0.002% with the BERT uncased vocab on English Wikipedia; far more says the vocab does not fit.
+    unknown_tokens: int
     seconds: float
+
+    @property
+    def unknown_share(self) -> float:
+        return self.unknown_tokens / max(self.tokens, 1)
 
 
 @dataclass(frozen=True)
@@ -164,21 +170,23 @@ def load_part(path: Path) -> TokenizedPart:
         return TokenizedPart(z["ids"], z["sentence_lengths"], z["doc_sentences"])
 
 
-def _tokenize_part(task: tuple[Path, Path, Path, bool]) -> tuple[int, int, int]:
-    src, dst, vocab_file, lower_case = task
+def _tokenize_part(task: tuple[Path, Path, Path, bool, int]) -> tuple[int, int, int, int]:
+    src, dst, vocab_file, lower_case, unk_id = task
     if dst.is_file():
         part = load_part(dst)
     else:
         part = tokenize_text(src.read_text(encoding="utf-8"), WordPieceTokenizer(vocab_file, lower_case))
         with stage.atomic_path(dst) as tmp, tmp.open("wb") as f:
             np.savez(f, ids=part.ids, sentence_lengths=part.sentence_lengths, doc_sentences=part.doc_sentences)
-    return len(part.doc_sentences), len(part.sentence_lengths), len(part.ids)
+    unknown = int(np.count_nonzero(part.ids == unk_id))
+    return len(part.doc_sentences), len(part.sentence_lengths), len(part.ids), unknown
 
 
 def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete segmentation; run data.segment into it first")
-    check_case(load_vocab(cfg.vocab_file), cfg.lower_case)
+    vocab = load_vocab(cfg.vocab_file)
+    check_case(vocab, cfg.lower_case)
     sources = list_parts(cfg.input_dir)
     params = {"sentences": stage.fingerprint(cfg.input_dir), "parts": len(sources), "lower_case": cfg.lower_case,
               "special_tokens": "as_text",
@@ -187,15 +195,16 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
     if done is not None:
         return TokenizeResult(**done)
     start = time.perf_counter()
-    tasks = [(src, cfg.output_dir / f"{src.stem}.npz", cfg.vocab_file, cfg.lower_case) for src in sources]
-    documents = sentences = tokens = 0
+    unk_id = vocab.tokens.index("[UNK]")
+    tasks = [(src, cfg.output_dir / f"{src.stem}.npz", cfg.vocab_file, cfg.lower_case, unk_id) for src in sources]
+    documents = sentences = tokens = unknown = 0
     with tqdm(total=len(tasks), desc="tokenize", unit=" parts", dynamic_ncols=True) as bar:
-        for d, s, t in bounded_map(_tokenize_part, tasks, cfg.workers):
-            documents, sentences, tokens = documents + d, sentences + s, tokens + t
+        for d, s, t, u in bounded_map(_tokenize_part, tasks, cfg.workers):
+            documents, sentences, tokens, unknown = documents + d, sentences + s, tokens + t, unknown + u
             bar.update(1)
     if tokens == 0:
         raise PipelineError(f"{cfg.input_dir}: the corpus has no tokens")
-    summary = {"documents": documents, "sentences": sentences, "tokens": tokens,
+    summary = {"documents": documents, "sentences": sentences, "tokens": tokens, "unknown_tokens": unknown,
                "seconds": round(time.perf_counter() - start, 3)}
     return TokenizeResult(**stage.finish(cfg.output_dir, params, summary))
 
@@ -209,7 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
     r = stage.cli_call(tokenize, TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
-    print(f"tokenize: {r.documents} documents, {r.sentences} sentences, {r.tokens} tokens, {r.seconds:.1f} s")
+    print(f"tokenize: {r.documents} documents, {r.sentences} sentences, {r.tokens} tokens "
+          f"({r.unknown_share:.3%} [UNK]), {r.seconds:.1f} s")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data.tokens import WordPieceTokenizer, tokenize_text
+from data.tokens import TokenizeConfig, WordPieceTokenizer, load_part, tokenize, tokenize_text
 from data.vocab import make_tokenizer
 
 # Every character Python's str.split() splits at, and what BERT's normalizer does with it.
@@ -29,6 +29,22 @@ def test_sample_corpus_equals_the_rust_tokenizer_sentence_by_sentence(phase1_sha
     np.testing.assert_array_equal(part.ids, ids)
     np.testing.assert_array_equal(part.sentence_lengths, lengths[lengths > 0])
     assert part.doc_sentences.sum() == len(part.sentence_lengths) and len(part.doc_sentences) == 105
+
+
+def test_tokenize_stage_counts_unknown_tokens(phase1_shards, bert_vocab, tmp_path):
+    sentences_dir = phase1_shards / "text" / "sentences"
+    result = tokenize(TokenizeConfig(sentences_dir, bert_vocab, tmp_path / "tokens", workers=2))
+    ids = np.concatenate([load_part(p).ids for p in sorted((tmp_path / "tokens").glob("part-*.npz"))])
+    unk = make_tokenizer(bert_vocab, True).token_to_id("[UNK]")
+    # The English sample has a few [UNK]s with the BERT uncased vocab (Armenian, Bopomofo, rare symbols).
+    assert result.tokens == len(ids) > 500_000
+    assert 0 < result.unknown_tokens == np.count_nonzero(ids == unk) < 1e-4 * result.tokens
+    assert tokenize(TokenizeConfig(sentences_dir, bert_vocab, tmp_path / "tokens")) == result  # stored summary
+    # A vocab that lacks the corpus's letters: every word with one becomes [UNK], and the count says so.
+    small = tmp_path / "digits-vocab.txt"
+    small.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"0123456789", *"abcdefghij"]) + "\n")
+    poor = tokenize(TokenizeConfig(sentences_dir, small, tmp_path / "poor"))
+    assert poor.unknown_share > 0.5
 
 
 EDGE_CASES = [
