@@ -49,7 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("data and model")
     g.add_argument("--input_dir", type=Path, required=True,
-                   help="shards, searched recursively: *training*.hdf5 (or in training/) train, *test*.hdf5 (or in test/) evaluate")
+                   help="shards, searched recursively: .hdf5 files in training/ or with the word training in their name "
+                        "(wiki_training_0.hdf5) train; in test/ or with the word test, evaluate")
     g.add_argument("--output_dir", type=Path, required=True, help="checkpoints, metrics, model_config.json")
     g.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
     g.add_argument("--max_seq_length", type=int, default=128, help="must equal the shards' sequence length")
@@ -350,7 +351,8 @@ def train(args: argparse.Namespace) -> dict:
     train_set = open_split(args.input_dir, "training", args.max_seq_length, args.max_predictions_per_seq,
                            config.vocab_size, args.seed, shuffle=True)
     if train_set is None:
-        raise DataConfigError(f"--input_dir {args.input_dir}: no *training*.hdf5 files found under it")
+        raise DataConfigError(f"--input_dir {args.input_dir}: no training shards found under it (.hdf5 files in a "
+                              "training/ directory or named like wikicorpus_en_training_0.hdf5)")
     eval_set = None
     if args.num_eval_samples:
         eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,

@@ -14,13 +14,15 @@ What differs from the reference is how, not what:
 - truncation removes the same number of tokens from each side as the reference's one-at-a-time
   loop; the number taken from the front is drawn as Binomial(k, 0.5), which is the distribution
   of the reference's k coin flips.
-- the random "next" document is drawn from the same part (2,000 articles by default) rather than
-  from the whole corpus, and every random draw comes from generators seeded by (seed, part,
-  split). The output is therefore identical whatever the number of workers.
+- the random "next" document is drawn from the same part (2,000 articles by default) and split
+  rather than from the whole corpus, uniformly among the documents other than A's (the reference
+  retries 10 times and may end on A's own), and every random draw comes from generators seeded
+  by (seed, part, split). The output is therefore identical whatever the number of workers.
 - random replacement tokens exclude [PAD], [UNK], [CLS], [SEP] and [MASK].
 
 A fraction `test_fraction` of each part's documents is held out: their instances (pairs drawn
-only among held-out documents) go to the test split.
+only among held-out documents) go to the test split. A part with a single held-out document
+trains on it instead, since a random next needs another document.
 
 Output, per part and split: `<output_dir>/<training|test>/part-NNNNN/<key>.npy` with the HDF5 keys.
 
@@ -100,7 +102,9 @@ def validate(cfg: CreateConfig) -> None:
 
 
 @dataclass(frozen=True)
-class _VocabInfo:
+class MaskingVocab:
+    """What masking needs of a vocab; the loader's dynamic masking uses it too."""
+
     cls: int
     sep: int
     mask: int
@@ -108,16 +112,16 @@ class _VocabInfo:
     is_continuation: np.ndarray  # bool per id: a "##" word piece
     replacements: np.ndarray  # ids a random replacement may take
 
-
-def _vocab_info(vocab_file: Path) -> _VocabInfo:
-    vocab = load_vocab(vocab_file)
-    index = {t: i for i, t in enumerate(vocab.tokens)}
-    special = np.array([index[t] for t in SPECIAL_TOKENS])
-    return _VocabInfo(
-        cls=index["[CLS]"], sep=index["[SEP]"], mask=index["[MASK]"], size=vocab.size,
-        is_continuation=np.array([t.startswith("##") for t in vocab.tokens]),
-        replacements=np.flatnonzero(~np.isin(np.arange(vocab.size), special)).astype(np.int32),
-    )
+    @classmethod
+    def from_file(cls, vocab_file: Path) -> MaskingVocab:
+        vocab = load_vocab(vocab_file)
+        index = {t: i for i, t in enumerate(vocab.tokens)}
+        special = np.array([index[t] for t in SPECIAL_TOKENS])
+        return cls(
+            cls=index["[CLS]"], sep=index["[SEP]"], mask=index["[MASK]"], size=vocab.size,
+            is_continuation=np.array([t.startswith("##") for t in vocab.tokens]),
+            replacements=np.flatnonzero(~np.isin(np.arange(vocab.size), special)).astype(np.int32),
+        )
 
 
 def derive_seed(*values: int) -> int:
@@ -135,6 +139,8 @@ def plan_pairs(sentence_starts: list[int], doc_first: list[int], docs: list[int]
     finds the same sentence. Uniform integers come from `lo + int(random() * span)`
     (random.randint costs several times more). Returns int64 [n, 5]: a_start, a_len, b_start,
     b_len, is_random_next, with starts as offsets into the part's flat token array.
+    With a single document there is no other to draw a random next from: every pair is a true
+    next, and a chunk of one sentence makes none.
     """
     out: list[tuple[int, int, int, int, int]] = []
     append, uniform, starts = out.append, rnd.random, sentence_starts  # bound once: the loop is hot
@@ -153,20 +159,21 @@ def plan_pairs(sentence_starts: list[int], doc_first: list[int], docs: list[int]
                 a_end = chunk_start + (1 + int(uniform() * (n_chunk - 1)) if n_chunk >= 2 else 1)
                 a_start = starts[chunk_start]
                 a_len = starts[a_end] - a_start
-                if n_chunk == 1 or uniform() < 0.5:
-                    for _ in range(10):
-                        r = int(uniform() * n_docs)
-                        if r != di:
-                            break
+                if n_docs > 1 and (n_chunk == 1 or uniform() < 0.5):
+                    # Uniform over the other documents: the reference's 10 retries can end on A's own.
+                    r = int(uniform() * (n_docs - 1))
+                    r += r >= di
                     rf, rl = doc_first[docs[r]], doc_first[docs[r] + 1]
                     j = rf + int(uniform() * (rl - rf))
                     b_end = bisect_left(starts, starts[j] + target - a_len, j + 1, rl)
                     append((a_start, a_len, starts[j], starts[b_end] - starts[j], 1))
                     # The unused sentences of this chunk start the next one.
                     chunk_start = a_end
-                else:
+                elif n_chunk > 1:
                     append((a_start, a_len, starts[a_end], starts[chunk_end] - starts[a_end], 0))
                     chunk_start = chunk_end
+                else:
+                    chunk_start = chunk_end  # one sentence of the only document: no pair can be made
     return np.array(out, dtype=np.int64).reshape(-1, 5)
 
 
@@ -185,7 +192,7 @@ def truncate_pairs(pairs: np.ndarray, max_num_tokens: int, rng: np.random.Genera
     pairs[:, 3] -= cut_b
 
 
-def build_block(pairs: np.ndarray, tokens: np.ndarray, max_seq_length: int, vocab: _VocabInfo
+def build_block(pairs: np.ndarray, tokens: np.ndarray, max_seq_length: int, vocab: MaskingVocab
                 ) -> dict[str, np.ndarray]:
     """[CLS] A [SEP] B [SEP], zero-padded, for every pair at once."""
     n, seq = len(pairs), max_seq_length
@@ -244,31 +251,43 @@ def _whole_words(keys: np.ndarray, cand: np.ndarray, is_piece: np.ndarray, n_pre
     return selected
 
 
-def mask_block(block: dict[str, np.ndarray], cfg: CreateConfig, vocab: _VocabInfo, rng: np.random.Generator
+def mask_block(block: dict[str, np.ndarray], cfg: CreateConfig, vocab: MaskingVocab, rng: np.random.Generator
                ) -> None:
     """Choose and replace the masked tokens of a block in place; adds the two masked_lm keys."""
-    ids, cand = block["input_ids"], block["_candidates"]
+    block["masked_lm_positions"], block["masked_lm_ids"] = mask_rows(
+        block["input_ids"], block["_candidates"], block["_total"], cfg.max_predictions_per_seq, cfg.masked_lm_prob,
+        cfg.whole_word_masking, vocab, rng)
+
+
+def mask_rows(ids: np.ndarray, candidates: np.ndarray, total: np.ndarray, max_predictions: int,
+              masked_lm_prob: float, whole_word_masking: bool, vocab: MaskingVocab, rng: np.random.Generator
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """BERT's masking of rows of token ids, in place: min(max_predictions, max(1, round(total *
+    masked_lm_prob))) of each row's candidate slots (whole words with `whole_word_masking`); 80% of
+    them become [MASK], 10% a random non-special token, 10% stay. `total` is each row's token count,
+    [CLS] and [SEP]s included, as in the reference. Returns (masked_lm_positions, masked_lm_ids),
+    int32 [rows, max_predictions], ascending positions and zero padding.
+    """
     n, seq = ids.shape
-    n_pred = np.minimum(cfg.max_predictions_per_seq,
-                        np.maximum(1, np.round(block["_total"] * cfg.masked_lm_prob).astype(np.int64)))
+    n_pred = np.minimum(max_predictions, np.maximum(1, np.round(total * masked_lm_prob).astype(np.int64)))
     col = np.arange(seq, dtype=np.int32)
     # A random key per slot, made unique within its row by its column in the low bits;
     # [CLS], [SEP] and padding get the largest key so they are never chosen.
     low = max(1, int(seq - 1).bit_length())
     keys = (rng.integers(0, 1 << (31 - low), (n, seq), dtype=np.int32) << low) | col
-    keys[~cand] = np.iinfo(np.int32).max
+    keys[~candidates] = np.iinfo(np.int32).max
     rows = np.arange(n)
-    if cfg.whole_word_masking:
-        selected = _whole_words(keys, cand, vocab.is_continuation[ids], n_pred)
+    if whole_word_masking:
+        selected = _whole_words(keys, candidates, vocab.is_continuation[ids], n_pred)
     else:
         threshold = np.sort(keys, axis=1)[rows, n_pred - 1]
-        selected = (keys <= threshold[:, None]) & cand
+        selected = (keys <= threshold[:, None]) & candidates
     # np.nonzero walks row-major, so each row's positions come out ascending.
     sel_rows, sel_cols = np.nonzero(selected)
     counts = np.count_nonzero(selected, axis=1)
     slot = np.arange(len(sel_rows)) - np.repeat(np.cumsum(counts) - counts, counts)
-    positions = np.zeros((n, cfg.max_predictions_per_seq), dtype=np.int32)
-    masked_ids = np.zeros((n, cfg.max_predictions_per_seq), dtype=np.int32)
+    positions = np.zeros((n, max_predictions), dtype=np.int32)
+    masked_ids = np.zeros((n, max_predictions), dtype=np.int32)
     positions[sel_rows, slot] = sel_cols
     masked_ids[sel_rows, slot] = ids[sel_rows, sel_cols]
     action = rng.random(len(sel_rows), dtype=np.float32)
@@ -277,18 +296,29 @@ def mask_block(block: dict[str, np.ndarray], cfg: CreateConfig, vocab: _VocabInf
     ids[sel_rows[replace_mask], sel_cols[replace_mask]] = vocab.mask
     ids[sel_rows[replace_random], sel_cols[replace_random]] = vocab.replacements[
         rng.integers(0, len(vocab.replacements), int(replace_random.sum()))]
-    block["masked_lm_positions"] = positions
-    block["masked_lm_ids"] = masked_ids
+    return positions, masked_ids
 
 
-def create_instances(part: TokenizedPart, part_index: int, cfg: CreateConfig, vocab: _VocabInfo
+def held_out(n_docs: int, test_fraction: float, seed: int, part_index: int) -> np.ndarray:
+    """Which of a part's documents go to the test split (bool [n_docs]).
+
+    Test pairs draw their random next among the part's test documents, so a lone test document
+    would have none to draw from: it is trained on instead.
+    """
+    is_test = np.random.default_rng(derive_seed(seed, part_index, 0)).random(n_docs) < test_fraction
+    if np.count_nonzero(is_test) == 1:
+        is_test[:] = False
+    return is_test
+
+
+def create_instances(part: TokenizedPart, part_index: int, cfg: CreateConfig, vocab: MaskingVocab
                      ) -> dict[str, dict[str, np.ndarray]]:
     """All instances of one tokenized part, per split, shuffled, as HDF5-ready arrays."""
     sentence_starts = np.zeros(len(part.sentence_lengths) + 1, dtype=np.int64)
     np.cumsum(part.sentence_lengths, out=sentence_starts[1:])
     doc_first = np.zeros(len(part.doc_sentences) + 1, dtype=np.int64)
     np.cumsum(part.doc_sentences, out=doc_first[1:])
-    is_test = np.random.default_rng(derive_seed(cfg.seed, part_index, 0)).random(len(part.doc_sentences)) < cfg.test_fraction
+    is_test = held_out(len(part.doc_sentences), cfg.test_fraction, cfg.seed, part_index)
     starts_list, first_list = sentence_starts.tolist(), doc_first.tolist()
     keys = KEYS if cfg.static_masking else tuple(k for k in KEYS if not k.startswith("masked_lm"))
     result = {}
@@ -324,7 +354,7 @@ def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
     src, cfg = task
     out = {split: cfg.output_dir / split / src.stem for split in SPLITS}
     if not all(d.is_dir() for d in out.values()):
-        arrays = create_instances(load_part(src), part_index_of(src), cfg, _vocab_info(cfg.vocab_file))
+        arrays = create_instances(load_part(src), part_index_of(src), cfg, MaskingVocab.from_file(cfg.vocab_file))
         for split, directory in out.items():
             if directory.is_dir():
                 continue

@@ -113,7 +113,9 @@ def shard(cfg: ShardConfig) -> ShardResult:
             )
     attrs = {"max_seq_length": cp["max_seq_length"], "max_predictions_per_seq": cp["max_predictions_per_seq"],
              "vocab_size": summary["vocab_size"],
-             "masking": "static" if cp["static_masking"] else "dynamic"}
+             "masking": "static" if cp["static_masking"] else "dynamic",
+             # How masks were (static) or are to be (dynamic, by the loader) drawn.
+             "masked_lm_prob": cp["masked_lm_prob"], "whole_word_masking": int(cp["whole_word_masking"])}
     keys = tuple(k for k in DTYPES if cp["static_masking"] or not k.startswith("masked_lm"))
     params = {"instances": stage.fingerprint(cfg.instances_dir), "num_shards": cfg.num_shards,
               "num_test_shards": cfg.num_test_shards, "name": cfg.name, "compression": cfg.compression}

@@ -7,13 +7,14 @@ import random
 import numpy as np
 import pytest
 
-from data.create import plan_pairs, truncate_pairs
+from data.create import derive_seed, held_out, plan_pairs, truncate_pairs
 from data.tokens import load_part
 
 
 def reference_plan(lengths: list[int], doc_first: list[int], docs: list[int], max_num_tokens: int,
                    short_seq_prob: float, dupe_factor: int, rnd: random.Random) -> list[tuple[int, ...]]:
-    """create_instances_from_document's loop, adding sentences one at a time (same draws as data.create)."""
+    """create_instances_from_document's loop, adding sentences one at a time (same draws as data.create;
+    at least two documents)."""
     starts = np.concatenate([[0], np.cumsum(lengths)]).tolist()
     out = []
     for _ in range(dupe_factor):
@@ -30,10 +31,9 @@ def reference_plan(lengths: list[int], doc_first: list[int], docs: list[int], ma
                     a_end = 1 + int(rnd.random() * (len(chunk) - 1)) if len(chunk) >= 2 else 1
                     a_len = sum(lengths[s] for s in chunk[:a_end])
                     if len(chunk) == 1 or rnd.random() < 0.5:
-                        for _ in range(10):
-                            r = int(rnd.random() * len(docs))
-                            if r != di:
-                                break
+                        # (the reference retries 10 times; data.create draws among the others at once)
+                        r = int(rnd.random() * (len(docs) - 1))
+                        r += r >= di
                         rf, rl = doc_first[docs[r]], doc_first[docs[r] + 1]
                         start = rf + int(rnd.random() * (rl - rf))
                         b_len = 0
@@ -70,6 +70,40 @@ def test_plan_pairs_equals_the_sentence_by_sentence_loop(part, max_seq_length):
     assert (ours[:, 1] > 0).all() and (ours[:, 3] > 0).all()
     following = ours[ours[:, 4] == 0]
     assert np.array_equal(following[:, 0] + following[:, 1], following[:, 2])
+
+
+def test_random_next_always_comes_from_another_document(part):
+    starts = np.concatenate([[0], np.cumsum(part.sentence_lengths)]).tolist()
+    doc_first = np.concatenate([[0], np.cumsum(part.doc_sentences)]).tolist()
+    doc_token_starts = np.array(starts)[doc_first[:-1]]
+
+    def doc_of(offsets: np.ndarray) -> np.ndarray:
+        return np.searchsorted(doc_token_starts, offsets, side="right") - 1
+
+    # Pools as small as a part's test split can be: the reference's 10 retries end on A's own
+    # document once in 1,024 random draws from two documents, and always from one.
+    for docs in ([0, 1], [2], list(range(len(part.doc_sentences)))):
+        pairs = plan_pairs(starts, doc_first, docs, 125, 0.1, 200 if len(docs) < 3 else 5, random.Random(1))
+        is_random = pairs[:, 4] == 1
+        a_doc, b_doc = doc_of(pairs[:, 0]), doc_of(pairs[:, 2])
+        assert len(pairs) > 1000 and set(a_doc) == set(docs)
+        assert (a_doc[is_random] != b_doc[is_random]).all()
+        assert (a_doc[~is_random] == b_doc[~is_random]).all()
+        assert is_random.any() == (len(docs) > 1)
+
+
+def test_a_lone_held_out_document_is_trained_on():
+    lone = 0
+    for n_docs in range(1, 40):
+        for seed in range(20):
+            drawn = np.random.default_rng(derive_seed(seed, 3, 0)).random(n_docs) < 0.05
+            got = held_out(n_docs, 0.05, seed, 3)
+            if drawn.sum() == 1:
+                lone += 1
+                assert not got.any()
+            else:
+                assert np.array_equal(got, drawn)
+    assert lone > 100
 
 
 def test_truncation_matches_the_one_token_at_a_time_loop():

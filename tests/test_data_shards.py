@@ -52,7 +52,7 @@ def test_layout_keys_dtypes_shapes_and_attributes(phase1_shards, dynamic_shards)
                     width = {"next_sentence_labels": None, "masked_lm_positions": 20, "masked_lm_ids": 20}.get(key, 128)
                     assert f[key].shape == ((n,) if width is None else (n, width)), key
                 assert dict(f.attrs) == {"max_seq_length": 128, "max_predictions_per_seq": 20, "vocab_size": 30522,
-                                         "masking": masking}
+                                         "masking": masking, "masked_lm_prob": 0.15, "whole_word_masking": 0}
 
 
 def test_training_shards_are_balanced_within_one_percent(phase1_shards):

@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from data.create import CreateConfig, create
+from data.shard import ShardConfig, shard
 from modeling import IGNORE_INDEX
 from training.loader import DataConfigError, RankSampler, find_shards, make_loader, open_split
 
@@ -55,14 +57,24 @@ def test_evaluation_sampler_stops_at_the_limit():
 
 
 def test_shards_are_found_by_name_or_by_directory(tmp_path):
+    # The split is a directory name, or a whole word of the file name: "latest" and "pretraining"
+    # contain "test" and "training" but name no split.
     for rel in ("a/wiki_training_1.hdf5", "a/wiki_training_0.hdf5", "b/training/part-00000.hdf5",
-                "b/test/part-00000.hdf5", "c/wiki_test_0.hdf5", "c/notes.txt", "d/other.hdf5"):
+                "b/test/part-00000.hdf5", "c/wiki_test_0.hdf5", "c/notes.txt", "d/other.hdf5",
+                "e/training/enwiki_latest_training_0.hdf5", "e/test/enwiki_latest_test_0.hdf5",
+                "f/bert-pretraining-test.0.hdf5", "g/latest.hdf5"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).touch()
     assert [str(p.relative_to(tmp_path)) for p in find_shards(tmp_path, "training")] == [
-        "a/wiki_training_0.hdf5", "a/wiki_training_1.hdf5", "b/training/part-00000.hdf5"]
+        "a/wiki_training_0.hdf5", "a/wiki_training_1.hdf5", "b/training/part-00000.hdf5",
+        "e/training/enwiki_latest_training_0.hdf5"]
     assert [str(p.relative_to(tmp_path)) for p in find_shards(tmp_path, "test")] == [
-        "b/test/part-00000.hdf5", "c/wiki_test_0.hdf5"]
+        "b/test/part-00000.hdf5", "c/wiki_test_0.hdf5", "e/test/enwiki_latest_test_0.hdf5",
+        "f/bert-pretraining-test.0.hdf5"]
+    (tmp_path / "h").mkdir()
+    (tmp_path / "h" / "wiki_training_test_0.hdf5").touch()
+    with pytest.raises(DataConfigError, match=r"wiki_training_test_0\.hdf5: the file name names both splits"):
+        find_shards(tmp_path, "training")
 
 
 def test_every_epoch_visits_every_row_once_in_a_seeded_order(phase1_shards):
@@ -126,17 +138,49 @@ def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
         labels = sample["masked_lm_labels"]
         count = int((labels != IGNORE_INDEX).sum())
         slots = sample["masked_lm_positions"][:count]
-        real_tokens = int(sample["attention_mask"].sum()) - int(((original == cls_id) | (original == sep_id)).sum())
-        assert count == min(20, max(1, round(real_tokens * 0.15)))
+        # The reference's count: 15% of all tokens, [CLS] and [SEP]s included.
+        assert count == min(20, max(1, round(int(sample["attention_mask"].sum()) * 0.15)))
         assert np.all(np.diff(slots) > 0) and np.all(sample["masked_lm_positions"][count:] == 0)
         assert np.array_equal(labels[:count], original[slots])
         assert not np.isin(original[slots], [cls_id, sep_id, 0]).any()
         unmasked = np.setdiff1d(np.arange(128), slots)
         assert np.array_equal(sample["input_ids"][unmasked], original[unmasked])
         replaced_by_mask += int((sample["input_ids"][slots] == mask_id).sum())
+        # A random replacement is never a special token, as in static masks.
+        assert not np.isin(sample["input_ids"][slots], [0, 100, cls_id, sep_id]).any()
         total += count
         assert all(np.array_equal(sample[k], again[position][k]) for k in sample)
     assert 0.72 < replaced_by_mask / total < 0.88  # 80% [MASK], 10% random, 10% unchanged
+
+
+def test_dynamic_masking_follows_the_shards_recipe(phase1_shards, tmp_path):
+    """--masked_lm_prob and --whole_word_masking, recorded in dynamic shards, drive the loader's masks."""
+    instances = tmp_path / "instances"
+    create(CreateConfig(next((phase1_shards / "text").glob("tokens_*")), phase1_shards / "vocab.txt", instances,
+                        max_predictions_per_seq=60, dupe_factor=1, masked_lm_prob=0.3, whole_word_masking=True,
+                        static_masking=False, test_fraction=0.1))
+    shard(ShardConfig(instances, tmp_path / "hdf5", num_shards=2))
+    (tmp_path / "vocab.txt").write_bytes((phase1_shards / "vocab.txt").read_bytes())
+    ds = training_set(tmp_path, max_predictions=60)
+    assert (ds.shards[0].masked_lm_prob, ds.shards[0].whole_word_masking) == (0.3, True)
+    vocab = (tmp_path / "vocab.txt").read_text().split("\n")
+    is_piece = np.array([t.startswith("##") for t in vocab])
+    masked_share, pieces_masked = [], 0
+    for position in range(0, len(ds), max(1, len(ds) // 300)):
+        sample, (shard_index, row) = ds[position], ds.locate(position)
+        with h5py.File(ds.shards[shard_index].path, "r") as f:
+            original = f["input_ids"][row].astype(np.int64)
+        count = int((sample["masked_lm_labels"] != IGNORE_INDEX).sum())
+        masked = np.zeros(128, dtype=bool)
+        masked[sample["masked_lm_positions"][:count]] = True
+        total = int(sample["attention_mask"].sum())
+        assert 0 < count <= min(60, round(total * 0.3))  # whole words: a word that does not fit is skipped
+        masked_share.append(count / total)
+        # Whole words: a masked piece's neighbours within its word are masked too.
+        piece = is_piece[original] & ~np.isin(np.roll(original, 1), [101, 102])
+        assert masked[:-1][piece[1:] & masked[1:]].all() and masked[1:][piece[1:] & masked[:-1]].all()
+        pieces_masked += int(piece[masked].sum())
+    assert 0.27 < np.mean(masked_share) < 0.31 and pieces_masked > 50
 
 
 def test_at_most_two_shards_are_open_per_process(phase1_shards, tmp_path):

@@ -10,12 +10,14 @@ worker opens itself: no rank loads a whole shard.
 
 Shards are ours (data/prepare.py) or NVIDIA's / Habana's (same keys, any integer dtype, no
 file attributes). Shards with `masked_lm_positions` / `masked_lm_ids` use those static masks;
-shards without them are masked here, deterministically per position (BERT's 80/10/10 rule).
+shards without them are masked here, deterministically per position, by data.create's own
+masking (BERT's rule, with the shards' `masked_lm_prob` and `whole_word_masking` attributes).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -26,11 +28,13 @@ import h5py
 import numpy as np
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from data.create import MaskingVocab, mask_rows
+from data.stage import PipelineError
 from modeling import IGNORE_INDEX
 
 REQUIRED_KEYS = ("input_ids", "input_mask", "segment_ids", "next_sentence_labels")
 MASK_KEYS = ("masked_lm_positions", "masked_lm_ids")
-MASKED_LM_PROB = 0.15
+SPLITS = ("training", "test")
 OPEN_FILES = 2  # HDF5 handles per process
 CHUNK_CACHE_BYTES = 64 << 20  # per dataset of an open file; only chunked (compressed) shards use it
 CHUNK_CACHE_SLOTS = 100_003  # a prime well above the chunk count, as HDF5 advises
@@ -45,30 +49,35 @@ class ShardInfo:
     path: str
     num_samples: int
     static_masks: bool
-
-
-@dataclass(frozen=True)
-class SpecialTokens:
-    cls: int
-    sep: int
-    mask: int
-
-    @classmethod
-    def from_vocab(cls, vocab_file: Path) -> SpecialTokens:
-        words = vocab_file.read_text(encoding="utf-8").split("\n")
-        index = {w.strip(): i for i, w in enumerate(words)}
-        missing = [t for t in ("[CLS]", "[SEP]", "[MASK]") if t not in index]
-        if missing:
-            raise DataConfigError(f"{vocab_file}: no {', '.join(missing)} token; use a BERT WordPiece vocab")
-        return cls(cls=index["[CLS]"], sep=index["[SEP]"], mask=index["[MASK]"])
+    # Dynamic masking's recipe, from our shards' attributes (BERT's defaults for others).
+    masked_lm_prob: float = 0.15
+    whole_word_masking: bool = False
 
 
 def find_shards(input_dir: Path, split: str) -> list[Path]:
-    """The split's `.hdf5` files under input_dir (recursively), sorted by path: those with the
-    split in their name (`*training*.hdf5`) or inside a directory named after it (`training/`)."""
+    """The split's `.hdf5` files under input_dir (recursively), sorted by path: those inside a
+    directory named after a split (`training/`, `test/`) belong to it; any other file belongs to the
+    split whose name is a word of its file name (`wikicorpus_en_training_0.hdf5`), where words are
+    separated by `_`, `-` or `.` (so "latest" or "pretraining" name no split)."""
+    if split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     root = Path(input_dir)
-    return sorted(p for p in root.rglob("*.hdf5")
-                  if p.is_file() and (split in p.name or split in p.relative_to(root).parts[:-1]))
+    found = []
+    for path in root.rglob("*.hdf5"):
+        if not path.is_file():
+            continue
+        in_dirs = [d for d in path.relative_to(root).parts[:-1] if d in SPLITS]
+        if in_dirs:
+            if in_dirs[-1] == split:
+                found.append(path)
+            continue
+        named = set(re.split(r"[_.-]", path.stem)) & set(SPLITS)
+        if len(named) > 1:
+            raise DataConfigError(f"{path}: the file name names both splits ({' and '.join(sorted(named))}); "
+                                  "rename it or move it into a training/ or test/ directory")
+        if named == {split}:
+            found.append(path)
+    return sorted(found)
 
 
 def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_size: int) -> ShardInfo:
@@ -108,7 +117,11 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
                         f"{f[key].shape[-1]}")
         attrs = dict(f.attrs)
     _check_attrs(path, attrs, static, max_seq_length, max_predictions, vocab_size)
-    return ShardInfo(path=str(path), num_samples=int(n), static_masks=static)
+    prob = float(attrs.get("masked_lm_prob", 0.15))
+    if not 0.0 < prob < 1.0:
+        raise DataConfigError(f"{path}: attribute masked_lm_prob={prob} is outside (0, 1); recreate the shards")
+    return ShardInfo(path=str(path), num_samples=int(n), static_masks=static, masked_lm_prob=prob,
+                     whole_word_masking=bool(attrs.get("whole_word_masking", 0)))
 
 
 def _check_attrs(path: Path, attrs: dict, static: bool, seq: int, preds: int, vocab_size: int) -> None:
@@ -137,6 +150,10 @@ def inspect_shards(paths: list[Path], max_seq_length: int, max_predictions: int,
     if len(kinds) > 1:
         raise DataConfigError("the input mixes shards with static masks and shards without; "
                               "use one kind per --input_dir")
+    recipes = {(s.masked_lm_prob, s.whole_word_masking) for s in shards}
+    if not shards[0].static_masks and len(recipes) > 1:
+        raise DataConfigError("the shards' masking attributes differ (masked_lm_prob, whole_word_masking: "
+                              f"{sorted(recipes)}); use shards made with one setting per --input_dir")
     empty = [s.path for s in shards if s.num_samples == 0]
     if empty:
         raise DataConfigError(f"{empty[0]}: the shard holds no samples; remove it")
@@ -147,17 +164,17 @@ class PretrainingDataset(Dataset):
     """Map-style dataset indexed by stream position (any non-negative integer, across epochs)."""
 
     def __init__(self, shards: list[ShardInfo], seed: int, max_predictions: int, vocab_size: int,
-                 special: SpecialTokens | None, shuffle: bool = True):
+                 vocab: MaskingVocab | None, shuffle: bool = True):
         if not shards:
             raise DataConfigError("no shards given")
-        if not shards[0].static_masks and special is None:
+        if not shards[0].static_masks and vocab is None:
             raise DataConfigError("shards without static masks are masked at load time, which needs the "
                                   "vocabulary: put vocab.txt in --input_dir")
         self.shards = shards
         self.seed = seed
         self.max_predictions = max_predictions
         self.vocab_size = vocab_size
-        self.special = special
+        self.vocab = vocab
         self.shuffle = shuffle
         self.sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
         self.epoch_size = int(self.sizes.sum())
@@ -236,31 +253,23 @@ class PretrainingDataset(Dataset):
             positions = f["masked_lm_positions"][row].astype(np.int64)
             ids = f["masked_lm_ids"][row].astype(np.int64)
         else:
-            positions, ids = self._mask(sample, position)
+            positions, ids = self._mask(sample, shard, position)
         sample["masked_lm_positions"] = positions
         sample["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
         return sample
 
-    def _mask(self, sample: dict[str, np.ndarray], position: int) -> tuple[np.ndarray, np.ndarray]:
-        """BERT's dynamic masking, seeded by the stream position so a resumed run masks alike."""
-        assert self.special is not None
-        ids = sample["input_ids"]
-        rng = np.random.default_rng([self.seed, position, 2])
-        candidates = np.flatnonzero((sample["attention_mask"] == 1) & (ids != self.special.cls) & (ids != self.special.sep))
-        count = min(self.max_predictions, max(1, int(round(len(candidates) * MASKED_LM_PROB))), len(candidates))
-        chosen = np.sort(rng.choice(candidates, size=count, replace=False))
-        originals = ids[chosen].copy()
-        action = rng.random(count)
-        replaced = ids.copy()
-        replaced[chosen[action < 0.8]] = self.special.mask
-        random_slots = chosen[(action >= 0.8) & (action < 0.9)]
-        replaced[random_slots] = rng.integers(0, self.vocab_size, size=len(random_slots))
-        sample["input_ids"] = replaced
-        positions = np.zeros(self.max_predictions, dtype=np.int64)
-        labels = np.zeros(self.max_predictions, dtype=np.int64)
-        positions[:count] = chosen
-        labels[:count] = originals
-        return positions, labels
+    def _mask(self, sample: dict[str, np.ndarray], shard: int, position: int) -> tuple[np.ndarray, np.ndarray]:
+        """Mask a sample as data.create masks static shards, seeded by the stream position so that a
+        resumed run masks alike. Replaces sample["input_ids"]; returns (positions, original ids)."""
+        assert self.vocab is not None
+        info = self.shards[shard]
+        ids = sample["input_ids"][None, :].copy()
+        real = sample["attention_mask"][None, :] == 1
+        candidates = real & (ids != self.vocab.cls) & (ids != self.vocab.sep)
+        positions, labels = mask_rows(ids, candidates, real.sum(axis=1), self.max_predictions, info.masked_lm_prob,
+                                      info.whole_word_masking, self.vocab, np.random.default_rng([self.seed, position, 2]))
+        sample["input_ids"] = ids[0]
+        return positions[0].astype(np.int64), labels[0].astype(np.int64)
 
 
 class RankSampler(Sampler[int]):
@@ -309,12 +318,15 @@ def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions
     if not paths:
         return None
     shards = inspect_shards(paths, max_seq_length, max_predictions, vocab_size)
-    special = None
+    masking_vocab = None
     if not shards[0].static_masks:
         vocab = Path(input_dir) / "vocab.txt"
         if not vocab.is_file():
             raise DataConfigError(f"{input_dir}: the shards have no static masks and there is no vocab.txt beside "
-                                  "them to find [CLS], [SEP] and [MASK]; copy the vocabulary there")
-        special = SpecialTokens.from_vocab(vocab)
+                                  "them to find [CLS], [SEP], [MASK] and word pieces; copy the vocabulary there")
+        try:
+            masking_vocab = MaskingVocab.from_file(vocab)
+        except PipelineError as e:
+            raise DataConfigError(str(e)) from e
     return PretrainingDataset(shards, seed=seed, max_predictions=max_predictions, vocab_size=vocab_size,
-                              special=special, shuffle=shuffle)
+                              vocab=masking_vocab, shuffle=shuffle)
