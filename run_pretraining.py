@@ -107,6 +107,19 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("eval_freq", "num_eval_samples", "num_workers"):
         if getattr(args, name) < 0:
             raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.eval_freq and not args.num_eval_samples:
+        raise RunConfigError(f"--eval_freq {args.eval_freq} with --num_eval_samples 0 evaluates nothing; "
+                             "drop one of them")
+    try:
+        schedule_config(args)
+    except ValueError as e:  # ScheduleConfig names the flag
+        raise RunConfigError(str(e)) from e
+
+
+def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
+    return ScheduleConfig(base_lr=args.learning_rate, total_steps=args.max_steps,
+                          warmup_proportion=args.warmup_proportion, constant_proportion=args.constant_proportion,
+                          power=args.poly_power)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed JSON
@@ -205,6 +218,32 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
         return layerwise(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-6, weight_decay=args.weight_decay)
     return torch.optim.AdamW(groups, lr=args.learning_rate, betas=(0.9, 0.999), eps=1e-6,
                              weight_decay=args.weight_decay)
+
+
+def run_identity(args: argparse.Namespace, train_set) -> dict:
+    """What a resumed run must share with its checkpoint, or it would not continue the same run:
+    the optimizer (its state is loaded as is), the weight decay (the checkpoint's param groups
+    keep theirs) and the training shards (consumed_samples indexes their sample stream)."""
+    return {"optimizer": args.optimizer, "weight_decay": args.weight_decay,
+            "training_shards": [[Path(s.path).relative_to(args.input_dir).as_posix(), s.num_samples]
+                                for s in train_set.shards]}
+
+
+def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path) -> None:
+    for flag in ("optimizer", "weight_decay"):
+        if saved[flag] != now[flag]:
+            raise RunConfigError(f"{tag_dir} was trained with --{flag} {saved[flag]}; resuming with --{flag} "
+                                 f"{now[flag]} would not continue that run. Pass --{flag} {saved[flag]}, or use a "
+                                 "new --output_dir (--phase2 --init_checkpoint starts from this run's weights)")
+    old, new = saved["training_shards"], now["training_shards"]
+    if old != new:
+        first = next((f"{a[0]} ({a[1]} samples) is now {b[0]} ({b[1]} samples)" for a, b in zip(old, new) if a != b),
+                     f"{len(old)} shards then, {len(new)} now")
+        raise RunConfigError(
+            f"{tag_dir} was trained on {sum(n for _, n in old)} samples in {len(old)} shards; --input_dir {input_dir} "
+            f"now holds {sum(n for _, n in new)} in {len(new)} ({first}). consumed_samples would index another "
+            "sample stream: resume on the original shards, or train on these in a new --output_dir "
+            "(--phase2 --init_checkpoint starts from this run's weights)")
 
 
 def micro_step_seed(seed: int, position: int, rank: int) -> int:
@@ -357,12 +396,19 @@ def train(args: argparse.Namespace) -> dict:
     if args.num_eval_samples:
         eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,
                               config.vocab_size, args.seed, shuffle=False)
+    if args.eval_freq and eval_set is None:
+        raise DataConfigError(f"--eval_freq {args.eval_freq}: no test shards under --input_dir {args.input_dir} "
+                              "(.hdf5 files in a test/ directory or named like wikicorpus_en_test_0.hdf5); "
+                              "add them or drop --eval_freq")
+    identity = run_identity(args, train_set)
 
     ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
     resume = checkpoint.find_resume(ckpt_dir)
     if resume is not None and resume[1].seed != args.seed:
         raise RunConfigError(f"{ckpt_dir / resume[0]} was trained with --seed {resume[1].seed}; resuming with "
                              f"--seed {args.seed} would change the data order. Pass --seed {resume[1].seed}")
+    if resume is not None:
+        check_resume_identity(ckpt_dir / resume[0], resume[1].identity, identity, args.input_dir)
     if resume is not None and resume[1].world_size != world:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
@@ -371,9 +417,7 @@ def train(args: argparse.Namespace) -> dict:
     init_from = None
     if args.phase2 and resume is None:
         init_from = checkpoint.load_module_weights(model, args.init_checkpoint)
-    schedule_cfg = ScheduleConfig(base_lr=args.learning_rate, total_steps=args.max_steps,
-                                  warmup_proportion=args.warmup_proportion,
-                                  constant_proportion=args.constant_proportion, power=args.poly_power)
+    schedule_cfg = schedule_config(args)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=build_optimizer(model, args), config=ds_config,
         lr_scheduler=lambda opt: WarmupConstantDecay(opt, schedule_cfg))
@@ -420,6 +464,8 @@ def train(args: argparse.Namespace) -> dict:
     meter = Throughput(warmup=2)
     last_saved = step
     consumed_at_step = consumed  # stream position at the end of the last complete step
+    skipped_at_step = skipped  # and the non-finite micro batches dropped up to it
+    start_step = step
     stopped = False
 
     loader = make_loader(train_set, RankSampler(consumed, sizes.micro_batch, rank, world), sizes.micro_batch,
@@ -434,7 +480,7 @@ def train(args: argparse.Namespace) -> dict:
             if not result.complete:  # stopped mid-window: the partial gradients are never applied
                 break
             step += 1
-            consumed_at_step = consumed
+            consumed_at_step, skipped_at_step = consumed, guard.skipped
             meter.update(sizes.train_batch_size)
             writer.advance(step)
             if step % args.log_freq == 0 or step == args.max_steps:
@@ -453,10 +499,14 @@ def train(args: argparse.Namespace) -> dict:
                     "peak_memory_bytes": acc.max_memory_bytes(),
                     "consumed_samples": consumed, "skipped_batches": guard.skipped,
                 })
+            # Evaluation and checkpoints stay out of the throughput window: it measures training.
             if eval_set is not None and args.eval_freq and step % args.eval_freq == 0 and step < args.max_steps:
-                writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
+                with meter.excluded():
+                    writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
             if step % args.num_steps_per_checkpoint == 0 or step == args.max_steps:
-                checkpoint.save(engine, ckpt_dir, step, consumed, args.seed, guard.skipped, args.keep_checkpoints)
+                with meter.excluded():
+                    checkpoint.save(engine, ckpt_dir, step, consumed, args.seed, guard.skipped, identity,
+                                    args.keep_checkpoints)
                 last_saved = step
             if stopped:
                 break
@@ -464,13 +514,14 @@ def train(args: argparse.Namespace) -> dict:
             # Preempted: keep everything up to the last complete step. The samples of a partial
             # window are read again on resume, as an uninterrupted run reads them.
             if step != last_saved:
-                checkpoint.save(engine, ckpt_dir, step, consumed_at_step, args.seed, guard.skipped,
+                checkpoint.save(engine, ckpt_dir, step, consumed_at_step, args.seed, skipped_at_step, identity,
                                 args.keep_checkpoints)
             if rank == 0:
-                print(f"stop requested (signal {stop.signal or 'on another rank'}) at step {step}: "
-                      f"checkpoint {checkpoint.tag_for(step)} is saved; rerun the command to resume",
+                saved = (f"checkpoint {checkpoint.tag_for(step)} is saved; rerun the command to resume" if step
+                         else "no step had completed, so nothing was saved; rerun the command to start")
+                print(f"stop requested (signal {stop.signal or 'on another rank'}) at step {step}: {saved}",
                       file=sys.stderr)
-        elif eval_set is not None:
+        elif eval_set is not None and step > start_step:  # a rerun of a finished run trains and evaluates nothing
             writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
     finally:
         writer.close()

@@ -34,7 +34,8 @@ def _fake_deepspeed_tag(ckpt_dir, step, world_size=2):
 
 
 def _state(step, world_size=2):
-    return {"step": step, "consumed_samples": step * 16, "world_size": world_size, "seed": 1, "skipped_batches": 0}
+    return {"step": step, "consumed_samples": step * 16, "world_size": world_size, "seed": 1, "skipped_batches": 0,
+            "identity": {"optimizer": "lamb", "weight_decay": 0.01, "training_shards": [["t_training_0.hdf5", 16]]}}
 
 
 def _describe(ckpt_dir, step):
@@ -94,8 +95,10 @@ def test_rewound_timeline_is_neither_pruned_nor_overwritten(tmp_path):
         _save(tmp_path, step, keep=3)
     (tmp_path / LATEST).write_text("step00000010\n")  # the user rewinds to step 10
     assert find_resume(tmp_path)[0] == "step00000010"
+    (tmp_path / "step00000020_universal").mkdir()  # converted from the old step 20: its weights are stale
     make_room(tmp_path, "step00000020")  # the resumed run reaches step 20 again
     assert (tmp_path / "step00000020.abandoned" / RUN_STATE).is_file()
+    assert not (tmp_path / "step00000020_universal").exists()
     _save(tmp_path, 20, keep=1)
     # keep=1 up to latest; step 30 of the abandoned timeline stays
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [

@@ -1,9 +1,10 @@
 """run_pretraining.py's checks that need no process group: batch sizes against the world size,
-the DeepSpeed JSON, flag combinations, and the non-finite loss guard."""
+the DeepSpeed JSON, flag combinations, what a resume may not change, and the non-finite loss guard."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from run_pretraining import (
     NonFiniteGuard,
     NonFiniteLossError,
     RunConfigError,
+    check_resume_identity,
     load_ds_config,
     parse_args,
     resolve_batch_sizes,
@@ -96,10 +98,33 @@ def test_flags_parse_with_reference_names():
     (["--phase2", "--init_checkpoint", "out"], "must be the phase-1 run"),
     (["--log_freq", "0"], "--log_freq must be >= 1"),
     (["--num_workers", "-1"], "--num_workers must be >= 0"),
+    (["--learning_rate", "0"], "--learning_rate must be > 0"),
+    (["--warmup_proportion", "1.5"], r"--warmup_proportion must be in \[0, 1\]"),
+    (["--eval_freq", "2", "--num_eval_samples", "0"], "evaluates nothing"),
 ])
 def test_bad_flag_combinations(extra, message):
     with pytest.raises(RunConfigError, match=message):
         parse_args(REQUIRED + extra)
+
+
+def _identity(optimizer="lamb", weight_decay=0.01, shards=(("training/w_training_0.hdf5", 40),)):
+    return {"optimizer": optimizer, "weight_decay": weight_decay, "training_shards": [list(s) for s in shards]}
+
+
+@pytest.mark.parametrize("now, message", [
+    (_identity(optimizer="adamw"), "trained with --optimizer lamb; resuming with --optimizer adamw .* "
+                                   "Pass --optimizer lamb"),
+    (_identity(weight_decay=0.1), "trained with --weight_decay 0.01; .* Pass --weight_decay 0.01"),
+    (_identity(shards=(("training/w_training_0.hdf5", 37),)),
+     r"trained on 40 samples in 1 shards; --input_dir in now holds 37 in 1 \(training/w_training_0.hdf5 "
+     r"\(40 samples\) is now training/w_training_0.hdf5 \(37 samples\)\)"),
+    (_identity(shards=(("training/w_training_0.hdf5", 40), ("training/w_training_1.hdf5", 9))),
+     r"now holds 49 in 2 \(1 shards then, 2 now\)"),
+])
+def test_resume_refuses_another_optimizer_weight_decay_or_data(now, message):
+    check_resume_identity(Path("out/checkpoints/step00000008"), _identity(), _identity(), Path("in"))
+    with pytest.raises(RunConfigError, match=message):
+        check_resume_identity(Path("out/checkpoints/step00000008"), _identity(), now, Path("in"))
 
 
 def test_deepspeed_flag_is_required(capsys):

@@ -24,6 +24,16 @@ def test_throughput_skips_warmup_steps_and_restarts_each_window():
         Throughput(warmup=0)
 
 
+def test_time_spent_in_evaluation_or_checkpoints_is_not_training_time():
+    meter = Throughput(warmup=1)
+    meter.update(8)  # the clock starts
+    with meter.excluded():  # an evaluation or a checkpoint
+        time.sleep(0.3)
+    time.sleep(0.02)
+    meter.update(16)
+    assert meter.take() > 16 / 0.2  # about 16 / 0.02; 16 / 0.32 if the pause counted
+
+
 @pytest.mark.parametrize("name, dtype, peak", [
     ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
     ("GAUDI2", "bf16", 432.0), ("GAUDI3", "bf16", 1835.0), ("NVIDIA H200", "fp32", 67.0),

@@ -156,11 +156,18 @@ def test_two_rank_checkpoint_resumes_on_one_rank_at_the_same_sample(bf16_run, ph
     out = tmp_path / "resumed"
     shutil.copytree(bf16_run, out)
     (out / "checkpoints" / "latest").write_text("step00000008\n")  # as if the 2-rank job stopped at step 8
+    # A universal copy left by another timeline's step 8 must not be loaded: it is converted again.
+    stale = out / "checkpoints" / "step00000008_universal"
+    stale.mkdir()
+    (stale / "mp_rank_00_model_states.pt").write_bytes(b"weights of another timeline")
+    (stale / "source_run_state.json").write_text("{}")
     ok(run(1, bf16_args(phase1_shards, out, no_dropout_model, bf16_ds)))
     info = json.loads((out / "run_info.json").read_text())
     assert info["world_size"] == 1 and info["resumed_world_size"] == 2 and info["resumed_from"] == "step00000008"
     assert info["gradient_accumulation_steps"] == 4 and info["start_consumed_samples"] == 8 * 16
-    assert (out / "checkpoints" / "step00000008_universal" / "zero").is_dir()
+    assert (stale / "zero").is_dir()
+    assert (stale / "source_run_state.json").read_bytes() == \
+        (out / "checkpoints" / "step00000008" / "run_state.json").read_bytes()
     two, one = records(bf16_run), records(out)
     for step in range(9, BF16_STEPS + 1):
         assert one[step]["consumed_samples"] == two[step]["consumed_samples"] == step * 16
@@ -294,6 +301,35 @@ def test_overwritten_checkpoint_bytes_fail_loudly(fp32_setup, phase1_shards, tmp
     result = run(1, args(phase1_shards, out))
     assert result.returncode == 1
     assert "CRC-32 differs" in result.stderr and str(victim) in result.stderr
+
+
+def with_flag(args: list[str], flag: str, value: str) -> list[str]:
+    i = args.index(flag)
+    return args[:i + 1] + [value] + args[i + 2:]
+
+
+@pytest.mark.slow
+def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shards, tmp_path):
+    args, reference = fp32_setup
+    out = tmp_path / "finished"
+    shutil.copytree(reference, out)
+    before = {name: (out / name).read_text() for name in ("metrics.jsonl", "eval.jsonl")}
+    # The same command on a finished run: nothing to train, and no second final evaluation.
+    ok(run(1, args(phase1_shards, out)))
+    assert {name: (out / name).read_text() for name in before} == before
+    result = run(1, with_flag(args(phase1_shards, out), "--optimizer", "lamb"))
+    assert result.returncode == 1 and "trained with --optimizer adamw" in result.stderr
+    fewer = tmp_path / "fewer_shards"
+    shutil.copytree(phase1_shards / "hdf5", fewer)
+    shutil.copy(phase1_shards / "vocab.txt", fewer)
+    next((fewer / "training").glob("*_1.hdf5")).unlink()
+    result = run(1, args(fewer, out))
+    assert result.returncode == 1 and "consumed_samples would index another sample stream" in result.stderr
+    # A longer schedule is refused by the schedule, not reported as a corrupt checkpoint.
+    result = run(1, with_flag(args(phase1_shards, out), "--max_steps", "16"))
+    assert result.returncode == 1 and "total_steps" in result.stderr and "corrupt" not in result.stderr
+    assert {name: (out / name).read_text() for name in before} == before
+    assert read_latest(out / "checkpoints") == "step00000012"
 
 
 def to_reference_format(src: Path, dst: Path) -> None:

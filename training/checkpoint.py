@@ -6,7 +6,8 @@ Layout under `<output_dir>/checkpoints/`:
         *zero_pp_rank_<r>_mp_rank_00_optim_states.pt   rank r's ZeRO optimizer partition
         run_state.json                 ours, written last: step, consumed samples, world size,
                                        size and CRC-32 of every file (the manifest)
-    step00000100_universal/          made on demand when resuming on another world size
+    step00000100_universal/          made on demand when resuming on another world size, with a
+                                       copy of the run_state.json it was converted from
     latest                           the tag to resume from; only ever names a complete tag
 
 Save order: DeepSpeed writes the tag (`save_latest=False`), every rank reaches a barrier,
@@ -34,11 +35,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from training.schedule import ScheduleMismatchError
+
 CHECKPOINTS = "checkpoints"
 RUN_STATE = "run_state.json"
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 UNIVERSAL_SUFFIX = "_universal"
+SOURCE_RUN_STATE = "source_run_state.json"  # in a universal copy: the run_state.json it was made from
 _TAG = re.compile(r"^step(\d{8})$")
 
 
@@ -53,6 +57,7 @@ class RunState:
     world_size: int
     seed: int
     skipped_batches: int  # micro batches dropped for a non-finite loss
+    identity: dict  # what a resume must not change: optimizer, weight decay, training shards
     files: dict[str, dict]  # relative path -> {"size": bytes, "crc32": checksum}, every file of the tag
 
 
@@ -171,7 +176,9 @@ def prune(ckpt_dir: Path, keep: int) -> None:
 
 def make_room(ckpt_dir: Path, tag: str) -> None:
     """Before saving `tag`: crash debris of that name goes; a complete tag of that name (from a
-    timeline rewound by editing `latest`) is kept as `<tag>.abandoned`, replacing an older one."""
+    timeline rewound by editing `latest`) is kept as `<tag>.abandoned`, replacing an older one.
+    A universal copy of the old tag goes in every case: it holds the old timeline's weights."""
+    shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
     path = ckpt_dir / tag
     if not path.exists():
         return
@@ -185,7 +192,7 @@ def make_room(ckpt_dir: Path, tag: str) -> None:
 
 
 def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, skipped_batches: int,
-         keep: int) -> str:
+         identity: dict, keep: int) -> str:
     """Collective: every rank calls it. Returns the tag."""
     tag = tag_for(step)
     rank = dist.get_rank()
@@ -206,7 +213,8 @@ def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, sk
         try:
             files = {k: v for part in described for k, v in part.items()}
             commit(ckpt_dir, tag, {"step": step, "consumed_samples": consumed_samples, "world_size": world,
-                                   "seed": seed, "skipped_batches": skipped_batches}, keep, dict(sorted(files.items())))
+                                   "seed": seed, "skipped_batches": skipped_batches, "identity": identity},
+                   keep, dict(sorted(files.items())))
         except (CheckpointError, OSError) as e:
             error = str(e)
     errors = [error]
@@ -275,6 +283,8 @@ def load(engine, ckpt_dir: Path, tag: str) -> None:
     """Restore module, optimizer partitions and lr schedule of `tag` into the engine."""
     try:
         path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+    except ScheduleMismatchError:
+        raise  # flags that differ from the checkpoint's: its message names them; the files are fine
     except LOAD_ERRORS as e:
         raise CheckpointError(f"{ckpt_dir / tag}: cannot load the checkpoint ({type(e).__name__}: {e}). "
                               "It is corrupt; point 'latest' at an older tag") from e
@@ -283,10 +293,17 @@ def load(engine, ckpt_dir: Path, tag: str) -> None:
 
 
 def universal_tag(ckpt_dir: Path, tag: str) -> str:
-    """Collective: convert `tag` to DeepSpeed's universal format once (rank 0), return its tag."""
+    """Collective: convert `tag` to DeepSpeed's universal format once (rank 0), return its tag.
+
+    A universal copy is reused only if it was made from this very tag (its copy of the tag's
+    run_state.json is identical), never one left by a timeline that was rewound past `tag`."""
     target = ckpt_dir / (tag + UNIVERSAL_SUFFIX)
+    source = (ckpt_dir / tag / RUN_STATE).read_bytes()
+    made_from = target / SOURCE_RUN_STATE
     error = None
-    if dist.get_rank() == 0 and not (target / MODEL_STATES).is_file():
+    if dist.get_rank() == 0 and not (made_from.is_file() and made_from.read_bytes() == source
+                                     and (target / MODEL_STATES).is_file()):
+        shutil.rmtree(target, ignore_errors=True)
         tmp = ckpt_dir / f".{target.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
@@ -297,6 +314,7 @@ def universal_tag(ckpt_dir: Path, tag: str) -> str:
             error = (f"converting {ckpt_dir / tag} to a universal checkpoint failed "
                      f"({' '.join(cmd)}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
         else:
+            (tmp / SOURCE_RUN_STATE).write_bytes(source)
             os.replace(tmp, target)
     errors = [error]
     dist.broadcast_object_list(errors, src=0)

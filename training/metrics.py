@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -49,6 +51,16 @@ class Throughput:
             self._t0, self._sequences = time.perf_counter(), 0
         elif self.steps_seen > self.warmup:
             self._sequences += sequences
+
+    @contextlib.contextmanager
+    def excluded(self) -> Iterator[None]:
+        """Time spent inside (evaluation, checkpoints) does not count against the window."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._t0 is not None:
+                self._t0 += time.perf_counter() - start
 
     def take(self) -> float | None:
         """Sequences/s since the previous take (None until a step after warm-up); restarts the window."""
