@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import subprocess
@@ -223,6 +224,21 @@ def test_trust_ratio_only_where_weights_decay():
             u = adam + 0.01 * before[name]
             expected = before[name] - lr * before[name].norm() / u.norm() * u
         torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("cls", [Lamb, Lans])
+def test_a_copied_optimizer_steps_like_the_original(cls):
+    model = make_model()
+    opt = cls(build_param_groups(model, 0.01), lr=1e-2)
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    twin_model, twin_opt = copy.deepcopy((model, opt))  # as torch.save of the optimizer object would
+    for p, twin in zip(model.parameters(), twin_model.parameters(), strict=True):
+        twin.grad = p.grad.clone()  # deepcopy leaves gradients behind
+    opt.step()
+    twin_opt.step()
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    assert max_abs_diff({n: p.detach() for n, p in twin_model.named_parameters()}, after) == 0
 
 
 def test_replaced_parameters_without_binding_are_refused():

@@ -102,6 +102,13 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
         self._constructed.update(id(p) for p in self.param_groups[-1]["params"])
 
+    def __setstate__(self, state: dict) -> None:
+        # A copy or unpickled optimizer (Optimizer.__getstate__ keeps defaults, state and groups)
+        # steps its own parameters; a binding to an engine's ZeRO partitions does not carry over.
+        super().__setstate__(state)
+        self._constructed = {id(p) for group in self.param_groups for p in group["params"]}
+        self._binding = None
+
     # ------------------------------------------------------------------ binding
 
     def _bind(self, binding: _Binding) -> None:
