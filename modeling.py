@@ -563,6 +563,10 @@ def from_hf_model(hf_model, pad_vocab_size_multiple: int = 8) -> BertForPreTrain
     config = config_from_hf(hf_model.config, pad_vocab_size_multiple)
     model = BertForPreTraining(config)
     hf_state = hf_model.state_dict()
+    decoder = hf_state.get("cls.predictions.decoder.weight")
+    if decoder is not None and not torch.equal(decoder, hf_state["bert.embeddings.word_embeddings.weight"]):
+        raise ConfigError("the Hugging Face model's output layer (cls.predictions.decoder.weight) is not tied to its "
+                          "word embeddings (tie_word_embeddings false); this model ties them, so one would be lost")
     ours = model.state_dict()
     for name, target in ours.items():
         if name not in hf_state:

@@ -155,6 +155,17 @@ def test_load_hf_from_a_transformers_model(tmp_path):
     torch.testing.assert_close(a.mlm_logits, b.prediction_logits, atol=1e-5, rtol=1e-5)
 
 
+def test_an_untied_output_layer_is_refused(tmp_path):
+    hf_config = transformers.BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=64, tie_word_embeddings=False)
+    hf = transformers.BertForPreTraining(hf_config)
+    with torch.no_grad():
+        hf.cls.predictions.decoder.weight.add_(1.0)
+    hf.save_pretrained(tmp_path / "untied")
+    with pytest.raises(ConfigError, match="decoder.weight\\) is not tied"):
+        modeling.load_hf(tmp_path / "untied")
+
+
 def test_no_nsp_builds_no_head_and_exports_as_masked_lm(tmp_path):
     config = small_config(next_sentence_prediction=False)
     model = BertForPreTraining(config).eval()
