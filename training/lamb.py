@@ -103,11 +103,13 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
         self._constructed.update(id(p) for p in self.param_groups[-1]["params"])
 
     def __setstate__(self, state: dict) -> None:
-        # A copy or unpickled optimizer (Optimizer.__getstate__ keeps defaults, state and groups)
-        # steps its own parameters; a binding to an engine's ZeRO partitions does not carry over.
         super().__setstate__(state)
-        self._constructed = {id(p) for group in self.param_groups for p in group["params"]}
-        self._binding = None
+        # Optimizer.load_state_dict comes here too, on a live (perhaps bound) optimizer: keep it as is.
+        # A copy or an unpickled optimizer (Optimizer.__getstate__ keeps only defaults, state and
+        # groups) steps its own parameters; a binding to an engine's partitions does not carry over.
+        if not hasattr(self, "_binding"):
+            self._constructed = {id(p) for group in self.param_groups for p in group["params"]}
+            self._binding = None
 
     # ------------------------------------------------------------------ binding
 
