@@ -220,16 +220,23 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
                              weight_decay=args.weight_decay)
 
 
-def run_identity(args: argparse.Namespace, train_set) -> dict:
+def run_identity(args: argparse.Namespace, train_set, sizes: BatchSizes) -> dict:
     """What a resumed run must share with its checkpoint, or it would not continue the same run:
     the optimizer (its state is loaded as is), the weight decay (the checkpoint's param groups
-    keep theirs) and the training shards (consumed_samples indexes their sample stream)."""
-    return {"optimizer": args.optimizer, "weight_decay": args.weight_decay,
+    keep theirs), the global batch (the schedule and learning rate were set for it; the
+    accumulation steps adapt to the world size) and the training shards (consumed_samples
+    indexes their sample stream)."""
+    return {"optimizer": args.optimizer, "weight_decay": args.weight_decay, "train_batch_size": sizes.train_batch_size,
             "training_shards": [[Path(s.path).relative_to(args.input_dir).as_posix(), s.num_samples]
                                 for s in train_set.shards]}
 
 
 def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path) -> None:
+    if saved["train_batch_size"] != now["train_batch_size"]:
+        raise RunConfigError(
+            f"{tag_dir} was trained with a global batch (train_batch_size) of {saved['train_batch_size']} sequences; "
+            f"this launch makes {now['train_batch_size']}. Set \"train_batch_size\": {saved['train_batch_size']} in "
+            "the DeepSpeed JSON: the accumulation steps then adapt to the number of ranks")
     for flag in ("optimizer", "weight_decay"):
         if saved[flag] != now[flag]:
             raise RunConfigError(f"{tag_dir} was trained with --{flag} {saved[flag]}; resuming with --{flag} "
@@ -400,7 +407,7 @@ def train(args: argparse.Namespace) -> dict:
         raise DataConfigError(f"--eval_freq {args.eval_freq}: no test shards under --input_dir {args.input_dir} "
                               "(.hdf5 files in a test/ directory or named like wikicorpus_en_test_0.hdf5); "
                               "add them or drop --eval_freq")
-    identity = run_identity(args, train_set)
+    identity = run_identity(args, train_set, sizes)
 
     ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
     resume = checkpoint.find_resume(ckpt_dir)

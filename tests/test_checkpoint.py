@@ -35,7 +35,8 @@ def _fake_deepspeed_tag(ckpt_dir, step, world_size=2):
 
 def _state(step, world_size=2):
     return {"step": step, "consumed_samples": step * 16, "world_size": world_size, "seed": 1, "skipped_batches": 0,
-            "identity": {"optimizer": "lamb", "weight_decay": 0.01, "training_shards": [["t_training_0.hdf5", 16]]}}
+            "identity": {"optimizer": "lamb", "weight_decay": 0.01, "train_batch_size": 16,
+                         "training_shards": [["t_training_0.hdf5", 16]]}}
 
 
 def _describe(ckpt_dir, step):

@@ -107,14 +107,17 @@ def test_bad_flag_combinations(extra, message):
         parse_args(REQUIRED + extra)
 
 
-def _identity(optimizer="lamb", weight_decay=0.01, shards=(("training/w_training_0.hdf5", 40),)):
-    return {"optimizer": optimizer, "weight_decay": weight_decay, "training_shards": [list(s) for s in shards]}
+def _identity(optimizer="lamb", weight_decay=0.01, batch=64, shards=(("training/w_training_0.hdf5", 40),)):
+    return {"optimizer": optimizer, "weight_decay": weight_decay, "train_batch_size": batch,
+            "training_shards": [list(s) for s in shards]}
 
 
 @pytest.mark.parametrize("now, message", [
     (_identity(optimizer="adamw"), "trained with --optimizer lamb; resuming with --optimizer adamw .* "
                                    "Pass --optimizer lamb"),
     (_identity(weight_decay=0.1), "trained with --weight_decay 0.01; .* Pass --weight_decay 0.01"),
+    (_identity(batch=128), r"global batch \(train_batch_size\) of 64 sequences; this launch makes 128. "
+                           "Set \"train_batch_size\": 64"),
     (_identity(shards=(("training/w_training_0.hdf5", 37),)),
      r"trained on 40 samples in 1 shards; --input_dir in now holds 37 in 1 \(training/w_training_0.hdf5 "
      r"\(40 samples\) is now training/w_training_0.hdf5 \(37 samples\)\)"),

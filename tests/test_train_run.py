@@ -332,6 +332,31 @@ def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shard
     assert read_latest(out / "checkpoints") == "step00000012"
 
 
+@pytest.mark.slow
+def test_one_rank_checkpoint_resumes_on_two_ranks(fp32_setup, phase1_shards, tmp_path):
+    """The other direction: rank 0 converts while rank 1 waits for it on the filesystem."""
+    args, reference = fp32_setup
+    out = tmp_path / "widened"
+    shutil.copytree(reference, out)
+    (out / "checkpoints" / "latest").write_text("step00000008\n")
+    # The reference's JSON gives 2 ranks a global batch of 16 instead of 8: refused, nothing changed.
+    result = run(2, args(phase1_shards, out))
+    assert result.returncode != 0 and '"train_batch_size": 8' in result.stderr
+    assert not (out / "checkpoints" / "step00000008_universal").exists()
+    same_batch = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=8, train_micro_batch_size_per_gpu=4)
+    ok(run(2, with_flag(args(phase1_shards, out), "--deepspeed_config", str(same_batch))))
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["world_size"] == 2 and info["resumed_world_size"] == 1 and info["gradient_accumulation_steps"] == 1
+    universal = out / "checkpoints" / "step00000008_universal"
+    assert (universal / "source_run_state.json").read_bytes() == \
+        (out / "checkpoints" / "step00000008" / "run_state.json").read_bytes()
+    ref, widened = records(reference), records(out)
+    for step in range(9, FP32_STEPS + 1):
+        assert widened[step]["consumed_samples"] == ref[step]["consumed_samples"] == step * 8
+        # same samples and weights; dropout masks differ with the rank, so losses are close, not equal
+        assert widened[step]["loss"] == pytest.approx(ref[step]["loss"], rel=0.1), step
+
+
 def to_reference_format(src: Path, dst: Path) -> None:
     """NVIDIA/Habana-style shard: the same keys in int64, no file attributes."""
     with h5py.File(src, "r") as fin, h5py.File(dst, "w") as fout:

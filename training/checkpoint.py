@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 import zlib
 from dataclasses import asdict, dataclass
@@ -292,34 +293,50 @@ def load(engine, ckpt_dir: Path, tag: str) -> None:
         raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed found no checkpoint to load")
 
 
-def universal_tag(ckpt_dir: Path, tag: str) -> str:
+def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
     """Collective: convert `tag` to DeepSpeed's universal format once (rank 0), return its tag.
 
     A universal copy is reused only if it was made from this very tag (its copy of the tag's
-    run_state.json is identical), never one left by a timeline that was rewound past `tag`."""
+    run_state.json is identical), never one left by a timeline that was rewound past `tag`.
+    Converting a large model can outlast the process group's timeout, so the other ranks wait
+    for the outcome on the checkpoint filesystem (shared by all nodes), not in a collective.
+    """
     target = ckpt_dir / (tag + UNIVERSAL_SUFFIX)
     source = (ckpt_dir / tag / RUN_STATE).read_bytes()
-    made_from = target / SOURCE_RUN_STATE
-    error = None
-    if dist.get_rank() == 0 and not (made_from.is_file() and made_from.read_bytes() == source
-                                     and (target / MODEL_STATES).is_file()):
+    failed = ckpt_dir / f".{target.name}.failed"
+
+    def ready() -> bool:
+        try:
+            return (target / SOURCE_RUN_STATE).read_bytes() == source and (target / MODEL_STATES).is_file()
+        except OSError:  # absent, or being replaced by rank 0
+            return False
+
+    rank = dist.get_rank()
+    if rank == 0:
+        failed.unlink(missing_ok=True)
+    dist.barrier()  # no rank can see the outcome of an earlier attempt
+    if rank == 0 and not ready():
         shutil.rmtree(target, ignore_errors=True)
         tmp = ckpt_dir / f".{target.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
                str(ckpt_dir / tag), "--output_folder", str(tmp), "--num_extract_workers", "1",
                "--num_merge_workers", "1"]
+        print(f"converting {ckpt_dir / tag} for another world size: {' '.join(cmd)}", file=sys.stderr)
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode != 0:
-            error = (f"converting {ckpt_dir / tag} to a universal checkpoint failed "
-                     f"({' '.join(cmd)}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            atomic_write_text(failed, f"converting {ckpt_dir / tag} to a universal checkpoint failed "
+                                      f"({' '.join(cmd)}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
         else:
             (tmp / SOURCE_RUN_STATE).write_bytes(source)
             os.replace(tmp, target)
-    errors = [error]
-    dist.broadcast_object_list(errors, src=0)
-    if errors[0]:
-        raise CheckpointError(errors[0])
+            if not ready():
+                atomic_write_text(failed, f"{' '.join(cmd)} wrote no {MODEL_STATES} into {target}")
+    while rank != 0 and not (ready() or failed.is_file()):
+        time.sleep(poll_seconds)
+    dist.barrier()
+    if failed.is_file():
+        raise CheckpointError(failed.read_text())
     return target.name
 
 
