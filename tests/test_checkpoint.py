@@ -1,13 +1,17 @@
 """Checkpoint bookkeeping without DeepSpeed: `latest` only names complete tags, keep-K, loud corruption.
 
 The DeepSpeed side (save/load through a real engine, SIGKILL, universal checkpoints) is in
-tests/test_train_resume.py."""
+tests/test_train_run.py."""
 
 import json
 import zlib
+from pathlib import Path
 
 import pytest
+import torch.distributed as dist
+from conftest import free_port
 
+from training import checkpoint
 from training.checkpoint import (
     LATEST,
     RUN_STATE,
@@ -164,3 +168,22 @@ def test_run_state_is_plain_json(tmp_path):
     _save(tmp_path, 10)
     data = json.loads((tmp_path / "step00000010" / RUN_STATE).read_text())
     assert data["consumed_samples"] == 160 and data["world_size"] == 2
+
+
+def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_path, monkeypatch):
+    class Engine:  # writes the files DeepSpeed writes for one rank
+        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+            _fake_deepspeed_tag(Path(save_dir), int(tag.removeprefix("step")), world_size=1)
+
+    def unreadable(tag_dir, names):
+        raise OSError(5, "Input/output error")
+
+    _save(tmp_path, 10)
+    monkeypatch.setattr(checkpoint, "describe_files", unreadable)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        with pytest.raises(CheckpointError, match=r"rank 0 could not read back .*step00000020: .*Input/output error"):
+            checkpoint.save(Engine(), tmp_path, 20, 320, 1, 0, _state(20)["identity"], keep=2)
+    finally:
+        dist.destroy_process_group()
+    assert read_latest(tmp_path) == "step00000010"

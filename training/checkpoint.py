@@ -207,10 +207,14 @@ def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, sk
     dist.barrier()
     world = dist.get_world_size()
     names = tag_files(ckpt_dir / tag)
-    described: list[dict | None] = [None] * world
-    dist.all_gather_object(described, describe_files(ckpt_dir / tag, names[rank::world]))
-    error = None
-    if rank == 0:
+    described: list[dict | str | None] = [None] * world
+    try:
+        mine: dict | str = describe_files(ckpt_dir / tag, names[rank::world])
+    except OSError as e:  # sent to rank 0 rather than raised here, which would leave the others waiting
+        mine = f"rank {rank} could not read back {ckpt_dir / tag}: {e}; 'latest' was left at the previous checkpoint"
+    dist.all_gather_object(described, mine)
+    error = next((part for part in described if isinstance(part, str)), None)
+    if rank == 0 and error is None:
         try:
             files = {k: v for part in described for k, v in part.items()}
             commit(ckpt_dir, tag, {"step": step, "consumed_samples": consumed_samples, "world_size": world,
