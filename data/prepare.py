@@ -73,7 +73,7 @@ class PrepareResult:
     documents: int
     sentences: int
     tokens: int
-    unknown_tokens: int
+    unknown_share: float  # of the tokens, [UNK]
     instances: dict[str, int]
     shards: dict[str, int]
     text_bytes: int
@@ -85,7 +85,7 @@ class PrepareResult:
         mb = self.text_bytes / 1e6
         return (
             f"prepare: {self.articles} articles, {self.documents} documents, {self.sentences} sentences, "
-            f"{self.tokens} tokens ({self.unknown_tokens / max(self.tokens, 1):.3%} [UNK]) -> "
+            f"{self.tokens} tokens ({self.unknown_share:.3%} [UNK]) -> "
             f"{self.instances['training']} training + {self.instances['test']} test "
             f"instances in {self.shards['training']} + {self.shards['test']} shards "
             f"({self.hdf5_bytes / 1e6:.1f} MB) under {self.output_dir / 'hdf5'}\n"
@@ -134,7 +134,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
                                            cfg.num_test_shards, cfg.name, cfg.workers, cfg.hdf5_compression))
     return PrepareResult(
         output_dir=cfg.output_dir, vocab_file=vocab.path, articles=ex.articles, documents=tok.documents,
-        sentences=tok.sentences, tokens=tok.tokens, unknown_tokens=tok.unknown_tokens, instances=sh.instances,
+        sentences=tok.sentences, tokens=tok.tokens, unknown_share=tok.unknown_share, instances=sh.instances,
         shards=sh.shards, text_bytes=seg.text_bytes, hdf5_bytes=sh.bytes_written, stage_seconds=seconds,
         seconds=round(time.perf_counter() - start, 3))
 
