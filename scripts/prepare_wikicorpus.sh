@@ -21,8 +21,10 @@ if [[ $# -lt 1 || $# -gt 2 ]]; then
     sed -n '2,17p' "$0" >&2
     exit 2
 fi
-OUT=$1
-VOCAB=${2:-}
+# Relative paths are the caller's: resolve them before moving to the repository root.
+absolute() { if [[ $1 == /* || $1 =~ ^https?:// ]]; then printf '%s' "$1"; else printf '%s/%s' "$PWD" "$1"; fi; }
+OUT=$(absolute "$1")
+VOCAB=${2:+$(absolute "$2")}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
@@ -32,7 +34,7 @@ NUM_SHARDS=${NUM_SHARDS:-256}
 TEST_SHARDS=${TEST_SHARDS:-8}
 
 if [[ -n ${DUMP:-} ]]; then
-    source_args=(--input "$DUMP")
+    source_args=(--input "$(absolute "$DUMP")")
 else
     source_args=(--dump_date "${DUMP_DATE:-20261101}" --mirror "${MIRROR:-https://dumps.wikimedia.org}")
 fi

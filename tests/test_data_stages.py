@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import h5py
 import pytest
@@ -11,6 +15,8 @@ from data import shard as shard_stage
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_shard_cli_reshards_the_same_instances(phase1_shards, tmp_path, capsys):
@@ -75,3 +81,28 @@ def test_gzip_shards_hold_the_same_arrays(phase1_shards, tmp_path):
         plain += (phase1_shards / "hdf5" / name).stat().st_size
     assert gzip < plain / 2
     print(f"gzip shards: {plain / gzip:.1f}x smaller")
+
+
+def test_prepare_wikicorpus_script_makes_both_phases_from_relative_paths(sample_dump, bert_vocab, tmp_path):
+    """The full-size script on the sample: relative paths are the caller's, and both phases share the text."""
+    (tmp_path / "in").mkdir()
+    shutil.copy(sample_dump, tmp_path / "in" / "dump.xml.bz2")
+    shutil.copy(bert_vocab, tmp_path / "in" / "vocab.txt")
+    env = dict(os.environ, DUMP="in/dump.xml.bz2", WORKERS="1", NUM_SHARDS="2", TEST_SHARDS="1",
+               PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "prepare_wikicorpus.sh"), "out", "in/vocab.txt"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = tmp_path / "out"
+    assert sorted(p.name for p in (out / "text").iterdir()) == sorted(
+        ["extracted", "sentences", next(p.name for p in (out / "text").glob("tokens_*"))])
+    for phase, seq, predictions in ((1, 128, 20), (2, 512, 80)):
+        assert (out / f"phase{phase}" / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
+        names = sorted(p.relative_to(out / f"phase{phase}" / "hdf5").as_posix()
+                       for p in (out / f"phase{phase}" / "hdf5").rglob("*.hdf5"))
+        assert names == ["test/wikicorpus_en_test_0.hdf5", "training/wikicorpus_en_training_0.hdf5",
+                         "training/wikicorpus_en_training_1.hdf5"]
+        with h5py.File(out / f"phase{phase}" / "hdf5" / names[1], "r") as f:
+            assert f["input_ids"].shape[1] == seq and f["masked_lm_ids"].shape[1] == predictions
+    # Phase 2 read the text phase 1 made: no second extraction.
+    assert "extract 0.0," in proc.stdout.split("=== phase 2")[1]
