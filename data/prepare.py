@@ -32,10 +32,10 @@ from data.create import CreateConfig, add_masking_arguments, create, validate
 from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_url
 from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
-from data.shard import ShardConfig, add_compression_argument, compression_filter, shard
+from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
 from data.stage import PipelineError
 from data.tokens import TokenizeConfig, tokenize
-from data.vocab import VocabConfig, build_vocab, check_case, load_vocab
+from data.vocab import VocabConfig, build_vocab, check_case, check_vocab_size, load_vocab
 
 PHASES = {1: (128, 20), 2: (512, 80)}
 
@@ -106,8 +106,11 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         whole_word_masking=cfg.whole_word_masking, static_masking=cfg.static_masking,
         test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
     validate(create_cfg)  # before any long stage runs, like the given vocab's special tokens
+    check_shard_counts(cfg.num_shards, cfg.num_test_shards)
     if cfg.vocab_file is not None:
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
+    else:
+        check_vocab_size(cfg.vocab_size)
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):
@@ -173,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
         source = Path(source)
     cfg = PrepareConfig(
         input=source, output_dir=a.output_dir, vocab_file=a.vocab_file,
-        max_seq_length=a.max_seq_length or seq, max_predictions_per_seq=a.max_predictions_per_seq or pred,
+        max_seq_length=seq if a.max_seq_length is None else a.max_seq_length,
+        max_predictions_per_seq=pred if a.max_predictions_per_seq is None else a.max_predictions_per_seq,
         dupe_factor=a.dupe_factor, num_shards=a.num_shards, num_test_shards=a.num_test_shards, seed=a.seed,
         workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
         whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,

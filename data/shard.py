@@ -95,17 +95,23 @@ def _write_shard(task: _ShardTask) -> tuple[int, int]:
         return len(f["next_sentence_labels"]), task.path.stat().st_size
 
 
+def check_shard_counts(num_shards: int, num_test_shards: int) -> None:
+    if num_shards < 1:
+        raise PipelineError(f"--num_shards must be at least 1, got {num_shards}")
+    if num_test_shards < 0:
+        raise PipelineError(f"--num_test_shards must be 0 or more, got {num_test_shards}")
+
+
 def shard(cfg: ShardConfig) -> ShardResult:
     complete = cfg.instances_dir / stage.COMPLETE_FILE
     if not complete.is_file():
         raise PipelineError(f"{cfg.instances_dir} is not a complete data.create output; run data.create first")
     created = json.loads(complete.read_text(encoding="utf-8"))
     cp, summary = created["params"], created["summary"]
+    check_shard_counts(cfg.num_shards, cfg.num_test_shards)
     counts = {"training": cfg.num_shards, "test": cfg.num_test_shards}
     for split, n in counts.items():
         total = summary["instances"][split]
-        if n < 0 or (n == 0 and split == "training"):
-            raise PipelineError(f"the number of {split} shards must be positive, got {n}")
         if n > total:
             raise PipelineError(
                 f"{cfg.instances_dir} has {total} {split} instances, too few for {n} {split} shards; "

@@ -186,7 +186,6 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete segmentation; run data.segment into it first")
     vocab = load_vocab(cfg.vocab_file)
-    check_case(vocab, cfg.lower_case)
     sources = list_parts(cfg.input_dir)
     params = {"sentences": stage.fingerprint(cfg.input_dir), "parts": len(sources), "lower_case": cfg.lower_case,
               "special_tokens": "as_text",
@@ -209,6 +208,16 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
     return TokenizeResult(**stage.finish(cfg.output_dir, params, summary))
 
 
+def tokenize_with_given_vocab(cfg: TokenizeConfig) -> TokenizeResult:
+    """tokenize() with a vocab the user chose, whose case must match the tokenization's.
+
+    data.prepare checks a given vocab the same way, before any stage; a vocab trained on the corpus
+    is not checked: text in a script without capitals trains a vocab without any.
+    """
+    check_case(load_vocab(cfg.vocab_file), cfg.lower_case)
+    return tokenize(cfg)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input_dir", type=Path, required=True, help="output of data.segment")
@@ -217,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     a = p.parse_args(argv)
-    r = stage.cli_call(tokenize, TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
+    r = stage.cli_call(tokenize_with_given_vocab, TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
     print(f"tokenize: {r.documents} documents, {r.sentences} sentences, {r.tokens} tokens "
           f"({r.unknown_share:.3%} [UNK]), {r.seconds:.1f} s")
 

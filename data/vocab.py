@@ -9,7 +9,7 @@ The vocab used is always written to `<output_dir>/vocab.txt`.
 from __future__ import annotations
 
 import argparse
-import os
+import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,14 +46,28 @@ class VocabConfig:
     min_frequency: int = 2
 
 
+# Unicode White_Space, which the Rust tokenizer trims from the end of each vocab line.
+_TRAILING_SPACE = "\t\n\v\f\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a" \
+    "\u2028\u2029\u202f\u205f\u3000"
+
+
 def load_vocab(path: Path) -> Vocab:
-    """Read a vocab.txt (one token per line, id = line number) and check the special tokens."""
+    """Read a vocab.txt (one token per line, id = line number) and check the special tokens.
+
+    Lines are read as the Rust tokenizer reads them (split at "\n", trailing white space trimmed), so
+    that both number the tokens alike. A file they would number differently is refused.
+    """
     if not path.is_file():
         raise PipelineError(f"{path}: no such vocab file; pass a BERT vocab.txt with --vocab_file")
     try:
-        tokens = path.read_text(encoding="utf-8").splitlines()
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise PipelineError(f"{path} is not UTF-8 text; a vocab.txt has one token per line") from exc
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()
+    tokens = [line.rstrip(_TRAILING_SPACE) for line in lines]
+    _check_lines(path, lines, tokens)
     missing = [t for t in SPECIAL_TOKENS if t not in tokens]
     if missing:
         raise PipelineError(
@@ -63,6 +77,23 @@ def load_vocab(path: Path) -> Vocab:
     if tokens[0] != "[PAD]":
         raise PipelineError(f"{path}: [PAD] must be the first line (id 0), since the HDF5 shards pad with 0")
     return Vocab(path, tokens)
+
+
+def _check_lines(path: Path, lines: list[str], tokens: list[str]) -> None:
+    """Refuse lines that would give a token two ids, or that another reader would split in two."""
+    for number, line in enumerate(lines, 1):
+        if len(line.splitlines()) > 1:
+            raise PipelineError(
+                f"{path} line {number}: {line!r} holds a line-break character inside the token, so readers "
+                "that split lines at it (Python's splitlines, some editors) number the tokens differently; "
+                "remove or replace that character")
+    first: dict[str, int] = {}
+    for number, token in enumerate(tokens, 1):
+        if token in first:
+            raise PipelineError(
+                f"{path} line {number} repeats the token {token!r} of line {first[token]} (trailing white space "
+                "is ignored); a token can have only one id: remove one of the two lines")
+        first[token] = number
 
 
 def check_case(vocab: Vocab, lower_case: bool) -> None:
@@ -97,33 +128,68 @@ def make_tokenizer(vocab_path: Path, lower_case: bool) -> Tokenizer:
     return tokenizer
 
 
+def check_vocab_size(vocab_size: int) -> None:
+    if vocab_size <= len(SPECIAL_TOKENS):
+        raise PipelineError(f"--vocab_size {vocab_size} leaves no room for word pieces beside the "
+                            f"{len(SPECIAL_TOKENS)} special tokens; BERT's is 30522")
+
+
 def build_vocab(cfg: VocabConfig) -> Vocab:
-    """Write `<output_dir>/vocab.txt` (copied or trained) and return it."""
+    """Write `<output_dir>/vocab.txt` (copied or trained) and return it.
+
+    The output directory's shards are made with that vocab, so a run that would put another vocab
+    there is refused rather than leaving shards beside a vocab that does not match them.
+    """
     target = cfg.output_dir / "vocab.txt"
     if cfg.vocab_file is not None:
         vocab = load_vocab(cfg.vocab_file)
-        if not (target.is_file() and target.read_bytes() == cfg.vocab_file.read_bytes()):
+        if target.is_file():
+            if target.read_bytes() != cfg.vocab_file.read_bytes():
+                raise PipelineError(_other_vocab(target, f"--vocab_file {cfg.vocab_file}"))
+        else:
             with stage.atomic_path(target) as tmp:
                 shutil.copyfile(cfg.vocab_file, tmp)
         return Vocab(target, vocab.tokens)
     if cfg.corpus_dir is None:
         raise PipelineError("no vocab: pass --vocab_file vocab.txt, or a corpus to train one on")
+    check_vocab_size(cfg.vocab_size)
     files = [str(p) for p in list_parts(cfg.corpus_dir)]
     if not files:
         raise PipelineError(f"{cfg.corpus_dir}: no part-*.txt files to train a vocab on; run data.segment first")
     params = {"corpus": stage.fingerprint(cfg.corpus_dir), "vocab_size": cfg.vocab_size,
               "lower_case": cfg.lower_case, "min_frequency": cfg.min_frequency}
     stage_dir = cfg.output_dir / "vocab_training"
-    if stage.begin(stage_dir, params) is None or not target.is_file():
+    trained = stage_dir / "model" / "vocab.txt"
+    if target.is_file() and stage.completed(stage_dir, params) is None:
+        # Ours is copied into place only once training is complete: this one came from elsewhere.
+        raise PipelineError(_other_vocab(target, "a vocab trained on the corpus"))
+    done = stage.begin(stage_dir, params)
+    if done is None:
         tokenizer = BertWordPieceTokenizer(lowercase=cfg.lower_case, strip_accents=cfg.lower_case)
         tokenizer.train(files, vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                         special_tokens=list(SPECIAL_TOKENS), show_progress=True)
         with stage.atomic_path(stage_dir / "model") as tmp:
             tmp.mkdir()
             tokenizer.save_model(str(tmp))
-        os.replace(stage_dir / "model" / "vocab.txt", target)
-        stage.finish(stage_dir, params, {"vocab_size": len(load_vocab(target).tokens)})
+        done = stage.finish(stage_dir, params, {"vocab_size": load_vocab(trained).size, "sha1": _sha1(trained)})
+    if "sha1" not in done or not trained.is_file():
+        raise PipelineError(f"{stage_dir} was written by an earlier version of data.vocab, which did not keep "
+                            f"the trained vocab there; delete {stage_dir} to train it again")
+    if not target.is_file():
+        with stage.atomic_path(target) as tmp:
+            shutil.copyfile(trained, tmp)
+    elif _sha1(target) != done["sha1"]:
+        raise PipelineError(_other_vocab(target, f"the vocab trained into {trained}"))
     return load_vocab(target)
+
+
+def _sha1(path: Path) -> str:
+    return hashlib.sha1(path.read_bytes()).hexdigest()
+
+
+def _other_vocab(target: Path, wanted: str) -> str:
+    return (f"{target} is another vocab than {wanted}, and the output in {target.parent} was made with it; "
+            f"use another output directory, or delete {target.parent} to start over with the new vocab")
 
 
 def main(argv: list[str] | None = None) -> None:

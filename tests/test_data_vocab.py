@@ -1,0 +1,132 @@
+"""The vocab stage: the vocab in an output directory is the one its shards were made with, read as
+the Rust tokenizer reads it; and the pipeline's up-front checks of flags."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+
+import h5py
+import pytest
+from tokenizers import Tokenizer
+from tokenizers.models import WordPiece
+
+from data.prepare import PrepareConfig, prepare
+from data.prepare import main as prepare_main
+from data.stage import PipelineError
+from data.vocab import VocabConfig, build_vocab, load_vocab
+
+
+def _settings(dump, out, **kw) -> dict:
+    return dict(input=dump, output_dir=out, max_seq_length=128, max_predictions_per_seq=20, dupe_factor=2,
+                num_shards=2, num_test_shards=1, seed=12345, workers=1, test_fraction=0.1, articles_per_part=40) | kw
+
+
+def test_rerun_with_another_given_vocab_is_refused_and_leaves_the_vocab(phase1_shards, sample_dump, bert_vocab,
+                                                                          tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(phase1_shards, out)
+    other = tmp_path / "other-vocab.txt"
+    tokens = bert_vocab.read_text(encoding="utf-8").split("\n")
+    tokens[1000] = "zzzunusedpiece"
+    other.write_text("\n".join(tokens), encoding="utf-8")
+    with pytest.raises(PipelineError, match=re.escape(f"{out / 'vocab.txt'} is another vocab than --vocab_file")):
+        prepare(PrepareConfig(**_settings(sample_dump, out, vocab_file=other)))
+    assert (out / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
+
+
+def test_a_trained_vocab_is_kept_and_never_replaced_by_a_given_one(phase1_shards, bert_vocab, tmp_path):
+    corpus = phase1_shards / "text" / "sentences"
+    out = tmp_path / "trained"
+    trained = build_vocab(VocabConfig(out, corpus_dir=corpus, vocab_size=1200))
+    assert trained.size == 1200
+    first = (out / "vocab.txt").read_bytes()
+    with pytest.raises(PipelineError, match="is another vocab than --vocab_file"):
+        build_vocab(VocabConfig(out, vocab_file=bert_vocab))
+    # The rerun with the training settings gets the trained vocab back, not whatever was left there.
+    assert build_vocab(VocabConfig(out, corpus_dir=corpus, vocab_size=1200)).tokens == trained.tokens
+    assert (out / "vocab.txt").read_bytes() == first
+    # A lost copy is restored from the stage's own file; a replaced one is refused.
+    (out / "vocab.txt").unlink()
+    assert build_vocab(VocabConfig(out, corpus_dir=corpus, vocab_size=1200)).tokens == trained.tokens
+    shutil.copyfile(bert_vocab, out / "vocab.txt")
+    with pytest.raises(PipelineError, match="is another vocab than the vocab trained into"):
+        build_vocab(VocabConfig(out, corpus_dir=corpus, vocab_size=1200))
+
+    given = tmp_path / "given"
+    build_vocab(VocabConfig(given, vocab_file=bert_vocab))
+    with pytest.raises(PipelineError, match="is another vocab than a vocab trained on the corpus"):
+        build_vocab(VocabConfig(given, corpus_dir=corpus, vocab_size=1200))
+    assert (given / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
+
+
+def _devanagari_dump(path) -> None:
+    """A small MediaWiki dump in a script without letter case."""
+    rng = random.Random(0)
+    words = ["नदी", "लोग", "उत्तर", "हिंदी", "लिखता", "रहते", "यहाँ", "वाक्य", "बहती", "मैं", "में", "है", "हैं", "एक", "यह", "की", "ओर", "हूँ"]
+    pages = []
+    for i in range(1, 41):
+        paragraphs = ["। ".join(" ".join(rng.choices(words, k=rng.randint(5, 12))) for _ in range(6)) + "।"
+                      for _ in range(3)]
+        pages.append(f"<page><title>T{i}</title><ns>0</ns><id>{i}</id><revision><id>{i}</id>"
+                     f"<text xml:space=\"preserve\">{chr(10).join(paragraphs)}</text></revision></page>")
+    path.write_text('<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/" version="0.10">\n'
+                    + "\n".join(pages) + "\n</mediawiki>\n", encoding="utf-8")
+
+
+def test_no_lower_case_trains_and_uses_a_vocab_for_a_script_without_case(tmp_path):
+    dump = tmp_path / "hiwiki.xml"
+    _devanagari_dump(dump)
+    prepare(PrepareConfig(**_settings(dump, tmp_path / "out", lower_case=False, vocab_size=200, num_shards=1,
+                                      num_test_shards=0, test_fraction=0.0)))
+    vocab = load_vocab(tmp_path / "out" / "vocab.txt")
+    # Case folding would have stripped the vowel signs; the trained vocab keeps them.
+    assert "हूँ" in vocab.tokens and "हिंदी" in vocab.tokens
+    with h5py.File(tmp_path / "out" / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
+        ids = f["input_ids"][:]
+    assert len(ids) > 0 and (ids == vocab.tokens.index("[UNK]")).sum() == 0
+
+
+def test_vocab_lines_are_numbered_as_the_rust_tokenizer_numbers_them(bert_vocab, tmp_path):
+    tokens = bert_vocab.read_text(encoding="utf-8").split("\n")
+    tokens[101] += " "  # "[CLS] ": the Rust reader trims it
+    padded = tmp_path / "padded.txt"
+    padded.write_text("\n".join(tokens), encoding="utf-8")
+    ours = load_vocab(padded).tokens
+    rust = Tokenizer(WordPiece.from_file(str(padded))).get_vocab()
+    assert {t: i for i, t in enumerate(ours)} == rust and ours[101] == "[CLS]"
+
+    tokens = bert_vocab.read_text(encoding="utf-8").split("\n")
+    tokens[6] = "a\u2028b"
+    split = tmp_path / "split.txt"
+    split.write_text("\n".join(tokens), encoding="utf-8")
+    with pytest.raises(PipelineError, match="line 7: 'a\\\\u2028b' holds a line-break character"):
+        load_vocab(split)
+
+    tokens = bert_vocab.read_text(encoding="utf-8").split("\n")
+    tokens[2000] = tokens[1999] + "\t"
+    twice = tmp_path / "twice.txt"
+    twice.write_text("\n".join(tokens), encoding="utf-8")
+    with pytest.raises(PipelineError, match=f"line 2001 repeats the token '{tokens[1999]}' of line 2000"):
+        load_vocab(twice)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--max_seq_length", "0"], "max_seq_length"),
+    (["--max_predictions_per_seq", "0"], "max_predictions_per_seq"),
+    (["--num_shards", "0"], "--num_shards must be at least 1, got 0"),
+    (["--num_test_shards", "-1"], "--num_test_shards must be 0 or more, got -1"),
+])
+def test_bad_flags_are_refused_before_any_stage_runs(flags, message, sample_dump, bert_vocab, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=message):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab), *flags])
+    assert not out.exists()
+
+
+def test_a_vocab_size_without_room_for_pieces_is_refused_before_any_stage_runs(sample_dump, tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match="--vocab_size -5 leaves no room"):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_size", "-5"])
+    assert not out.exists()
