@@ -12,6 +12,7 @@ import h5py
 import pytest
 
 from data import shard as shard_stage
+from data.extract import ExtractConfig, extract
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
@@ -106,3 +107,21 @@ def test_prepare_wikicorpus_script_makes_both_phases_from_relative_paths(sample_
             assert f["input_ids"].shape[1] == seq and f["masked_lm_ids"].shape[1] == predictions
     # Phase 2 read the text phase 1 made: no second extraction.
     assert "extract 0.0," in proc.stdout.split("=== phase 2")[1]
+
+
+def test_another_dump_of_the_same_name_and_size_is_not_taken_for_the_extracted_one(tmp_path):
+    def dump(directory: str, word: str) -> Path:
+        page = (f"<page><title>{word}</title><ns>0</ns><id>1</id><revision><id>1</id><text>The {word} river "
+                "flows north through the valley.</text></revision></page>")
+        path = tmp_path / directory / "dump.xml"
+        path.parent.mkdir()
+        path.write_text(f"<mediawiki>\n{page}\n</mediawiki>\n", encoding="utf-8")
+        return path
+
+    first, second = dump("a", "alpha"), dump("b", "omega")
+    assert first.stat().st_size == second.stat().st_size
+    out = tmp_path / "extracted"
+    extract(ExtractConfig(first, out))
+    with pytest.raises(PipelineError, match="holds output made with other settings"):
+        extract(ExtractConfig(second, out))
+    assert "The alpha river" in (out / "part-00000.txt").read_text(encoding="utf-8")
