@@ -70,6 +70,7 @@ def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
     """Steps 1-2: the dump and the shards; returns (dump, shards dir, model config for this vocab)."""
     from data.demo_dump import generate_demo_dump
     from data.prepare import PrepareConfig, prepare
+    from data.vocab import load_vocab
     from modeling import BertConfig
 
     dump = cfg.output_dir / "dump" / "demowiki-pages-articles-multistream.xml.bz2"
@@ -85,7 +86,7 @@ def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
                                    test_fraction=0.05, articles_per_part=400))
     # The model's vocab is the vocab the pipeline trained (a small corpus may give fewer tokens than asked).
     model = BertConfig.from_json_file(DEMO_MODEL).to_dict()
-    model["vocab_size"] = len(result.vocab_file.read_text(encoding="utf-8").splitlines())
+    model["vocab_size"] = load_vocab(result.vocab_file).size
     model_config = cfg.output_dir / "bert-demo-model.json"
     BertConfig.from_dict(model, source=str(DEMO_MODEL)).to_json_file(model_config)
     return dump, data_dir, model_config
