@@ -36,6 +36,16 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends openssh-server openssh-client pdsh git ca-certificates \
     && rm -rf /var/lib/apt/lists/*
 
+# The CPU variant needs a C++ compiler: deepspeed.init_distributed on CPU compiles DeepSpeed's shared-memory
+# collectives (the deepspeed_shm_comm op, `c++ -fopenmp`) on first use. python:3.11-slim has none; the Gaudi
+# and NVIDIA base images bring theirs. Not pinned, as above.
+# hadolint ignore=DL3008
+RUN if [ "${PROJECT_EXTRAS}" = "cpu" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends g++ \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
+
 # sshd on port 3022, as in Habana's containers, with key-based root login only.
 RUN mkdir -p /run/sshd /root/.ssh /etc/ssh/ssh_config.d \
     && chmod 700 /root/.ssh \
@@ -66,6 +76,14 @@ COPY scripts ./scripts
 # hadolint ignore=DL3013
 RUN python -m pip install ".${PROJECT_EXTRAS:+[${PROJECT_EXTRAS}]}" \
     && python -c "import deepspeed, modeling, training.presets; print('deepspeed', deepspeed.__version__)"
+# CPU variant: start a one-rank gloo process group as training does, which compiles the shm op with the compiler
+# installed above (and leaves it built in the image). Gaudi and NVIDIA builds have no device to start one on.
+# MASTER_PORT=0: the one rank's store takes any free port.
+RUN if [ "${PROJECT_EXTRAS}" = "cpu" ]; then \
+        DS_ACCELERATOR=cpu RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 \
+        MASTER_PORT=0 python -c "import deepspeed; deepspeed.init_distributed(dist_backend='gloo'); \
+import torch.distributed as dist; assert dist.get_world_size() == 1; print('init_distributed on gloo: ok')"; \
+    fi
 
 VOLUME ["/data", "/results"]
 EXPOSE ${SSH_PORT}

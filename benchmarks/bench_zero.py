@@ -5,7 +5,8 @@
 
 Real DeepSpeed runs: for each world size, this script starts that many worker processes (gloo on CPU,
 OMP_NUM_THREADS=1 per rank, MASTER_PORT from a free port), each builds modeling.BertForPreTraining,
-wraps it in a ZeRO-1 DeepSpeed engine with AdamW, takes one training step, and reports the bytes of
+wraps it in a ZeRO-1 DeepSpeed engine with AdamW (in bf16 with fp32 gradient accumulation, as the
+project's DeepSpeed config: BF16_Optimizer), takes one training step, and reports the bytes of
 optimizer state it holds: Adam's two moments and the fp32 master partition. The parent prints the
 bytes per rank, the 2-rank / 1-rank ratio, and the planner's figure for the same setup.
 """
@@ -58,6 +59,9 @@ def worker(args: argparse.Namespace) -> None:
         "gradient_accumulation_steps": 1,
         "zero_optimization": {"stage": 1},
         "bf16": {"enabled": args.precision == "bf16"},
+        # As configs/deepspeed/zero1-bf16.json: fp32 gradient accumulation, which makes DeepSpeed wrap
+        # the optimizer in its BF16_Optimizer rather than the ZeRO optimizer.
+        **({"data_types": {"grad_accum_dtype": "fp32"}} if args.precision == "bf16" else {}),
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
     }
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
@@ -69,7 +73,8 @@ def worker(args: argparse.Namespace) -> None:
     zero = engine.optimizer
     moments = _unique_bytes(t for state in zero.optimizer.state.values() for t in state.values()
                             if torch.is_tensor(t) and t.dim() > 0)
-    master = _unique_bytes(zero.single_partition_of_fp32_groups)
+    master = _unique_bytes(zero.fp32_groups_flat_partition if args.precision == "bf16"
+                           else zero.single_partition_of_fp32_groups)
     result = {"rank": engine.global_rank, "world_size": engine.world_size, "moments": moments, "master": master,
               "optimizer_class": type(zero).__name__, "parameters": sum(p.numel() for p in model.parameters())}
     Path(args.result_dir, f"rank{engine.global_rank}.json").write_text(json.dumps(result))
@@ -122,9 +127,10 @@ def main(argv: list[str] | None = None) -> int:
           f"ZeRO-1, {args.precision}, optimizer {runs[1][0]['optimizer_class']}")
     print(f"{'ranks':>5} {'rank':>4} {'moments MiB':>12} {'master MiB':>11} {'total MiB':>10} {'planner MiB':>12}")
     for world_size, results in runs.items():
-        # The planner's optimizer-state share without the fp32 gradient partition (a step-time buffer).
         _, _, planned = model_state_bytes(params, args.precision, zero_stage=1, devices=world_size)
-        planned = planned * 12 // 16
+        if args.precision == "fp32":
+            # The ZeRO optimizer's share without its fp32 gradient partition (a step-time buffer).
+            planned = planned * 12 // 16
         for r in results:
             total = r["moments"] + r["master"]
             print(f"{world_size:5} {r['rank']:4} {r['moments'] / 2**20:12.2f} {r['master'] / 2**20:11.2f} "

@@ -14,7 +14,9 @@
 #              AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS (unset on the main node, which uses its own address).
 #
 # Options:
-#   --devices_per_node D   devices (ranks) per node; default: the preset's (8)
+#   --devices_per_node D   devices (ranks) per node; default: the preset's devices_per_node (8 in every
+#                          published recipe); the same as --set devices_per_node=D (giving both with
+#                          different values is an error)
 #   --device_kind K        picks the preset's micro batch for a device kind (e.g. gaudi1 = 32 GB first-gen Gaudi)
 #   --hostfile F           DeepSpeed/MPI-style hostfile ("host slots=8" per line)
 #   --hosts h1,h2,...      build the hostfile from a host list (written to <output_dir>/launch/hostfile)
@@ -45,7 +47,10 @@ while [[ $# -gt 0 ]]; do
     --nodes|--devices_per_node)
       need "$@"
       var="$([[ "$1" == --nodes ]] && echo NODES || echo DEVICES)"
-      [[ -z "${!var}" ]] || die "$1 given twice (run_<N>nodes.sh fixes --nodes and --devices_per_node; call scripts/launch.sh for other shapes)"
+      if [[ -n "${!var}" ]]; then
+        [[ "$1" == --devices_per_node ]] || die "--nodes given twice (run_<N>nodes.sh sets --nodes; call scripts/launch.sh for another node count)"
+        die "--devices_per_node given twice"
+      fi
       printf -v "$var" '%s' "$2"; shift 2 ;;
     --device_kind) need "$@"; DEVICE_KIND="$2"; shift 2 ;;
     --launcher) need "$@"; LAUNCHER="$2"; shift 2 ;;

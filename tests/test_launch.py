@@ -123,7 +123,7 @@ def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
 
 def test_run_n_nodes_wrappers(tmp_path: Path):
     hosts = ",".join(f"node{i}" for i in range(16))
-    for nodes, accumulation, lr in ((1, 48, "0.0015"), (16, 3, "0.003")):
+    for nodes, accumulation, lr in ((1, 48, "0.0015"), (16, 3, "0.0015")):
         script = ROOT / "scripts" / (f"run_{nodes}node.sh" if nodes == 1 else f"run_{nodes}nodes.sh")
         out = tmp_path / f"n{nodes}"
         args = ["--preset", "bert-1.5b-phase1", "--input_dir", str(tmp_path), "--output_dir", str(out), "--dry_run"]
@@ -137,6 +137,30 @@ def test_run_n_nodes_wrappers(tmp_path: Path):
     proc = _launch(["--nodes", "4", "--preset", "bert-1.5b-phase1", "--input_dir", str(tmp_path), "--output_dir",
                     str(tmp_path / "x"), "--dry_run"], script=ROOT / "scripts" / "run_8nodes.sh")
     assert proc.returncode == 2 and "--nodes given twice" in proc.stderr
+
+
+def test_wrappers_take_the_users_devices_per_node(tmp_path: Path):
+    """run_<N>nodes.sh sets the node count only: devices per node are the preset's unless the user gives them,
+    with --devices_per_node or --set devices_per_node (the same field); two different values are an error."""
+    wrapper = ROOT / "scripts" / "run_8nodes.sh"
+    base = ["--preset", "bert-1.5b-phase1", "--hosts", ",".join(f"node{i}" for i in range(8)), "--input_dir",
+            str(tmp_path), "--dry_run"]
+    for i, extra in enumerate((["--set", "devices_per_node=4"], ["--devices_per_node", "4"],
+                               ["--devices_per_node", "4", "--set", "devices_per_node=4"])):
+        out = tmp_path / f"run{i}"
+        proc = _launch([*base, "--output_dir", str(out), *extra], script=wrapper)
+        cmd = _command(proc)
+        assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--num_gpus")) == ("8", "4"), extra
+        assert "8 node(s) x 4 device(s)" in proc.stderr
+        assert (out / "launch" / "hostfile").read_text().splitlines() == [f"node{n} slots=4" for n in range(8)]
+        ds = json.loads((out / "launch" / "deepspeed_config.json").read_text())
+        assert ds["gradient_accumulation_steps"] == 12  # 12288 / (32 x 8 nodes x 4 devices)
+    default = _command(_launch([*base, "--output_dir", str(tmp_path / "default")], script=wrapper))
+    assert _flag(default, "--num_gpus") == "8"  # the preset's devices_per_node
+    conflict = _launch([*base, "--output_dir", str(tmp_path / "x"), "--devices_per_node", "4", "--set",
+                        "devices_per_node=2"], script=wrapper)
+    assert conflict.returncode == 2
+    assert "--devices_per_node 4 and --set devices_per_node=2 disagree; give one of them" in conflict.stderr
 
 
 def test_aws_batch_mode_maps_the_job_variables(tmp_path: Path):

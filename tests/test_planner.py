@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,13 +61,126 @@ def test_model_states_equal_deepspeeds_zero2_estimate(nodes, capsys):
 def test_zero_stages_partition_what_they_should():
     p = 1_000_000
     assert planner.model_state_bytes(p, "bf16", 0, 8) == (2 * p, 2 * p, 16 * p)
-    assert planner.model_state_bytes(p, "bf16", 1, 8) == (2 * p, 2 * p, 2 * p)
+    # bf16 ZeRO-1 is BF16_Optimizer: bf16 gradients + an unpartitioned fp32 gradient buffer; 12 bytes partitioned
+    assert planner.model_state_bytes(p, "bf16", 1, 8) == (2 * p, 6 * p, 12 * p // 8)
     assert planner.model_state_bytes(p, "bf16", 2, 8) == (2 * p, p // 4, 2 * p)
     assert planner.model_state_bytes(p, "bf16", 3, 8) == (p // 4, p // 4, 2 * p)
     assert planner.model_state_bytes(p, "fp32", 0, 4) == (4 * p, 4 * p, 8 * p)  # plain PyTorch Adam
     assert planner.model_state_bytes(p, "fp32", 1, 4) == (4 * p, 4 * p, 4 * p)  # + DeepSpeed's fp32 partitions
     with pytest.raises(ValueError, match="zero_stage"):
         planner.model_state_bytes(p, "bf16", 4, 8)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decay_group_count_equals_the_optimizer_groups(name):
+    from training.lamb import build_param_groups
+
+    config = _config(name)
+    with torch.device("meta"):
+        decay, no_decay = build_param_groups(BertForPreTraining(config), 0.01)
+    assert planner.decay_parameter_count(config) == sum(p.numel() for p in decay["params"])
+    assert sum(p.numel() for p in no_decay["params"]) == planner.parameter_count_formula(config) - \
+        planner.decay_parameter_count(config)
+
+
+def test_bf16_allreduce_buckets_follow_deepspeeds_engine():
+    from deepspeed.runtime.engine import MEMORY_OPT_ALLREDUCE_SIZE
+
+    assert planner.BF16_ALLREDUCE_BUCKET_ELEMENTS == MEMORY_OPT_ALLREDUCE_SIZE
+    # Below the bucket size both groups' buffers share one bucket: concatenated (fp32) and cast to bf16.
+    large = _config("bert-large")
+    large_params = planner.parameter_count_formula(large)
+    assert planner.bf16_allreduce_bytes(large, large_params) == 6 * large_params
+    # BERT-1.5B's weight-decay buffer fills a bucket alone: no copy, only its bf16 cast.
+    big = _config("bert-1.5b")
+    assert planner.bf16_allreduce_bytes(big, planner.parameter_count_formula(big)) == \
+        2 * planner.decay_parameter_count(big)
+
+
+BF16_ZERO1_RANKS = 2
+BF16_ZERO1_BATCH, BF16_ZERO1_SEQ = 2, 128
+
+
+def _bf16_zero1_worker(out_dir: str) -> None:
+    """One rank of a real DeepSpeed engine as run_pretraining.py builds it (configs/deepspeed/zero1-bf16.json,
+    training.lamb.Lamb bound to the engine) on bert-tiny, 2 micro batches per step: writes the bytes it holds."""
+    import deepspeed
+    import torch.distributed as dist
+
+    from training.lamb import Lamb, bind_to_deepspeed, build_param_groups
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    config = _config("bert-tiny")
+    torch.manual_seed(0)
+    model = BertForPreTraining(config)
+    ds_config = json.loads((ROOT / "configs/deepspeed/zero1-bf16.json").read_text())
+    ds_config.update(train_micro_batch_size_per_gpu=BF16_ZERO1_BATCH, gradient_accumulation_steps=2)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=Lamb(build_param_groups(model, 0.01), lr=1e-3),
+                                      config=ds_config)
+    bind_to_deepspeed(engine)
+    data = _batch(config, BF16_ZERO1_BATCH, BF16_ZERO1_SEQ, planner.default_max_predictions(BF16_ZERO1_SEQ))
+
+    def storage_bytes(tensors) -> int:
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+    lp_grads = []
+
+    def step() -> None:
+        for _ in range(2):
+            engine.backward(engine(**data).loss)
+            # between the micro batches of a step too: the bf16 gradients are zeroed, not freed
+            lp_grads.append(storage_bytes(p.grad for p in model.parameters() if p.grad is not None))
+            engine.step()
+
+    step()  # creates the optimizer states
+    wrapper = engine.optimizer
+    fp32_grad_buffer = storage_bytes(wrapper.fp32_groups_gradients_flat)
+    master = storage_bytes(wrapper.fp32_groups_flat_partition)
+    moments = storage_bytes(t for state in wrapper.optimizer.state.values() for t in state.values()
+                            if torch.is_tensor(t) and t.dim() > 0)
+    weights = storage_bytes(model.parameters())
+    above = planner.profile_peak_bytes(step)  # from a step's start, when the bf16 gradients were freed
+    result = {"wrapper": type(wrapper).__name__, "parameters": sum(p.numel() for p in model.parameters()),
+              "weights": weights, "bf16_grads": lp_grads, "fp32_grad_buffer": fp32_grad_buffer,
+              "master": master, "moments": moments, "peak": weights + fp32_grad_buffer + master + moments + above}
+    Path(out_dir, f"rank{dist.get_rank()}.json").write_text(json.dumps(result))
+
+
+def test_bf16_zero1_memory_matches_a_real_deepspeed_engine(tmp_path: Path):
+    from tests.conftest import free_port
+
+    port, procs = str(free_port()), []
+    for rank in range(BF16_ZERO1_RANKS):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(BF16_ZERO1_RANKS),
+                   LOCAL_WORLD_SIZE=str(BF16_ZERO1_RANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu",
+                   PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        log = open(tmp_path / f"rank{rank}.log", "w")  # noqa: SIM115 (closed below)
+        procs.append((subprocess.Popen([sys.executable, __file__, str(tmp_path)], env=env, cwd=ROOT, stdout=log,
+                                       stderr=subprocess.STDOUT), log))
+    for proc, log in procs:
+        try:
+            proc.wait(timeout=400)
+        finally:
+            proc.kill()
+            log.close()
+    for rank, (proc, _) in enumerate(procs):
+        assert proc.returncode == 0, (tmp_path / f"rank{rank}.log").read_text()[-4000:]
+    config = _config("bert-tiny")
+    for rank in range(BF16_ZERO1_RANKS):
+        real = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        params = real["parameters"]
+        assert real["wrapper"] == "BF16_Optimizer" and params == planner.count_parameters_exact(config)
+        plan = planner.plan_memory(config, device=CPU, devices=BF16_ZERO1_RANKS, zero_stage=1,
+                                   micro_batch=BF16_ZERO1_BATCH, seq_len=BF16_ZERO1_SEQ, precision="bf16")
+        # Per component, within DeepSpeed's alignment padding of the flat buffers.
+        assert plan.weights == pytest.approx(real["weights"], rel=1e-3)
+        assert real["bf16_grads"] == [2 * params] * 4
+        assert plan.gradients == pytest.approx(real["bf16_grads"][0] + real["fp32_grad_buffer"], rel=1e-3)
+        assert real["fp32_grad_buffer"] == pytest.approx(4 * params, rel=1e-3)  # the whole model on each rank
+        assert plan.optimizer_states == pytest.approx(real["master"] + real["moments"], rel=1e-3)
+        # Here the end-of-backward all-reduce sets the peak: both groups' buffers concatenated and cast to bf16.
+        assert plan.peak == pytest.approx(real["peak"], rel=0.05)
 
 
 def _batch(config: BertConfig, batch: int, seq: int, predictions: int) -> dict[str, torch.Tensor]:
@@ -239,3 +356,12 @@ def test_cli_rejects_bad_sizes_and_says_what_fits(capsys):
                        "--devices", "1", "--zero_stage", "0", "--micro_batch", "8"])
     assert rc == 0
     assert "DOES NOT FIT; largest micro batch that fits: 0" in capsys.readouterr().out
+
+
+if __name__ == "__main__":  # a rank of test_bf16_zero1_memory_matches_a_real_deepspeed_engine
+    import torch.distributed
+
+    _bf16_zero1_worker(sys.argv[1])
+    # Leave together and close gloo: a rank exiting while its peer still talks to it can abort.
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()

@@ -61,9 +61,38 @@ def test_gaudi_1_5b_recipe_figures():
     assert blog.sequences_per_device_per_step == 384
     one_node = resolve(preset, 1)
     assert (one_node.micro_batch_per_device, one_node.gradient_accumulation_steps) == (32, 48)
-    assert resolve(preset, 8).learning_rate == 0.0015
-    assert resolve(preset, 16).learning_rate == 0.003
+    assert resolve(preset, 8).learning_rate == resolve(preset, 16).learning_rate == 0.0015
     assert resolve(preset, 16).gradient_accumulation_steps == 3
+
+
+SCHEDULE_FLAGS = ("--learning_rate", "--warmup_proportion", "--constant_proportion", "--poly_power", "--max_steps")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_every_preset_has_one_schedule_on_every_node_count(path: Path, tmp_path: Path):
+    """The global batch is the recipe's on every node count, so the schedule must be too: a run saved on 16
+    nodes resumes on 8 only if learning rate, warm-up, steps and global batch are equal (the schedule check
+    refuses otherwise)."""
+    preset = load_preset(path)
+    init = str(tmp_path) if preset.phase == 2 else None
+    schedules = {}
+    for nodes in (1, 2, 4, 8, 16):
+        for kind in preset.micro_batch_per_device:
+            try:
+                run = resolve(preset, nodes, device_kind=kind)
+            except PresetError as e:  # a shape that does not divide is refused, never given another schedule
+                assert "not divisible" in str(e)
+                continue
+            args = run.run_args(tmp_path / "ds.json", init_checkpoint=init)
+            schedules[(nodes, kind)] = (tuple(args[args.index(flag) + 1] for flag in SCHEDULE_FLAGS),
+                                        run.deepspeed_config["train_batch_size"])
+    # every recipe divides on 1 to 16 nodes; the demo's 32-sequence batch only on its own node of 2 processes
+    assert {nodes for nodes, _ in schedules} == ({1} if path.stem == "demo" else {1, 2, 4, 8, 16})
+    assert len(set(schedules.values())) == 1, schedules
+    (flags, global_batch), = set(schedules.values())
+    assert global_batch == preset.global_batch_size
+    assert tuple(float(f) for f in flags) == (preset.learning_rate, preset.warmup_proportion,
+                                              preset.constant_proportion, preset.poly_power, preset.max_steps)
 
 
 def test_nvidia_bert_large_phase2_figures(tmp_path: Path):
@@ -107,8 +136,13 @@ def _write(tmp_path: Path, **changes) -> Path:
     ({"max_predictions_per_seq": 200}, "max_predictions_per_seq", "more than a sequence of 128 can hold"),
     ({"warmup_proportion": 1.5}, "warmup_proportion", "in [0, 1]"),
     ({"warmup_proportion": 0.1, "constant_proportion": 0.05}, "constant_proportion", "where the constant phase ENDS"),
-    ({"learning_rate": {"8": 0.001}}, "learning_rate", "without a \"default\" entry"),
-    ({"learning_rate": {"default": 0.001, "eight": 0.002}}, "learning_rate.eight", "node count"),
+    # the removed per-node-count form: the message says why and what to write instead
+    ({"learning_rate": {"default": 0.0015, "16": 0.003}}, "learning_rate",
+     "one learning rate per node count; the global batch is the same on every node count, so the learning rate "
+     "must be too: replace the object with one number (its \"default\" entry is 0.0015)"),
+    ({"learning_rate": {"16": 0.003}}, "learning_rate", "replace the object with one number"),
+    ({"learning_rate": 0}, "learning_rate", "must be a positive number"),
+    ({"micro_batch_per_device": {"gaudi1": 16}}, "micro_batch_per_device", "without a \"default\" entry"),
     ({"micro_batch_per_device": {"default": 0}}, "micro_batch_per_device.default", "positive integer"),
     ({"optimizer": "sgd"}, "optimizer", "must be one of lamb, lans, adamw"),
     ({"phase": 3}, "phase", "must be 1 or 2"),
@@ -136,7 +170,9 @@ def test_bad_json_and_unknown_names(tmp_path: Path):
 
 def test_overrides_are_validated_like_the_file():
     preset = load_preset("bert-large-phase1", {"max_steps": 10, "learning_rate": 0.001})
-    assert (preset.max_steps, preset.learning_rate) == (10, {"default": 0.001})
+    assert (preset.max_steps, preset.learning_rate) == (10, 0.001)
+    with pytest.raises(PresetError, match="field 'learning_rate' is an object .* one learning rate per node count"):
+        load_preset("bert-large-phase1", {"learning_rate": {"default": 0.001, "16": 0.002}})
     with pytest.raises(PresetError, match="field 'max_steps' must be an integer >= 1, got 0"):
         load_preset("bert-large-phase1", {"max_steps": 0})
     with pytest.raises(PresetError, match="cannot override max_seq_length"):
@@ -186,7 +222,7 @@ def test_run_pretraining_accepts_every_preset_flag(path: Path, tmp_path: Path):
     assert (ns.max_seq_length, ns.max_predictions_per_seq, ns.max_steps) == \
         (preset.max_seq_length, preset.max_predictions_per_seq, preset.max_steps)
     assert (ns.learning_rate, ns.warmup_proportion, ns.constant_proportion, ns.poly_power) == \
-        (preset.learning_rate["default"], preset.warmup_proportion, preset.constant_proportion, preset.poly_power)
+        (preset.learning_rate, preset.warmup_proportion, preset.constant_proportion, preset.poly_power)
     assert (ns.optimizer, ns.num_steps_per_checkpoint, ns.checkpoint_activations, ns.phase2) == \
         (preset.optimizer, preset.num_steps_per_checkpoint, preset.checkpoint_activations, preset.phase == 2)
     assert ns.init_checkpoint == init

@@ -43,6 +43,15 @@ def test_device_peaks_come_from_the_planner_table(name, dtype, peak):
     assert peak_tflops(name, dtype) == peak
 
 
+def test_first_generation_gaudi_has_an_mfu():
+    from training.planner import device_peak_tflops
+
+    # torch.hpu.get_device_name() says "GAUDI" on first-generation Gaudi (DL1); "GAUDI2"/"GAUDI3" keep theirs.
+    assert peak_tflops("GAUDI", "bf16") == device_peak_tflops("gaudi1", "bf16") == 60.0
+    assert peak_tflops("GAUDI", "torch.bfloat16") == 60.0
+    assert (peak_tflops("GAUDI2", "bf16"), peak_tflops("GAUDI3", "bf16")) == (432.0, 1835.0)
+
+
 def test_writer_appends_jsonl_and_prints_progress(tmp_path, capsys):
     writer = MetricsWriter(tmp_path, total_steps=10, start_step=4, enabled=True)
     writer.log({"step": 5, "loss": 7.25, "lr": 1e-4, "seq_per_s": 12.5, "mfu": None})

@@ -13,8 +13,10 @@ from tqdm import tqdm
 
 from training.planner import device_peak_tflops
 
-# torch's device names ("NVIDIA H100 80GB HBM3", "GAUDI2") -> training.planner's device keys.
-_PLANNER_KEYS = (("GAUDI3", "gaudi3"), ("GAUDI2", "gaudi2"), ("H200", "h200"), ("H100", "h100"), ("A100", "a100"))
+# torch's device names ("NVIDIA H100 80GB HBM3", "GAUDI2"; first-generation Gaudi is "GAUDI") -> training.planner's
+# device keys, first match wins: "GAUDI" comes after "GAUDI3" and "GAUDI2", which contain it.
+_PLANNER_KEYS = (("GAUDI3", "gaudi3"), ("GAUDI2", "gaudi2"), ("GAUDI", "gaudi"), ("H200", "h200"), ("H100", "h100"),
+                 ("A100", "a100"))
 
 
 def peak_tflops(device_name: str, dtype: str) -> float | None:

@@ -6,8 +6,9 @@
 Everything is computed from the model config and the structure of `modeling.BertForPreTraining`:
 
 - parameters: counted exactly on the meta device, and by a closed form (`parameter_count_formula`);
-- model states per device by ZeRO stage, with DeepSpeed's accounting for mixed precision
-  (16-bit weights and gradients, fp32 master weights, Adam moments and fp32 gradient partition);
+- model states per device by ZeRO stage, as DeepSpeed allocates them for mixed precision (bf16
+  ZeRO-1: BF16_Optimizer's unpartitioned fp32 gradient buffer beside the bf16 gradients; ZeRO-2/3:
+  the ZeRO optimizer's fp32 gradient partition), fp32 master weights and Adam moments;
 - activations: the bytes each module saves for backward, per layer, with and without activation
   checkpointing, and the transient memory at the two peaks of a training step (start of backward,
   optimizer step);
@@ -136,7 +137,7 @@ class MemoryPlan:
     activations_without_checkpointing: int
     activations_with_checkpointing: int
     transient: int  # backward working memory on top of `activations` at the backward peak
-    buffers: int  # DeepSpeed gradient-reduction bucket
+    buffers: int  # gradient reduction: the ZeRO optimizer's bucket, or BF16_Optimizer's all-reduce transient
     backward_peak: int
     step_peak: int
 
@@ -154,14 +155,35 @@ def default_max_predictions(seq_len: int) -> int:
     return max(1, math.ceil(seq_len * 0.15625))
 
 
+def decay_parameter_count(config: BertConfig) -> int:
+    """Parameters of the weight-decay group of `training.lamb.build_param_groups` (every weight that is not
+    a bias or a LayerNorm parameter: the embedding tables and the matrices), in closed form; the other
+    group holds the rest. Tests check it against the groups built from the real model."""
+    h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    embeddings = (config.padded_vocab_size + config.max_position_embeddings + config.type_vocab_size) * h
+    nsp = h * h + 2 * h if config.next_sentence_prediction else 0  # pooler and classifier weights
+    return embeddings + L * (4 * h * h + 2 * h * i) + h * h + nsp  # + the MLM head's transform
+
+
+def uses_bf16_optimizer(precision: str, zero_stage: int) -> bool:
+    """DeepSpeed wraps the optimizer in its BF16_Optimizer for bf16 weights with fp32 gradient accumulation
+    under ZeRO-1 (`DeepSpeedEngine._do_optimizer_sanity_check`); run_pretraining.py requires fp32
+    accumulation in bf16 (`data_types.grad_accum_dtype`), so every bf16 ZeRO-1 run here gets it."""
+    return precision == "bf16" and zero_stage == 1
+
+
 def model_state_bytes(parameters: int, precision: str, zero_stage: int, devices: int) -> tuple[int, int, int]:
     """(weights, gradients, optimizer states) per device for Adam-family optimizers under DeepSpeed.
 
-    bf16 follows DeepSpeed's `estimate_zero2_model_states_mem_needs`: 2 bytes of 16-bit weights,
-    2 of 16-bit gradients, and 4 (fp32 gradient partition) + 4 (fp32 master weights) + 8 (two Adam
-    moments) of optimizer state. In fp32, DeepSpeed's ZeRO optimizer still keeps its own fp32
-    partition of the weights and of the gradients (measured by benchmarks/bench_zero.py), so stages
-    1-3 hold the same 16 bytes of optimizer state; stage 0 means plain PyTorch (Adam's moments only).
+    bf16 with ZeRO-1 is DeepSpeed's BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py): 2 bytes of bf16
+    weights; 2 of bf16 gradients plus 4 of one fp32 gradient buffer over the whole model (allocated at
+    start-up, not partitioned: every rank accumulates and all-reduces every gradient there); and 12
+    partitioned bytes of optimizer state (fp32 master weights and two moments). Other bf16 stages follow
+    DeepSpeed's `estimate_zero2_model_states_mem_needs`: 2 bytes of 16-bit weights, 2 of 16-bit
+    gradients, and 4 (fp32 gradient partition) + 4 (fp32 master weights) + 8 (two Adam moments) of
+    optimizer state. In fp32, DeepSpeed's ZeRO optimizer still keeps its own fp32 partition of the
+    weights and of the gradients (measured by benchmarks/bench_zero.py), so stages 1-3 hold the same 16
+    bytes of optimizer state; stage 0 means plain PyTorch (Adam's moments only).
     ZeRO-1 partitions the optimizer state, ZeRO-2 also the gradients, ZeRO-3 also the weights.
     """
     if precision not in PRECISIONS:
@@ -170,13 +192,38 @@ def model_state_bytes(parameters: int, precision: str, zero_stage: int, devices:
         raise ValueError(f"zero_stage must be 0, 1, 2 or 3, got {zero_stage}")
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
-    w_bytes, g_bytes, opt_bytes = (2, 2, 4 + 4 + 8) if precision == "bf16" else (4, 4, 8 if zero_stage == 0 else 16)
+    if uses_bf16_optimizer(precision, zero_stage):
+        w_bytes, g_bytes, opt_bytes = 2, 2 + 4, 4 + 8
+    else:
+        w_bytes, g_bytes, opt_bytes = (2, 2, 4 + 4 + 8) if precision == "bf16" else (4, 4, 8 if zero_stage == 0 else 16)
 
     def share(n_bytes: int, partitioned: bool) -> int:
         total = parameters * n_bytes
         return math.ceil(total / devices) if partitioned else total
 
     return share(w_bytes, zero_stage >= 3), share(g_bytes, zero_stage >= 2), share(opt_bytes, zero_stage >= 1)
+
+
+# DeepSpeed's engine all-reduces BF16_Optimizer's fp32 gradient buffers in buckets of this many elements
+# (`deepspeed.runtime.engine.MEMORY_OPT_ALLREDUCE_SIZE`); zero_optimization.reduce_bucket_size does not apply.
+BF16_ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
+
+
+def bf16_allreduce_bytes(config: BertConfig, parameters: int) -> int:
+    """The transient of BF16_Optimizer's gradient all-reduce at the end of backward: the engine walks the
+    fp32 buffers of the two parameter groups (weight decay first) and reduces a bucket once it holds more
+    than BF16_ALLREDUCE_BUCKET_ELEMENTS; a bucket of two buffers is first concatenated (an fp32 copy), and
+    every bucket is cast to bf16 (the default communication dtype) for the collective."""
+    decay = decay_parameter_count(config)
+    buckets, bucket = [], []
+    for numel in (decay, parameters - decay):
+        bucket.append(numel)
+        if sum(bucket) > BF16_ALLREDUCE_BUCKET_ELEMENTS:
+            buckets.append(bucket)
+            bucket = []
+    if bucket:
+        buckets.append(bucket)
+    return max((4 * sum(b) if len(b) > 1 else 0) + 2 * sum(b) for b in buckets)
 
 
 @dataclass(frozen=True)
@@ -253,8 +300,15 @@ def plan_memory(
     gradient exists; with checkpointing, the recomputation of the first segment, when the later
     layers' gradients exist too), and the end of backward (all gradients, plus the embedding
     backward's dense [vocab, hidden] gradient and its sum with the decoder's). `bucket_elements` is
-    DeepSpeed's `reduce_bucket_size` (default 5e8), one contiguous gradient bucket held under
-    ZeRO-1/2; 0 for plain PyTorch.
+    DeepSpeed's `reduce_bucket_size` (default 5e8), one contiguous gradient bucket the ZeRO optimizer
+    holds under ZeRO-1/2; 0 for plain PyTorch.
+
+    bf16 ZeRO-1 (BF16_Optimizer) differs: its fp32 gradient buffer exists from start-up, and the bf16
+    gradients are zeroed, not freed, between the micro batches of an accumulation window, so both are
+    counted through backward (the bf16 ones exist there from a step's second micro batch on; with one
+    micro batch per step the backward peak is overstated by their size). It does not use
+    `reduce_bucket_size`: `buffers` is the transient of its all-reduce at the end of backward
+    (`bf16_allreduce_bytes`).
     """
     if seq_len > config.max_position_embeddings:
         raise ValueError(f"seq_len {seq_len} exceeds the model's max_position_embeddings "
@@ -263,28 +317,37 @@ def plan_memory(
     parameters = parameter_count_formula(config) if parameters is None else parameters
     weights, gradients, optimizer = model_state_bytes(parameters, precision, zero_stage, devices)
     g_bytes = 2 if precision == "bf16" else 4
-    buffers = bucket_elements * g_bytes if zero_stage in (1, 2) else 0
+    bf16_optimizer = uses_bf16_optimizer(precision, zero_stage)
+    if bf16_optimizer:
+        buffers = bf16_allreduce_bytes(config, parameters)
+        base = weights + optimizer + gradients
+    else:
+        buffers = bucket_elements * g_bytes if zero_stage in (1, 2) else 0
+        base = weights + optimizer + buffers
     kwargs = dict(config=config, micro_batch=micro_batch, seq_len=seq_len, max_predictions=max_predictions,
                   precision=precision, device=device)
     without = activation_bytes(**kwargs, checkpoint_activations=False)
     with_ckpt = activation_bytes(**kwargs, checkpoint_activations=True, checkpoint_interval=checkpoint_interval)
     act = with_ckpt if checkpoint_activations else without
     embedding_grad = config.padded_vocab_size * config.hidden_size * g_bytes
-    base = weights + optimizer + buffers
     loss_phase = act.saved + act.loss_transient
     # Encoder backward: the head's activations are freed, the tied embedding/decoder gradient and the
     # gradient flowing into the encoder exist. With checkpointing it peaks while the first segment
-    # is recomputed, when the later segments' weight gradients (partitioned under ZeRO-2/3) exist too.
+    # is recomputed, when the later segments' weight gradients (partitioned under ZeRO-2/3) exist too
+    # (already in `base` under BF16_Optimizer).
     h, i, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     encoder_phase = act.saved - act.head_saved + embedding_grad + micro_batch * seq_len * h * g_bytes
     if checkpoint_activations:
         layer_params = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
-        later_grads = layer_params * max(L - checkpoint_interval, 0) * g_bytes
+        later_grads = 0 if bf16_optimizer else layer_params * max(L - checkpoint_interval, 0) * g_bytes
         if zero_stage >= 2:
             later_grads = math.ceil(later_grads / devices)
         encoder_phase += later_grads + act.recompute
     backward_peak = base + max(loss_phase, encoder_phase)
-    step_peak = base + gradients + 2 * embedding_grad
+    if bf16_optimizer:
+        step_peak = base + max(2 * embedding_grad, buffers)
+    else:
+        step_peak = base + gradients + 2 * embedding_grad
     return MemoryPlan(parameters, weights, gradients, optimizer, act.saved, without.saved, with_ckpt.saved,
                       backward_peak - base - act.saved, buffers, backward_peak, step_peak)
 
@@ -409,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint_activations", action="store_true")
     p.add_argument("--checkpoint_interval", type=int, default=1, help="layers per checkpointed segment")
     p.add_argument("--reduce_bucket_size", type=int, default=500_000_000,
-                   help="DeepSpeed zero_optimization.reduce_bucket_size in elements (ZeRO-1/2 buffer)")
+                   help="DeepSpeed zero_optimization.reduce_bucket_size in elements (the ZeRO optimizer's buffer "
+                        "under ZeRO-1/2; bf16 ZeRO-1 runs BF16_Optimizer, which does not use it)")
     p.add_argument("--sequences", type=float, default=None,
                    help="sequences to train (e.g. 7038 steps x 65536 = 4.6e8); prints the time it takes")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for --sequences (0.4)")
@@ -436,6 +500,7 @@ def report(args: argparse.Namespace) -> str:
     usable = int(memory * (1 - args.headroom))
     best = largest_micro_batch(config, usable, **kwargs)
     ckpt = "on" if args.checkpoint_activations else "off"
+    bf16_optimizer = uses_bf16_optimizer(args.precision, args.zero_stage)
     lines = [
         f"model        {args.config_file}  ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"{'pre' if config.pre_layer_norm else 'post'}-LN)",
@@ -445,9 +510,11 @@ def report(args: argparse.Namespace) -> str:
         "",
         "memory per device",
         f"  weights                     {_gib(plan.weights)}",
-        f"  gradients                   {_gib(plan.gradients)}",
+        f"  gradients                   {_gib(plan.gradients)}"
+        + ("  (bf16, and BF16_Optimizer's fp32 buffer of the whole model)" if bf16_optimizer else ""),
         f"  optimizer states            {_gib(plan.optimizer_states)}",
-        f"  reduce bucket               {_gib(plan.buffers)}",
+        (f"  all-reduce, end of backward {_gib(plan.buffers)}" if bf16_optimizer else
+         f"  reduce bucket               {_gib(plan.buffers)}"),
         f"  activations, no checkpoint  {_gib(plan.activations_without_checkpointing)}",
         f"  activations, checkpointed   {_gib(plan.activations_with_checkpointing)}",
         f"  backward transient          {_gib(plan.transient)}",

@@ -1,8 +1,9 @@
 """Training presets: published recipes tied to a model config, a DeepSpeed config and run arguments.
 
 A preset (configs/presets/*.json) fixes what a recipe fixes: the global batch, the sequence length,
-the learning-rate schedule, the number of steps. What depends on the cluster, the number of nodes
-and the device, is resolved at launch time:
+the learning-rate schedule, the number of steps. These are the same on every cluster shape (so a run
+resumes on another node count); what depends on the cluster, the number of nodes and the device, is
+resolved at launch time:
 
     gradient_accumulation_steps = global_batch_size / (micro_batch_per_device * nodes * devices_per_node)
 
@@ -51,7 +52,7 @@ class Preset:
     global_batch_size: int
     devices_per_node: int
     micro_batch_per_device: dict[str, int]  # device kind -> micro batch; "default" always present
-    learning_rate: dict[str, float]  # node count (as a string) -> lr; "default" always present
+    learning_rate: float  # peak lr: one per recipe, as the global batch is (never per node count)
     warmup_proportion: float
     constant_proportion: float
     poly_power: float  # decay exponent after the constant phase: 1 = linear (Gaudi), 0.5 (NVIDIA)
@@ -72,8 +73,11 @@ class ResolvedRun:
     device_kind: str
     micro_batch_per_device: int
     gradient_accumulation_steps: int
-    learning_rate: float
     deepspeed_config: dict = field(repr=False)
+
+    @property
+    def learning_rate(self) -> float:
+        return self.preset.learning_rate
 
     @property
     def world_size(self) -> int:
@@ -134,23 +138,39 @@ def _proportion(values: dict, path: Path, name: str) -> float:
     return float(value)
 
 
-def _keyed(values: dict, path: Path, name: str, kind: type, key_hint: str) -> dict:
-    """A number, or an object {"default": number, "<key>": number, ...}."""
+def _micro_batches(values: dict, path: Path) -> dict[str, int]:
+    """micro_batch_per_device: an integer, or an object {"default": integer, "<device kind>": integer, ...}."""
+    name = "micro_batch_per_device"
     value = values[name]
 
-    def check(v, where: str):
-        ok = isinstance(v, int) and not isinstance(v, bool) if kind is int else (
-            isinstance(v, (int, float)) and not isinstance(v, bool))
-        if not ok or v <= 0:
-            raise _fail(path, where, f"must be a positive {'integer' if kind is int else 'number'}, got {v!r}")
-        return kind(v)
+    def check(v, where: str) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise _fail(path, where, f"must be a positive integer, got {v!r}")
+        return v
 
     if not isinstance(value, dict):
         return {DEFAULT_KEY: check(value, name)}
     if DEFAULT_KEY not in value:
         raise _fail(path, name, f"is an object without a \"{DEFAULT_KEY}\" entry; add one "
-                                f"(keys are {key_hint}, e.g. {{\"default\": ..., ...}})")
+                                f"(keys are device kinds, e.g. {{\"default\": 32, \"gaudi1\": 16}})")
     return {str(k): check(v, f"{name}.{k}") for k, v in value.items()}
+
+
+def _learning_rate(values: dict, path: Path) -> float:
+    """One positive number. A preset fixes the global batch, so its learning rate must not depend on the
+    node count (an older form keyed it by node count; a run saved on one node count then could not
+    resume on another)."""
+    value = values["learning_rate"]
+    if isinstance(value, dict):
+        default = value.get(DEFAULT_KEY)
+        fix = (f"replace the object with one number (its \"{DEFAULT_KEY}\" entry is {default!r})"
+               if default is not None else "replace the object with one number")
+        raise _fail(path, "learning_rate", f"is an object ({json.dumps(value)}), one learning rate per node count; "
+                    "the global batch is the same on every node count, so the learning rate must be too: "
+                    f"{fix}, or override it for a run with --set learning_rate=<number>")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise _fail(path, "learning_rate", f"must be a positive number, got {value!r}")
+    return float(value)
 
 
 def _config_path(values: dict, path: Path, name: str) -> Path:
@@ -216,10 +236,7 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
     notes = values.get("notes", "")
     if not isinstance(notes, str):
         raise _fail(path, "notes", "must be a string")
-    learning_rate = _keyed(values, path, "learning_rate", float, "node counts")
-    for key in learning_rate:
-        if key != DEFAULT_KEY and not (key.isdigit() and int(key) > 0):
-            raise _fail(path, f"learning_rate.{key}", "must be keyed by a node count (\"8\", \"16\") or \"default\"")
+    learning_rate = _learning_rate(values, path)
     preset = Preset(
         name=values["name"], path=path, description=values["description"], source=tuple(source),
         model_config=_config_path(values, path, "model_config"),
@@ -227,7 +244,7 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
         phase=phase, max_seq_length=seq, max_predictions_per_seq=preds,
         global_batch_size=_int(values, path, "global_batch_size"),
         devices_per_node=_int(values, path, "devices_per_node"),
-        micro_batch_per_device=_keyed(values, path, "micro_batch_per_device", int, "device kinds"),
+        micro_batch_per_device=_micro_batches(values, path),
         learning_rate=learning_rate, warmup_proportion=warmup, constant_proportion=constant,
         poly_power=float(poly_power),
         max_steps=_int(values, path, "max_steps"),
@@ -327,7 +344,6 @@ def resolve(preset: Preset, num_nodes: int, devices_per_node: int | None = None,
     if micro is None:
         raise PresetError(f"{preset.path}: field 'micro_batch_per_device' has no entry for device kind "
                           f"'{device_kind}'; known kinds: {', '.join(preset.micro_batch_per_device)}")
-    lr = preset.learning_rate.get(str(num_nodes), preset.learning_rate[DEFAULT_KEY])
     accumulation = gradient_accumulation(preset.global_batch_size, micro, num_nodes * devices_per_node,
                                          source=f"{preset.path} on {num_nodes} node(s) x {devices_per_node} devices")
     ds_config = _read_json(preset.deepspeed_config)
@@ -338,7 +354,7 @@ def resolve(preset: Preset, num_nodes: int, devices_per_node: int | None = None,
     })
     return ResolvedRun(preset=preset, num_nodes=num_nodes, devices_per_node=devices_per_node,
                        device_kind=device_kind, micro_batch_per_device=micro,
-                       gradient_accumulation_steps=accumulation, learning_rate=lr, deepspeed_config=ds_config)
+                       gradient_accumulation_steps=accumulation, deepspeed_config=ds_config)
 
 
 def _read_json(path: Path) -> dict:
@@ -374,9 +390,8 @@ def _table(paths: list[Path]) -> str:
     for path in paths:
         p = load_preset(path)
         micro = ", ".join(f"{k}: {v}" for k, v in p.micro_batch_per_device.items())
-        lr = ", ".join(f"{k}: {v:g}" if k == DEFAULT_KEY else f"{k} nodes: {v:g}" for k, v in p.learning_rate.items())
         rows.append(f"| {p.name} | {p.model_config.name} | {p.phase} | {p.max_seq_length} / {p.max_predictions_per_seq}"
-                    f" | {p.global_batch_size} | {micro} | {lr} | {p.max_steps} | {p.source[0]} |")
+                    f" | {p.global_batch_size} | {micro} | {p.learning_rate:g} | {p.max_steps} | {p.source[0]} |")
     return "\n".join(rows)
 
 
@@ -387,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     res = sub.add_parser("resolve", help="resolve a preset for a cluster: write the DeepSpeed JSON, print the run flags")
     res.add_argument("--preset", required=True, help="preset name (configs/presets/<name>.json) or path")
     res.add_argument("--num_nodes", type=int, required=True)
-    res.add_argument("--devices_per_node", type=int, help="default: the preset's devices_per_node")
+    res.add_argument("--devices_per_node", type=int,
+                     help="default: the preset's devices_per_node (which --set devices_per_node=D also sets)")
     res.add_argument("--device_kind", default=DEFAULT_KEY,
                      help="key into the preset's micro_batch_per_device (e.g. gaudi1 for 32 GB first-gen Gaudi)")
     res.add_argument("--deepspeed_config_out", type=Path, required=True, help="where to write the DeepSpeed JSON")
@@ -402,6 +418,10 @@ def main(argv: list[str] | None = None) -> int:
             print(_table(list_presets()))
             return 0
         overrides = dict(parse_override(o) for o in args.overrides)
+        if args.devices_per_node is not None and overrides.get("devices_per_node", args.devices_per_node) \
+                != args.devices_per_node:
+            raise PresetError(f"--devices_per_node {args.devices_per_node} and --set devices_per_node="
+                              f"{overrides['devices_per_node']} disagree; give one of them")
         run = resolve(load_preset(args.preset, overrides), args.num_nodes, args.devices_per_node, args.device_kind)
         out = write_json_atomic(run.deepspeed_config, args.deepspeed_config_out)
         flags = run.run_args(out.resolve(), args.init_checkpoint)
