@@ -14,14 +14,18 @@ with retries and exponential back-off. The result is checked against the dump's 
 from __future__ import annotations
 
 import argparse
+import datetime
+import email.utils
 import hashlib
 import http.client
 import re
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from tqdm import tqdm
 
@@ -31,6 +35,7 @@ DEFAULT_DUMP_DATE = "20261101"
 DEFAULT_MIRROR = "https://dumps.wikimedia.org"
 CHUNK = 1 << 20
 _DUMP_NAME = re.compile(r"^(?P<wiki>[a-z_]+)-(?P<date>\d{8})-")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,17 @@ class DownloadConfig:
     backoff_s: float = 2.0
     timeout_s: float = 60.0
     verify: bool = True
+    # The longest wait a server's Retry-After (on 408, 429 or 5xx) may impose before the next attempt.
+    max_retry_after_s: float = 300.0
+
+
+# 408 Request Timeout and 429 Too Many Requests are worth retrying, as are 5xx server errors.
+_TRANSIENT_HTTP = (408, 429)
+_NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError)
+
+
+class _RangeMismatch(Exception):
+    """The server's Content-Range does not fit the .part file, which is emptied: the next attempt starts at 0."""
 
 
 def dump_url(mirror: str, date: str, wiki: str = "enwiki") -> str:
@@ -60,23 +76,96 @@ def _checksum_urls(url: str) -> list[tuple[str, str]]:
     return [(f"{prefix}-sha1sums.txt", "sha1"), (f"{prefix}-md5sums.txt", "md5")]
 
 
-def published_checksum(url: str, timeout_s: float) -> tuple[str, str] | None:
-    """(algorithm, hex digest) from the dump's checksum file, or None when none is published."""
-    name = url.rsplit("/", 1)[1]
-    for sums_url, algorithm in _checksum_urls(url):
+def _is_transient(exc: Exception) -> bool:
+    if isinstance(exc, urllib.error.HTTPError):
+        return exc.code >= 500 or exc.code in _TRANSIENT_HTTP
+    return isinstance(exc, (*_NETWORK_ERRORS, _RangeMismatch))
+
+
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, urllib.error.HTTPError):
+        return f"HTTP {exc.code} {exc.reason}"
+    return str(exc) or type(exc).__name__
+
+
+def _retry_after_s(exc: Exception) -> float | None:
+    """The wait a 408, 429 or 5xx asks for in its Retry-After header (seconds or an HTTP date), if any."""
+    value = exc.headers.get("Retry-After") if isinstance(exc, urllib.error.HTTPError) else None
+    if not value:
+        return None
+    if value.strip().isdigit():
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError):
+        return None
+    if when.tzinfo is None:
+        return None
+    return max((when - datetime.datetime.now(datetime.timezone.utc)).total_seconds(), 0.0)
+
+
+def _wait_s(cfg: DownloadConfig, attempt: int, exc: Exception) -> float:
+    """Exponential back-off, or the server's Retry-After when longer (up to cfg.max_retry_after_s)."""
+    wait = cfg.backoff_s * 2 ** attempt
+    retry_after = _retry_after_s(exc)
+    return wait if retry_after is None else max(wait, min(retry_after, cfg.max_retry_after_s))
+
+
+def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint: Callable[[], str]) -> T:
+    """fetch(), tried again up to cfg.retries times after a transient failure (network error, 408, 429, 5xx,
+    a range mismatch). Any other error is raised as it is; running out of retries is a PipelineError."""
+    attempt = 0
+    while True:
         try:
-            with urllib.request.urlopen(sums_url, timeout=timeout_s) as r:
-                text = r.read().decode("utf-8", "replace")
+            return fetch()
+        except (*_NETWORK_ERRORS, _RangeMismatch) as exc:
+            if not _is_transient(exc):
+                raise
+            if attempt >= cfg.retries:
+                raise PipelineError(
+                    f"{url}: failed after {attempt + 1} attempts (last: {_describe(exc)}); {rerun_hint()}"
+                ) from exc
+            time.sleep(_wait_s(cfg, attempt, exc))
+            attempt += 1
+
+
+def _read_text(url: str, timeout_s: float) -> str:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return r.read().decode("utf-8", "replace")
+
+
+def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
+    """(algorithm, hex digest) of cfg.url from the dump's checksum file, or None when none is published.
+    The checksum file is fetched with the same retries as the dump."""
+    name = cfg.url.rsplit("/", 1)[1]
+    for sums_url, algorithm in _checksum_urls(cfg.url):
+        try:
+            text = _retrying(cfg, sums_url, lambda u=sums_url: _read_text(u, cfg.timeout_s),
+                             lambda: "check the network and the mirror, then rerun")
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 continue
-            raise PipelineError(f"{sums_url}: HTTP {exc.code} while fetching the checksum file") from exc
+            raise PipelineError(f"{sums_url}: HTTP {exc.code} {exc.reason} while fetching the checksum file") from exc
         for line in text.splitlines():
             parts = line.split()
             if len(parts) == 2 and parts[1].lstrip("*") == name:
                 return algorithm, parts[0].lower()
         raise PipelineError(f"{sums_url} does not list {name}; check the dump date and file name")
     return None
+
+
+def _content_range(header: str | None) -> tuple[int | None, int | None]:
+    """(first byte, total size) of a Content-Range header: `bytes 100-199/200` or, on a 416, `bytes */200`;
+    None for what it does not state (total `*`) or for a missing or malformed header."""
+    m = re.fullmatch(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+|\*)\s*", header or "")
+    if not m:
+        return None, None
+    return (int(m[1]) if m[1] else None), (int(m[2]) if m[2] != "*" else None)
+
+
+def _restart(part: Path, why: str) -> _RangeMismatch:
+    part.unlink(missing_ok=True)
+    return _RangeMismatch(f"{why}; {part} was emptied to download from byte 0")
 
 
 def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
@@ -86,18 +175,28 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
     try:
         response = urllib.request.urlopen(request, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
-        if exc.code == 416 and have:
+        if exc.code != 416 or not have:
+            raise
+        _, total = _content_range(exc.headers.get("Content-Range"))
+        if total == have:
             return  # the part file already holds the whole file
-        raise
+        raise _restart(part, f"HTTP 416 with Content-Range {exc.headers.get('Content-Range')!r} while the part "
+                             f"file holds {have} bytes") from exc
     with response:
-        if have and response.status != 206:
-            have = 0  # the server ignored Range: start again
-        total = response.headers.get("Content-Length")
-        if total is not None:
-            bar.total = have + int(total)
+        total = None
+        if have and response.status == 206:
+            header = response.headers.get("Content-Range")
+            first, total = _content_range(header)
+            if first != have:
+                raise _restart(part, f"HTTP 206 with Content-Range {header!r} in answer to Range: bytes={have}-")
+        elif have:
+            have = 0  # the server ignored Range and sends the whole file: start again
+        length = response.headers.get("Content-Length")
+        if total is None and length is not None:
+            total = have + int(length)
+        bar.total = total
         bar.n = have
         bar.refresh()
-        expected = have + int(total) if total is not None else None
         with part.open("r+b" if have else "wb") as f:
             f.seek(have)
             f.truncate()
@@ -105,8 +204,8 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
                 f.write(chunk)
                 bar.update(len(chunk))
             size = f.tell()
-    if expected is not None and size != expected:
-        raise http.client.IncompleteRead(b"", expected - size)
+    if total is not None and size != total:
+        raise http.client.IncompleteRead(b"", total - size)
 
 
 def _digest(path: Path, algorithm: str) -> str:
@@ -117,8 +216,38 @@ def _digest(path: Path, algorithm: str) -> str:
     return h.hexdigest()
 
 
+def _check_config(cfg: DownloadConfig) -> None:
+    if cfg.retries < 0:
+        raise PipelineError(f"retries must be >= 0 (0: a single attempt), got {cfg.retries}")
+    if cfg.backoff_s < 0 or cfg.max_retry_after_s < 0:
+        raise PipelineError(f"backoff_s and max_retry_after_s must be >= 0, got {cfg.backoff_s} and "
+                            f"{cfg.max_retry_after_s}")
+    if cfg.timeout_s <= 0:
+        raise PipelineError(f"timeout_s must be > 0, got {cfg.timeout_s}")
+
+
+def _download_part(cfg: DownloadConfig, part: Path) -> None:
+    """Fetch cfg.url into `part`, resuming and retrying; a 404 or 410 is a PipelineError at once."""
+
+    def resume_hint() -> str:
+        return f"rerun to resume from the {part.stat().st_size if part.exists() else 0} bytes in {part}"
+
+    name = cfg.url.rsplit("/", 1)[1]
+    with tqdm(desc=f"download {name}", unit="B", unit_scale=True, dynamic_ncols=True) as bar:
+        try:
+            _retrying(cfg, cfg.url, lambda: _fetch(cfg.url, part, cfg.timeout_s, bar), resume_hint)
+        except urllib.error.HTTPError as exc:
+            if exc.code in (404, 410):
+                raise PipelineError(
+                    f"{cfg.url}: HTTP {exc.code}, no such dump. Check the date (dumps are kept a few "
+                    "months; see https://dumps.wikimedia.org/enwiki/) or use another --mirror"
+                ) from exc
+            raise PipelineError(f"{cfg.url}: HTTP {exc.code} {exc.reason}") from exc
+
+
 def download(cfg: DownloadConfig) -> Path:
     """Download cfg.url into cfg.output_dir and return the final path (skipped if already done)."""
+    _check_config(cfg)
     name = cfg.url.rsplit("/", 1)[1]
     if not name:
         raise PipelineError(f"{cfg.url} does not name a file")
@@ -127,29 +256,10 @@ def download(cfg: DownloadConfig) -> Path:
         return final
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
     part = cfg.output_dir / f"{name}.part"
-    checksum = published_checksum(cfg.url, cfg.timeout_s) if cfg.verify else None
+    checksum = published_checksum(cfg) if cfg.verify else None
     if cfg.verify and checksum is None:
         print(f"download: no checksum file published beside {cfg.url}; the file is not verified")
-    with tqdm(desc=f"download {name}", unit="B", unit_scale=True, dynamic_ncols=True) as bar:
-        for attempt in range(cfg.retries + 1):
-            try:
-                _fetch(cfg.url, part, cfg.timeout_s, bar)
-                break
-            except urllib.error.HTTPError as exc:
-                if exc.code in (404, 410):
-                    raise PipelineError(
-                        f"{cfg.url}: HTTP {exc.code}, no such dump. Check the date (dumps are kept a few "
-                        "months; see https://dumps.wikimedia.org/enwiki/) or use another --mirror"
-                    ) from exc
-                if attempt == cfg.retries or exc.code < 500:
-                    raise PipelineError(f"{cfg.url}: HTTP {exc.code} {exc.reason}") from exc
-            except (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError) as exc:
-                if attempt == cfg.retries:
-                    raise PipelineError(
-                        f"{cfg.url}: download failed after {cfg.retries + 1} attempts ({exc}); "
-                        f"rerun to resume from the {part.stat().st_size if part.exists() else 0} bytes in {part}"
-                    ) from exc
-            time.sleep(cfg.backoff_s * 2 ** attempt)
+    _download_part(cfg, part)
     if checksum is not None:
         algorithm, expected = checksum
         actual = _digest(part, algorithm)
@@ -163,6 +273,13 @@ def download(cfg: DownloadConfig) -> Path:
     return final
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0: a single attempt), got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     src = p.add_mutually_exclusive_group()
@@ -170,7 +287,8 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--url", help="download this URL instead of the dump for --dump_date")
     p.add_argument("--mirror", default=DEFAULT_MIRROR)
     p.add_argument("--output_dir", type=Path, required=True)
-    p.add_argument("--retries", type=int, default=5)
+    p.add_argument("--retries", type=_non_negative_int, default=5,
+                   help="retries after a network error, 408, 429 or 5xx (default: %(default)s)")
     a = p.parse_args(argv)
     if a.url and a.mirror != DEFAULT_MIRROR:
         p.error("--mirror applies to --dump_date; with --url, put the mirror in the URL")

@@ -20,6 +20,7 @@ import io
 import json
 import os
 import queue
+import re
 import threading
 import time
 import xml.etree.ElementTree as ET
@@ -29,7 +30,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from tqdm import tqdm
-from wikiextractor.extract import Extractor
+from wikiextractor.extract import Extractor, discardElements, placeholder_tags
 
 from data import multistream, stage
 from data.parallel import bounded_map
@@ -176,18 +177,79 @@ def _article(page: ET.Element) -> tuple[str, str] | None:
     return None
 
 
+# MediaWiki tags that wikiextractor 3.1.0 leaves in the text, by what Wikipedia shows of them.
+# Shown as text: the tags go and their content stays, as wikiextractor does for <span>, <s>, <sup>
+# (<onlyinclude> marks what a transclusion shows; the page itself shows its content).
+_INLINE_TAGS = ("onlyinclude", "chem", "ce", "q", "ins", "del", "mark", "ruby", "rb", "rp", "rt", "rtc", "time",
+                "data", "dfn", "samp", "bdo", "wbr", "h5", "h6", "meta", "link", "langconvert")
+# Not prose (music notation, maps, graphs, page-status icons, audio buttons, editor data): dropped
+# with their content, as wikiextractor does for <gallery> and <timeline>.
+_NON_PROSE_TAGS = ("score", "mapframe", "maplink", "graph", "indicator", "phonos", "templatedata", "charinsert")
+# One pass for all of them (wikiextractor would make two regex passes per tag).
+_INLINE = re.compile(rf"<(?:{'|'.join(_INLINE_TAGS)})\b[^>]*>|</\s*(?:{'|'.join(_INLINE_TAGS)})\s*>", re.I)
+_COMMENT = re.compile(r"<!--.*?-->", re.S)
+_NON_PROSE = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*?(?:/>|>.*?</\1\s*>)", re.I | re.S)
+# wikiextractor drops the paired forms of these (or turns them into formula_N / codice_N) but
+# leaves a self-closing one, such as <includeonly/>, in the text.
+_EMPTY_ELEMENT = re.compile(rf"<(?:{'|'.join([*placeholder_tags, *discardElements])})\b[^>]*/\s*>", re.I)
+_PLACEHOLDER = re.compile(rf"<({'|'.join(placeholder_tags)})\b([^>]*?)(?<!/)>.*?</\1\s*>", re.I | re.S)
+
+# Line markers (Unicode noncharacters, removed from the input first). wikiextractor drops every
+# cleaned line that starts with "*", "#" or ";" as a list item, so prose whose markup vanishes
+# before such a character ("'''#1 Record''' is ...") was lost; lists are decided on the raw
+# wikitext instead: each line is marked as prose or as a list item before cleaning.
+_PROSE, _LIST = "\ufdd0", "\ufdd1"
+_LIST_ITEM = re.compile(r":*[*#;]")  # "*", "#", ";", also nested under ":" indents (":*")
+
+
+def _prepare_wikitext(wikitext: str) -> str:
+    """The wikitext without the tags wikiextractor mishandles, each line marked as prose or list item."""
+    text = wikitext.replace(_PROSE, "").replace(_LIST, "")
+    text = _COMMENT.sub("", text)  # first, so that no tag or line inside a comment is seen
+    text = _NON_PROSE.sub("", text)
+    text = _INLINE.sub("", text)
+    text = _EMPTY_ELEMENT.sub("", text)
+    text = _empty_placeholders(text)
+    return "\n".join(_mark_line(line) for line in text.split("\n"))
+
+
+def _empty_placeholders(text: str) -> str:
+    """<math> and <code> emptied: wikiextractor turns each into formula_N / codice_N anyway, and braces in a
+    formula ("{{[H^+]^2} \\over ...}}") were taken for a template, which left "<math>" in the text. Equal
+    elements get equal contents, as wikiextractor gives equal elements the same number."""
+    ids: dict[str, int] = {}
+    return _PLACEHOLDER.sub(lambda m: f"<{m[1]}{m[2]}>{ids.setdefault(m[0], len(ids))}</{m[1]}>", text)
+
+
+def _mark_line(line: str) -> str:
+    if _LIST_ITEM.match(line):
+        return _LIST + line
+    # Left to wikiextractor: paragraph breaks, headings and ":" indents (kept as text, even when
+    # what follows the ":" cleans to "#...").
+    return line if not line or line[0] in "=:" else _PROSE + line
+
+
+def _paragraph(line: str) -> str:
+    """A line of wikiextractor's output as a paragraph, or "" when it is dropped."""
+    if line.startswith(_LIST):
+        return ""
+    if line.startswith(_PROSE):
+        line = line[1:]
+        # compact() saw this line behind the marker: apply its rules for residues of tables and
+        # templates and for lines of only dots, dashes or a parenthesis, all but the list rule.
+        if (not line or line[0] in "{|" or line[-1] == "}" or (line[0] == "(" and line[-1] == ")")
+                or not line.strip(".-")):
+            return ""
+    return " ".join(line.replace(_PROSE, "").replace(_LIST, "").split())
+
+
 def clean_article(title: str, wikitext: str) -> list[str]:
     """The article's paragraphs as plain text, without headings, lists, tables or markup."""
-    extractor = Extractor("0", "0", "", title, [])
+    extractor = Extractor("0", "0", "", title, [], keepSections=False)
     # wikiextractor works on the dump's escaped text (it unescapes after stripping markup);
     # iterparse has already unescaped it, so escape it back to keep its order of operations.
-    lines = extractor.clean_text(escape(wikitext), mark_headers=True, expand_templates=False, html_safe=False)
-    paragraphs = []
-    for line in lines:
-        line = " ".join(line.split())
-        if line and not line.startswith("#"):
-            paragraphs.append(line)
-    return paragraphs
+    lines = extractor.clean_text(escape(_prepare_wikitext(wikitext)), expand_templates=False, html_safe=False)
+    return [paragraph for paragraph in map(_paragraph, lines) if paragraph]
 
 
 def _document(title: str, wikitext: str) -> str:
@@ -299,6 +361,12 @@ def _multistream_offsets(path: Path) -> list[int] | None:
         head = multistream.decompress_range(f, offsets[0], offsets[1], path)[:1 << 16]
     if b"<mediawiki" not in head:
         raise PipelineError(f"{path} is not a MediaWiki XML dump: its first bz2 stream does not open <mediawiki>")
+    # A file cut at a stream boundary decompresses without error: only the closing tag tells.
+    if not multistream.tail_xml(path, offsets).rstrip().endswith(b"</mediawiki>"):
+        raise PipelineError(
+            f"{path} is truncated: its last bz2 stream does not end with </mediawiki>, so streams (and the pages in "
+            "them) are missing. Download it again (python -m data.download resumes and checks the checksum)."
+        )
     return offsets
 
 

@@ -74,6 +74,17 @@ def decompress_range(f, start: int, end: int, path: Path) -> bytes:
         ) from exc
 
 
+def tail_xml(path: Path, offsets: list[int], min_bytes: int = 64) -> bytes:
+    """The decompressed XML of the last streams of `path`, at least `min_bytes` of it (or all there is): enough to
+    hold the closing tag even when the last stream holds only a piece of it."""
+    xml, last = b"", len(offsets) - 1
+    with path.open("rb") as f:
+        while last > 0 and len(xml) < min_bytes:
+            xml = decompress_range(f, offsets[last - 1], offsets[last], path) + xml
+            last -= 1
+    return xml
+
+
 def _may_start_page(tail: bytes) -> bool:
     """Whether `tail` ends with a proper prefix of "<page>" (a tag cut by a stream boundary)."""
     return any(tail.endswith(_PAGE[:k]) for k in range(1, len(_PAGE)))

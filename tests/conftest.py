@@ -85,6 +85,9 @@ class MirrorSite:
     files: dict[str, bytes]
     cut_after: int = 0  # the next `cuts` responses for a .bz2 file stop after this many body bytes
     cuts: int = 0
+    statuses: dict[str, list[int]] = field(default_factory=dict)  # path -> statuses its next requests get, in turn
+    retry_after: str | None = None  # the Retry-After header sent with those statuses
+    range_starts: list[int] = field(default_factory=list)  # the next ranged answers start here, not where asked
     requests: list[tuple[str, str | None]] = field(default_factory=list)
 
 
@@ -100,7 +103,16 @@ def _mirror_handler(site: MirrorSite):
             if body is None:
                 self.send_error(404)
                 return
+            if site.statuses.get(self.path):
+                self.send_response(site.statuses[self.path].pop(0))
+                if site.retry_after is not None:
+                    self.send_header("Retry-After", site.retry_after)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
+            if rng and site.range_starts:
+                start = site.range_starts.pop(0)
             if start >= len(body):
                 self.send_response(416)
                 self.send_header("Content-Range", f"bytes */{len(body)}")

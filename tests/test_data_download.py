@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import hashlib
+import re
+import time
 from pathlib import Path
 
 import pytest
 
 from data.download import DownloadConfig, download, dump_url
+from data.download import main as download_main
 from data.stage import PipelineError
+from tests.conftest import free_port
 
 DATE = "20241201"
 NAME = f"enwiki-{DATE}-pages-articles-multistream.xml.bz2"
@@ -82,3 +86,74 @@ def test_dump_url_pins_a_date_and_rejects_a_bad_one():
         f"https://dumps.wikimedia.org/enwiki/{DATE}/{NAME}")
     with pytest.raises(PipelineError, match="not YYYYMMDD"):
         dump_url("https://dumps.wikimedia.org", "latest")
+
+
+def _sums_path() -> str:
+    return f"/enwiki/{DATE}/enwiki-{DATE}-sha1sums.txt"
+
+
+def _dump_path() -> str:
+    return f"/enwiki/{DATE}/{NAME}"
+
+
+def test_checksum_file_is_retried_after_a_transient_failure(wiki_mirror, multistream_sample, tmp_path):
+    mirror, site = wiki_mirror
+    site.statuses[_sums_path()] = [503]
+    assert download(_cfg(mirror, tmp_path, retries=2)).read_bytes() == multistream_sample.read_bytes()
+    assert [p for p, _ in site.requests] == [_sums_path(), _sums_path(), _dump_path()]
+
+
+def test_unreachable_mirror_is_a_clear_error_naming_the_url(tmp_path):
+    mirror = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
+    sums_url = f"{mirror}{_sums_path()}"
+    with pytest.raises(PipelineError, match=rf"{re.escape(sums_url)}: failed after 2 attempts \(last: .*refused"):
+        download(_cfg(mirror, tmp_path, retries=1))
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("code", [408, 429, 503])
+def test_transient_http_errors_are_retried_honouring_retry_after(wiki_mirror, multistream_sample, tmp_path, code):
+    mirror, site = wiki_mirror
+    site.statuses[_dump_path()], site.retry_after = [code], "1"
+    start = time.monotonic()
+    assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == multistream_sample.read_bytes()
+    assert time.monotonic() - start >= 1.0  # the server's Retry-After, not the 0.01 s back-off
+    assert [p for p, _ in site.requests].count(_dump_path()) == 2
+
+
+def test_retry_after_is_bounded_and_retries_run_out(wiki_mirror, tmp_path):
+    mirror, site = wiki_mirror
+    site.statuses[_dump_path()], site.retry_after = [429, 429, 429], "3600"
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match=r"failed after 3 attempts \(last: HTTP 429 .*rerun to resume from the 0"):
+        download(_cfg(mirror, tmp_path, retries=2, max_retry_after_s=0.2))
+    assert 0.4 <= time.monotonic() - start < 10
+
+
+def test_416_for_a_part_file_longer_than_the_dump_restarts_from_zero(wiki_mirror, multistream_sample, tmp_path):
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    (tmp_path / f"{NAME}.part").write_bytes(data + b"stale bytes of another file")
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert [r for p, r in site.requests if p == _dump_path()] == [f"bytes={len(data) + 27}-", None]
+
+
+def test_206_from_another_offset_restarts_from_zero(wiki_mirror, multistream_sample, tmp_path):
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    for have, served_from in ((300_000, 100_000), (100_000, 300_000)):  # overlapping, then leaving a gap
+        (tmp_path / f"{NAME}.part").write_bytes(data[:have])
+        site.range_starts, site.requests[:] = [served_from], []
+        assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+        assert [r for p, r in site.requests if p == _dump_path()] == [f"bytes={have}-", None]
+        (tmp_path / NAME).unlink()
+
+
+def test_negative_retries_are_refused(wiki_mirror, tmp_path, capsys):
+    mirror, site = wiki_mirror
+    with pytest.raises(PipelineError, match="retries must be >= 0"):
+        download(_cfg(mirror, tmp_path, retries=-1))
+    with pytest.raises(SystemExit) as exc:
+        download_main(["--url", dump_url(mirror, DATE), "--output_dir", str(tmp_path), "--retries", "-1"])
+    assert exc.value.code == 2 and "--retries: must be >= 0" in capsys.readouterr().err
+    assert site.requests == [] and list(tmp_path.iterdir()) == []

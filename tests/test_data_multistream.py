@@ -117,6 +117,25 @@ def test_truncated_multistream_dump_is_named(multistream_sample, tmp_path):
     assert not (tmp_path / "out" / "_COMPLETE.json").exists()
 
 
+@pytest.mark.parametrize("streams_dropped", [1, 2])
+def test_multistream_dump_cut_at_a_stream_boundary_is_named(multistream_sample, tmp_path, streams_dropped):
+    # Each remaining stream decompresses: only the missing </mediawiki> (and pages) tell.
+    offsets = multistream.stream_offsets(multistream_sample)
+    truncated = tmp_path / "truncated.xml.bz2"
+    truncated.write_bytes(multistream_sample.read_bytes()[:offsets[-1 - streams_dropped]])
+    with pytest.raises(PipelineError, match=f"{re.escape(str(truncated))} is truncated: its last bz2 stream does not "
+                                            "end with </mediawiki>.*Download it again"):
+        extract(ExtractConfig(truncated, tmp_path / "out"))
+    assert list_parts(tmp_path / "out") == []
+
+
+def test_closing_tag_cut_across_the_last_streams_is_complete(sample_dump, serial_text, tmp_path):
+    xml = _xml(sample_dump)
+    dump = cut_at_multistream(xml, tmp_path / "cut-end.xml.bz2", [len(xml) // 2, len(xml) - 5])
+    extract(ExtractConfig(dump, tmp_path / "out", articles_per_part=40))
+    assert _parts(tmp_path / "out") == _parts(serial_text)
+
+
 def test_multistream_file_that_is_not_mediawiki_is_refused(tmp_path):
     path = tmp_path / "feed.xml.bz2"
     path.write_bytes(bz2.compress(b"<rss><channel>") + bz2.compress(b"</channel></rss>"))

@@ -83,7 +83,7 @@ def test_killed_mid_stage_then_rerun_gives_identical_output(phase1_shards, wiki_
     assert (extracted / "_COMPLETE.json").exists() and not (instances / "_COMPLETE.json").exists()
     # 3: finishes.
     done = _run(args)
-    assert "prepare: 105 articles, 105 documents, 18531 sentences" in done.stdout
+    assert "prepare: 105 articles, 105 documents, 18587 sentences" in done.stdout
     assert_same_output(out, phase1_shards)
     assert [r for p, r in site.requests if p.endswith(".bz2")] == [None, "bytes=500000-"]
 

@@ -56,7 +56,7 @@ def test_prepare_cli_downloads_a_pinned_dump_date_from_a_mirror(wiki_mirror, ber
     prepare_main(["--dump_date", "20241201", "--mirror", base, "--output_dir", str(out), "--vocab_file",
                   str(bert_vocab), "--phase", "2", "--dupe_factor", "1", "--num_shards", "2", "--test_fraction", "0.1",
                   "--workers", "2"])
-    assert "prepare: 105 articles, 105 documents, 18531 sentences" in capsys.readouterr().out
+    assert "prepare: 105 articles, 105 documents, 18587 sentences" in capsys.readouterr().out
     assert (out / "text" / "download" / "enwiki-20241201-pages-articles-multistream.xml.bz2").is_file()
     assert ("/enwiki/20241201/enwiki-20241201-sha1sums.txt", None) in site.requests
     with h5py.File(out / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:

@@ -8,10 +8,10 @@ import re
 import pytest
 
 from data.create import CreateConfig, validate
-from data.extract import ExtractConfig, extract, iter_articles
+from data.extract import ExtractConfig, clean_article, extract, iter_articles
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
-from data.tokens import TokenizeConfig, tokenize
+from data.tokens import TokenizeConfig, tokenize_with_given_vocab
 from data.vocab import VocabConfig, build_vocab, check_case, load_vocab
 
 
@@ -40,8 +40,52 @@ def test_extracted_text_has_no_markup(phase1_shards):
     assert len(sorted(extracted.glob("part-*.txt"))) == 3
     for markup in ("{{", "}}", "[[", "]]", "<ref", "|}", "{|", "&lt;", "&amp;", "[http", "Category:", "File:"):
         assert markup not in text, markup
+    # No HTML or MediaWiki tag either: the sample had <onlyinclude> and, in "Acid", a <math> whose
+    # braces were taken for a template.
+    assert re.findall(r"</?[a-zA-Z][a-zA-Z0-9]*[ />]", text) == []
+    # Lists are dropped, those nested under a ":" indent too ("Austroasiatic languages": ":* '''Koraput''': ...").
+    assert not [line for line in text.splitlines() if line[:1] in ("*", "#", ";")]
+    for item in ("Koraput: 7 languages", "Aberdeen Proving Ground, a United States Army facility",
+                 "Affirmed: Where the reviewing court", "Ward, Colin. Anarchism: A Very Short Introduction"):
+        assert item not in text, item
+    # ... but not the ":" indents, which hold quotations.
+    assert "\nSing, Goddess, of the rage of Peleus' son Achilles,\n" in text
+    # The formulas of "Acid" no longer swallow the rest of the article.
+    assert "Acetylsalicylic acid (Aspirin) is used as a pain killer" in text
     assert "Anarchism is a political philosophy" in text
     assert 2_000_000 < len(text.encode()) < 3_000_000
+
+
+INLINE_TAGS = ["onlyinclude", "chem", "ce", "q", "ins", "del", "mark", "ruby", "rt", "time", "data", "dfn", "samp",
+               "bdo"]
+NON_PROSE_TAGS = ["score", "mapframe", "maplink", "graph", "indicator", "phonos", "templatedata", "charinsert"]
+
+
+@pytest.mark.parametrize("tag", INLINE_TAGS + NON_PROSE_TAGS)
+def test_tags_wikiextractor_leaves_are_dropped(tag):
+    inner = "inner words " if tag in INLINE_TAGS else ""
+    assert clean_article("T", f'Some <{tag} class="x">inner words</{tag}> text.') == [f"Some {inner}text."]
+    assert clean_article("T", f'Some <{tag} name="x" /> text.') == ["Some text."]
+
+
+def test_tag_contents_that_are_text_are_kept():
+    assert clean_article("T", "Water is <chem>H2O</chem>, <ce>CO2</ce> is not.") == ["Water is H2O, CO2 is not."]
+    assert clean_article("T", "<ruby>漢<rp>(</rp><rt>kan</rt><rp>)</rp></ruby>, a<wbr />b <q>c</q>") == ["漢(kan), ab c"]
+    # Multi-line non-prose is dropped whole, not cut into paragraphs.
+    assert clean_article("T", 'A map.<mapframe width=300>\n{"type": "Feature",\n "x": 1}\n</mapframe>\n\nB.') == [
+        "A map.", "B."]
+    # Self-closing forms of the tags wikiextractor drops in pairs; braces inside a formula.
+    assert clean_article("T", "a<includeonly/> b <noinclude /><pre/><math/> c <math>{{x} \\over 2}}</math> d") == [
+        "a b c formula_1 d"]
+
+
+def test_prose_starting_with_a_hash_is_kept_and_list_items_are_dropped():
+    wikitext = "'''#1 Record''' is the debut album by [[Big Star]].\n\nIt was released in 1972."
+    assert clean_article("#1 Record", wikitext) == ["#1 Record is the debut album by Big Star.",
+                                                    "It was released in 1972."]
+    lists = "Intro.\n* bullet\n# numbered\n## nested\n; term\n:* indented bullet\n::# indented number\n: indent"
+    assert clean_article("T", lists) == ["Intro.", "indent"]
+    assert clean_article("T", "== Heading ==\n'''[[*NSYNC]]''' was a boy band.") == ["*NSYNC was a boy band."]
 
 
 def test_segmented_text_is_one_sentence_per_line(phase1_shards):
@@ -70,7 +114,7 @@ def test_trained_vocab_is_valid_and_case_is_configurable(phase1_shards, tmp_path
     check_case(uncased, lower_case=True)
     check_case(cased, lower_case=False)
     with pytest.raises(PipelineError, match=f"{re.escape(str(cased.path))} is a cased vocab .* Pass --no_lower_case"):
-        tokenize(TokenizeConfig(corpus, cased.path, tmp_path / "tokens", lower_case=True))
+        tokenize_with_given_vocab(TokenizeConfig(corpus, cased.path, tmp_path / "tokens", lower_case=True))
     assert not (tmp_path / "tokens").exists()
 
 
