@@ -106,7 +106,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         whole_word_masking=cfg.whole_word_masking, static_masking=cfg.static_masking,
         test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
     validate(create_cfg)  # before any long stage runs, like the given vocab's special tokens
-    check_shard_counts(cfg.num_shards, cfg.num_test_shards)
+    check_shard_counts(cfg.num_shards, cfg.num_test_shards, cfg.test_fraction)
     if cfg.vocab_file is not None:
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:

@@ -95,11 +95,19 @@ def _write_shard(task: _ShardTask) -> tuple[int, int]:
         return len(f["next_sentence_labels"]), task.path.stat().st_size
 
 
-def check_shard_counts(num_shards: int, num_test_shards: int) -> None:
+def check_shard_counts(num_shards: int, num_test_shards: int, test_fraction: float | None = None) -> None:
+    """The shard counts, and with `test_fraction` (data.prepare's, before any stage) whether they fit it."""
     if num_shards < 1:
         raise PipelineError(f"--num_shards must be at least 1, got {num_shards}")
     if num_test_shards < 0:
         raise PipelineError(f"--num_test_shards must be 0 or more, got {num_test_shards}")
+    if test_fraction is not None and (num_test_shards == 0) != (test_fraction == 0):
+        raise PipelineError(
+            f"--num_test_shards 0 with --test_fraction {test_fraction}: the held-out documents' instances would be "
+            "written nowhere; pass --test_fraction 0 to train on every document, or --num_test_shards 1 or more"
+            if num_test_shards == 0 else
+            f"--num_test_shards {num_test_shards} with --test_fraction 0: no document is held out for the test "
+            "shards; pass a --test_fraction above 0 (default 0.02), or --num_test_shards 0")
 
 
 def shard(cfg: ShardConfig) -> ShardResult:
@@ -117,6 +125,11 @@ def shard(cfg: ShardConfig) -> ShardResult:
                 f"{cfg.instances_dir} has {total} {split} instances, too few for {n} {split} shards; "
                 f"use fewer shards{' or a larger --test_fraction' if split == 'test' else ''}"
             )
+    if cfg.num_test_shards == 0 and summary["instances"]["test"]:
+        raise PipelineError(
+            f"{cfg.instances_dir} holds {summary['instances']['test']} test instances (from held-out documents), "
+            "which --num_test_shards 0 would write nowhere; pass --num_test_shards 1 or more, or create the "
+            "instances again with --test_fraction 0 to train on every document")
     attrs = {"max_seq_length": cp["max_seq_length"], "max_predictions_per_seq": cp["max_predictions_per_seq"],
              "vocab_size": summary["vocab_size"],
              "masking": "static" if cp["static_masking"] else "dynamic",

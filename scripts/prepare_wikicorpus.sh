@@ -11,6 +11,7 @@
 #   MIRROR      dump mirror (default https://dumps.wikimedia.org)
 #   WORKERS     worker processes (default: all cores)
 #   NUM_SHARDS  training shards per phase (default 256); TEST_SHARDS (default 8)
+#   TEST_FRACTION  documents held out for the test shards (default 0.02; 0 together with TEST_SHARDS=0)
 #   PYTHON      interpreter (default: .venv/bin/python if present, else python3)
 #
 # Rerun the same command after any interruption: every stage resumes where it stopped.
@@ -18,7 +19,7 @@
 set -euo pipefail
 
 if [[ $# -lt 1 || $# -gt 2 ]]; then
-    sed -n '2,17p' "$0" >&2
+    sed -n '2,18p' "$0" >&2
     exit 2
 fi
 # Relative paths are the caller's: resolve them before moving to the repository root.
@@ -32,6 +33,7 @@ fi
 WORKERS=${WORKERS:-$(nproc)}
 NUM_SHARDS=${NUM_SHARDS:-256}
 TEST_SHARDS=${TEST_SHARDS:-8}
+TEST_FRACTION=${TEST_FRACTION:-0.02}
 
 if [[ -n ${DUMP:-} ]]; then
     source_args=(--input "$(absolute "$DUMP")")
@@ -46,7 +48,8 @@ for phase in 1 2; do
     echo "=== phase $phase -> $OUT/phase$phase"
     "$PYTHON" -m data.prepare "${source_args[@]}" "${vocab_args[@]}" --phase "$phase" \
         --output_dir "$OUT/phase$phase" --text_dir "$OUT/text" \
-        --num_shards "$NUM_SHARDS" --num_test_shards "$TEST_SHARDS" --workers "$WORKERS"
+        --num_shards "$NUM_SHARDS" --num_test_shards "$TEST_SHARDS" --test_fraction "$TEST_FRACTION" \
+        --workers "$WORKERS"
     # Phase 2 uses exactly the vocab phase 1 used (given or trained).
     vocab_args=(--vocab_file "$OUT/phase1/vocab.txt")
 done

@@ -36,6 +36,9 @@ def test_shard_cli_reshards_the_same_instances(phase1_shards, tmp_path, capsys):
     assert sum(sizes) == original and max(sizes) - min(sizes) <= 1
     with pytest.raises(PipelineError, match="too few for"):
         shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "other", 10**7, 1))
+    with pytest.raises(PipelineError, match="test instances .* which --num_test_shards 0 would write nowhere"):
+        shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "no_test", 3, 0))
+    assert not (tmp_path / "no_test").exists()
 
 
 def test_rerun_with_other_settings_is_refused(phase1_shards, sample_dump, bert_vocab, tmp_path):

@@ -117,6 +117,8 @@ def test_vocab_lines_are_numbered_as_the_rust_tokenizer_numbers_them(bert_vocab,
     (["--max_predictions_per_seq", "0"], "max_predictions_per_seq"),
     (["--num_shards", "0"], "--num_shards must be at least 1, got 0"),
     (["--num_test_shards", "-1"], "--num_test_shards must be 0 or more, got -1"),
+    (["--num_test_shards", "0"], "--num_test_shards 0 with --test_fraction 0.02: the held-out documents' instances"),
+    (["--test_fraction", "0"], "--num_test_shards 1 with --test_fraction 0: no document is held out"),
 ])
 def test_bad_flags_are_refused_before_any_stage_runs(flags, message, sample_dump, bert_vocab, tmp_path):
     out = tmp_path / "out"
