@@ -68,11 +68,15 @@ def test_fresh_directory_resumes_nothing(tmp_path):
     assert find_resume(tmp_path / "checkpoints") is None
 
 
-def test_missing_partition_never_becomes_latest(tmp_path):
+@pytest.mark.parametrize(("missing", "message"), [
+    ("bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt", "optimizer partition of rank 1"),
+    ("mp_rank_00_model_states.pt", "mp_rank_00_model_states.pt"),
+])
+def test_missing_partition_never_becomes_latest(missing, message, tmp_path):
     _save(tmp_path, 10)
     tag_dir = _fake_deepspeed_tag(tmp_path, 20)
-    (tag_dir / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(CheckpointError, match="optimizer partition of rank 1"):
+    (tag_dir / missing).unlink()
+    with pytest.raises(CheckpointError, match=message):
         commit(tmp_path, "step00000020", _state(20), keep=2, files=_describe(tmp_path, 20))
     assert read_latest(tmp_path) == "step00000010"
 
@@ -108,6 +112,17 @@ def test_rewound_timeline_is_neither_pruned_nor_overwritten(tmp_path):
     # keep=1 up to latest; step 30 of the abandoned timeline stays
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
         "step00000020", "step00000020.abandoned", "step00000030"]
+
+
+def test_keep_counts_only_the_tags_of_the_rewound_timeline(tmp_path):
+    for step in (10, 20, 30, 40):
+        _save(tmp_path, step, keep=4)
+    (tmp_path / LATEST).write_text("step00000020\n")  # rewound to step 20
+    make_room(tmp_path, "step00000030")
+    _save(tmp_path, 30, keep=2)
+    # keep=2 of the current timeline (20 and the new 30), not of the abandoned 30 and 40 ahead of it
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "step00000020", "step00000030", "step00000030.abandoned", "step00000040"]
 
 
 def test_crash_debris_of_the_same_name_is_removed_before_saving(tmp_path):

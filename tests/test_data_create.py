@@ -3,12 +3,21 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from data.create import derive_seed, held_out, plan_pairs, truncate_pairs
-from data.tokens import load_part
+from data.create import (
+    CreateConfig,
+    MaskingVocab,
+    create_instances,
+    derive_seed,
+    held_out,
+    plan_pairs,
+    truncate_pairs,
+)
+from data.tokens import TokenizedPart, load_part
 
 
 def reference_plan(lengths: list[int], doc_first: list[int], docs: list[int], max_num_tokens: int,
@@ -171,3 +180,38 @@ def test_whole_word_choice_equals_the_reference_greedy_loop(phase1_shards):
             chosen.extend(w)
         assert sorted(chosen) == np.flatnonzero(ours[row]).tolist(), row
     assert (ours.sum(1) == n_pred).mean() > 0.8
+
+
+def _synthetic_part(n_docs: int, sentences_per_doc: int = 12, sentence_len: int = 20) -> TokenizedPart:
+    """Documents whose token ids tell where they come from: document d uses ids 1000 + 500 d ... + 499."""
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([rng.integers(1000 + 500 * d, 1500 + 500 * d, sentences_per_doc * sentence_len)
+                          for d in range(n_docs)]).astype(np.int32)
+    return TokenizedPart(ids=ids, sentence_lengths=np.full(n_docs * sentences_per_doc, sentence_len, np.int32),
+                         doc_sentences=np.full(n_docs, sentences_per_doc, np.int32))
+
+
+def _documents(input_ids: np.ndarray) -> list[set[int]]:
+    """The documents each instance's tokens come from (ids 0-999: [PAD], [CLS], [SEP], [MASK], random)."""
+    return [set(((row[row >= 1000] - 1000) // 500).tolist()) for row in input_ids]
+
+
+def test_held_out_documents_never_reach_the_training_split(bert_vocab):
+    part = _synthetic_part(40)
+    cfg = CreateConfig(Path("."), bert_vocab, Path("."), dupe_factor=2, test_fraction=0.25, static_masking=False)
+    out = create_instances(part, 3, cfg, MaskingVocab.from_file(bert_vocab))
+    is_test = held_out(40, 0.25, cfg.seed, 3)
+    train = set().union(*_documents(out["training"]["input_ids"]))
+    test = set().union(*_documents(out["test"]["input_ids"]))
+    assert test == set(np.flatnonzero(is_test).tolist()) and len(test) >= 5
+    assert train == set(np.flatnonzero(~is_test).tolist())
+
+
+def test_instances_of_a_part_are_shuffled(bert_vocab):
+    """Shards take consecutive runs of a part's instances: in document order, a shard would be a few documents."""
+    part = _synthetic_part(60)
+    cfg = CreateConfig(Path("."), bert_vocab, Path("."), dupe_factor=1, test_fraction=0.0, static_masking=False)
+    ids = create_instances(part, 0, cfg, MaskingVocab.from_file(bert_vocab))["training"]["input_ids"]
+    first_doc = [min(docs) for docs in _documents(ids)]
+    assert len(first_doc) > 100
+    assert abs(np.corrcoef(np.arange(len(first_doc)), first_doc)[0, 1]) < 0.3

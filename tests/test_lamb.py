@@ -226,6 +226,21 @@ def test_trust_ratio_only_where_weights_decay():
         torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6, msg=name)
 
 
+def test_a_zero_tensor_takes_the_plain_adam_step():
+    """Trust ratio 1 where ||w|| = 0: a zero-initialised bias still trains under adapt_no_decay (apex's rule)."""
+    model = make_model()
+    with torch.no_grad():
+        model.out.bias.zero_()
+    lr = 1e-2
+    opt = Lamb(build_param_groups(model, 0.01), lr=lr, eps=1e-6, adapt_no_decay=True)
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    g = model.out.bias.grad.detach().clone()
+    opt.step()
+    assert g.abs().min() > 0
+    torch.testing.assert_close(model.out.bias.detach(), -lr * g / (g.abs() + 1e-6), rtol=0, atol=1e-7)
+
+
 @pytest.mark.parametrize("cls", [Lamb, Lans])
 def test_a_copied_optimizer_steps_like_the_original(cls):
     model = make_model()

@@ -153,6 +153,19 @@ def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
     assert 0.72 < replaced_by_mask / total < 0.88  # 80% [MASK], 10% random, 10% unchanged
 
 
+def test_dynamic_masks_of_a_row_differ_from_epoch_to_epoch(dynamic_shards):
+    """What dynamic masking is for: a row seen again in a later epoch is masked anew."""
+    ds = training_set(dynamic_shards)
+    n = len(ds)
+    where = {ds.locate(p): p for p in range(n)}
+    changed = 0
+    for position in range(n, n + 50):  # epoch 1: each row's epoch-0 position is where[...]
+        first = ds[where[ds.locate(position)]]
+        again = ds[position]
+        changed += not np.array_equal(first["masked_lm_positions"], again["masked_lm_positions"])
+    assert changed >= 48
+
+
 def test_dynamic_masking_follows_the_shards_recipe(phase1_shards, tmp_path):
     """--masked_lm_prob and --whole_word_masking, recorded in dynamic shards, drive the loader's masks."""
     instances = tmp_path / "instances"

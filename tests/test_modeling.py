@@ -81,7 +81,8 @@ def test_every_model_config_loads_and_bert_large_is_about_340m():
 
 @pytest.mark.parametrize("pre_layer_norm", [False, True], ids=["post-ln-bert", "pre-ln-megatron"])
 def test_hf_parity_fp32(pre_layer_norm):
-    config = small_config(pre_layer_norm=pre_layer_norm)
+    # Not HF's defaults (gelu, 1e-12), so that a field the export dropped would show in the outputs.
+    config = small_config(pre_layer_norm=pre_layer_norm, hidden_act="gelu_new", layer_norm_eps=1e-3)
     torch.manual_seed(1)
     model = BertForPreTraining(config).eval()
     hf = modeling.to_hf_model(model)
@@ -103,7 +104,7 @@ def test_hf_parity_fp32(pre_layer_norm):
 
 @pytest.mark.parametrize("pre_layer_norm", [False, True], ids=["post-ln-bert", "pre-ln-megatron"])
 def test_save_hf_load_hf_round_trip(tmp_path, pre_layer_norm):
-    config = small_config(pre_layer_norm=pre_layer_norm)
+    config = small_config(pre_layer_norm=pre_layer_norm, hidden_act="relu", layer_norm_eps=1e-5, initializer_range=0.03)
     model = BertForPreTraining(config).eval()
     batch = make_batch(config)
     modeling.save_hf(model, tmp_path / "hf")
@@ -111,6 +112,7 @@ def test_save_hf_load_hf_round_trip(tmp_path, pre_layer_norm):
     saved = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert saved["vocab_size"] == 1001  # the padding is stripped from exports
     assert saved["model_type"] == ("megatron-bert" if pre_layer_norm else "bert")
+    assert (saved["hidden_act"], saved["layer_norm_eps"], saved["initializer_range"]) == ("relu", 1e-5, 0.03)
 
     # transformers itself loads it...
     hf = transformers.AutoModelForPreTraining.from_pretrained(tmp_path / "hf").eval()

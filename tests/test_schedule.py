@@ -1,5 +1,7 @@
 """Learning-rate schedule: warm-up, constant phase, polynomial decay, and its checkpointed state."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -69,3 +71,12 @@ def test_resuming_with_another_schedule_is_an_error():
     other = WarmupConstantDecay(_optimizer(), ScheduleConfig(base_lr=1.0, total_steps=20))
     with pytest.raises(ScheduleMismatchError, match="total_steps: checkpoint 10 vs now 20"):
         other.load_state_dict(state)
+
+
+@pytest.mark.parametrize("field", ["base_lr", "warmup_proportion", "constant_proportion", "power"])
+def test_every_schedule_field_is_checked_on_resume(field):
+    cfg = ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.1, constant_proportion=0.3, power=1.0)
+    state = WarmupConstantDecay(_optimizer(), cfg).state_dict()
+    changed = dataclasses.replace(cfg, **{field: getattr(cfg, field) + 0.1})
+    with pytest.raises(ScheduleMismatchError, match=f"{field}: checkpoint"):
+        WarmupConstantDecay(_optimizer(), changed).load_state_dict(state)
