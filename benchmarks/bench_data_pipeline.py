@@ -13,8 +13,10 @@ the reference alternate, `--repeats` times each, and medians are shown (outside 
    and Habana's scripts also use: BERT's pure-Python BasicTokenizer + WordpieceTokenizer, then
    create_instances_from_document / truncate_seq_pair / create_masked_lm_predictions per
    instance, then the per-instance feature lists padded and written (here to HDF5), on the same
-   segmented text. Its instances/s is compared with ours for create+shard and for
-   tokens+create+shard;
+   segmented text. Its instances/s is compared with ours three ways: our create+shard against
+   the reference with its tokenization (how the issue states the 20x target), our create+shard
+   against the reference without its tokenization, and our tokens+create+shard against the
+   reference with it (the last two like for like);
 3. peak memory (proportional set size of the process and its workers together) of
    `python -m data.prepare` on the sample's pages repeated `--memory_scales` times, as a
    single-stream and as a multistream dump, with the same part size and the same shard size
@@ -207,8 +209,11 @@ def _instances_from_document(docs, index, vocab_words, rng):
     return instances
 
 
-def reference_create(sentence_files: list[Path], vocab_file: Path, out_file: Path, seed: int = 12345) -> int:
-    """Tokenize segmented text, make and mask instances and write them, one instance at a time."""
+def reference_create(sentence_files: list[Path], vocab_file: Path, out_file: Path, seed: int = 12345
+                     ) -> tuple[int, float]:
+    """Tokenize segmented text, make and mask instances and write them, one instance at a time.
+    Returns (instances, seconds spent reading and tokenizing the text)."""
+    start = time.perf_counter()
     tokenizer = ReferenceTokenizer(vocab_file)
     vocab_words = list(tokenizer.vocab)
     docs: list[list[list[str]]] = [[]]
@@ -222,6 +227,7 @@ def reference_create(sentence_files: list[Path], vocab_file: Path, out_file: Pat
             if tokens:
                 docs[-1].append(tokens)
     docs = [d for d in docs if d]
+    tokenize_seconds = time.perf_counter() - start
     rng = random.Random(seed)
     rng.shuffle(docs)
     instances = []
@@ -242,7 +248,7 @@ def reference_create(sentence_files: list[Path], vocab_file: Path, out_file: Pat
     with h5py.File(out_file, "w") as f:
         for key, rows in features.items():
             f.create_dataset(key, data=np.asarray(rows, dtype="i4"))
-    return len(instances)
+    return len(instances), tokenize_seconds
 
 
 # ---------------------------------------------------------------------------------------------
@@ -344,7 +350,7 @@ def main() -> None:
         seg, t_segment = _timed(segment, SegmentConfig(text / "extracted", text / "sentences", 1))
         files = sorted((text / "sentences").glob("part-*.txt"))
         ours: list[tuple[int, float, float, float]] = []
-        reference: list[tuple[int, float]] = []
+        reference: list[tuple[tuple[int, float], float]] = []
         for r in range(a.repeats):
             ours.append(_ours_after_text(text, a.vocab, work / f"ours-{r}"))
             reference.append(_timed(reference_create, files, a.vocab, work / f"reference-{r}.hdf5"))
@@ -366,12 +372,17 @@ def main() -> None:
         print(f"   for scale: bz2 decompression of the dump alone takes {t_bz2:.2f} s "
               f"({t_bz2 / (t_create + t_shard):.1f}x create+shard)")
 
-        ref_n = reference[0][0]
-        ref = ref_n / _median([t for _, t in reference])
-        print(f"\n2. reference (re-implemented per-instance algorithm, tokenization included; median of "
-              f"{a.repeats}): {ref_n} instances, {ref:,.0f} instances/s")
-        print(f"   ratio create+shard / reference:        {ours_cs / ref:.1f}x (target >= 20x)")
-        print(f"   ratio tokens+create+shard / reference: {ours_tcs / ref:.1f}x")
+        ref_n = reference[0][0][0]
+        ref_total = _median([t for _, t in reference])
+        ref_tokenize = _median([tok for (_, tok), _ in reference])
+        ref, ref_create = ref_n / ref_total, ref_n / (ref_total - ref_tokenize)
+        print(f"\n2. reference (re-implemented per-instance algorithm; medians of {a.repeats}): {ref_n} instances, "
+              f"{ref:,.0f} instances/s tokenization included, {ref_create:,.0f} instances/s without it "
+              f"(its tokenization: {ref_tokenize:.2f} of {ref_total:.2f} s)")
+        print(f"   ratio create+shard / reference with its tokenization:    {ours_cs / ref:.1f}x "
+              "(the issue's target: >= 20x)")
+        print(f"   ratio create+shard / reference without its tokenization: {ours_cs / ref_create:.1f}x (like for like)")
+        print(f"   ratio tokens+create+shard / reference:                   {ours_tcs / ref:.1f}x (like for like)")
         scales = [int(x) for x in a.memory_scales.split(",") if x]
         if scales:
             print("\n3. peak memory (PSS) of python -m data.prepare (process + workers), 2 workers, "

@@ -115,7 +115,8 @@ def worker(args: argparse.Namespace) -> None:
     )["ours"]
 
     def step(engine) -> tuple[float, float]:
-        """Seconds for the whole step and for engine.step alone (reduce, clip, optimizer, all-gather)."""
+        """Seconds for the whole step and for engine.step alone (clip, optimizer, all-gather; ZeRO-1 reduces the
+        gradients in engine.backward)."""
         torch.distributed.barrier()
         start = time.perf_counter()
         loss = engine(**batch).loss

@@ -227,7 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile_ops", type=int, default=0, metavar="ROWS",
                    help="also print a torch.profiler operator table (ROWS rows) of one step of each model")
     p.add_argument("--attention_variants", action="store_true",
-                   help="also time one layer's attention core four ways (SDPA with/without mask and dropout, eager)")
+                   help="also time one layer's attention core five ways (our CPU composition, SDPA with/without mask and "
+                        "dropout, eager)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
 
