@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import h5py
+import numpy as np
 import pytest
 
 from data import shard as shard_stage
@@ -39,6 +40,20 @@ def test_shard_cli_reshards_the_same_instances(phase1_shards, tmp_path, capsys):
     with pytest.raises(PipelineError, match="test instances .* which --num_test_shards 0 would write nowhere"):
         shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "no_test", 3, 0))
     assert not (tmp_path / "no_test").exists()
+
+
+def test_a_shard_mixes_its_parts(phase1_shards, tmp_path):
+    """Each shard takes a slice of every part; its rows are shuffled, not one part's slice after the other."""
+    shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "hdf5", 1, 1, workers=1))
+    parts = sorted((phase1_shards / "instances" / "training").glob("part-*"))
+    assert len(parts) == 3
+    in_order = np.concatenate([np.load(part / "input_ids.npy") for part in parts])
+    with h5py.File(tmp_path / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
+        rows = f["input_ids"][:]
+    assert sorted(map(bytes, rows)) == sorted(map(bytes, in_order))  # the same instances...
+    # ...with each part spread over the whole shard: the first third holds rows of all three parts.
+    source = {bytes(row): i for i, part in enumerate(parts) for row in np.load(part / "input_ids.npy")}
+    assert {source[bytes(row)] for row in rows[: len(rows) // 3]} == {0, 1, 2}
 
 
 def test_rerun_with_other_settings_is_refused(phase1_shards, sample_dump, bert_vocab, tmp_path):
