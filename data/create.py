@@ -32,7 +32,6 @@ Output, per part and split: `<output_dir>/<training|test>/part-NNNNN/<key>.npy` 
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import time
@@ -376,7 +375,7 @@ def stage_params(cfg: CreateConfig) -> dict:
     params.pop("workers")
     for path_field in ("vocab_file", "input_dir", "output_dir"):
         params.pop(path_field)
-    params["vocab_sha1"] = hashlib.sha1(cfg.vocab_file.read_bytes()).hexdigest()
+    params["vocab_sha1"] = stage.file_sha1(cfg.vocab_file)
     params["tokens"] = stage.fingerprint(cfg.input_dir)
     return params
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,7 +32,7 @@ from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, dow
 from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
-from data.stage import PipelineError
+from data.stage import PipelineError, file_sha1
 from data.tokens import TokenizeConfig, tokenize
 from data.vocab import VocabConfig, build_vocab, check_case, check_vocab_size, load_vocab
 
@@ -127,7 +126,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     seg = timed("segment", segment, SegmentConfig(text_dir / "extracted", text_dir / "sentences", cfg.workers))
     vocab = timed("vocab", build_vocab, VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences",
                                                     cfg.vocab_size, cfg.lower_case))
-    digest = hashlib.sha1(vocab.path.read_bytes()).hexdigest()[:10]
+    digest = file_sha1(vocab.path)[:10]
     tokens_dir = text_dir / f"tokens_{digest}_{'uncased' if cfg.lower_case else 'cased'}"
     tok = timed("tokens", tokenize, TokenizeConfig(text_dir / "sentences", vocab.path, tokens_dir,
                                                     cfg.lower_case, cfg.workers))

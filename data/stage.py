@@ -133,6 +133,11 @@ def file_identity(path: Path, sample_bytes: int = 1 << 20) -> dict[str, Any]:
     return {"name": path.name, "bytes": size, "ends_sha1": digest.hexdigest()}
 
 
+def file_sha1(path: Path) -> str:
+    """The sha1 of a small file read whole (a vocab); dumps are known by `file_identity`."""
+    return hashlib.sha1(path.read_bytes()).hexdigest()
+
+
 def fingerprint(stage_dir: Path) -> str:
     """Identifies a complete upstream stage's output by its completion record (parameters and summary)."""
     path = stage_dir / COMPLETE_FILE

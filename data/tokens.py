@@ -15,7 +15,6 @@ Phase 1 and phase 2 both create their instances from these files, so text is tok
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
 import os
 import re
@@ -189,7 +188,7 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
     sources = list_parts(cfg.input_dir)
     params = {"sentences": stage.fingerprint(cfg.input_dir), "parts": len(sources), "lower_case": cfg.lower_case,
               "special_tokens": "as_text",
-              "vocab_sha1": hashlib.sha1(cfg.vocab_file.read_bytes()).hexdigest()}
+              "vocab_sha1": stage.file_sha1(cfg.vocab_file)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return TokenizeResult(**done)

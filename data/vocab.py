@@ -9,7 +9,6 @@ The vocab used is always written to `<output_dir>/vocab.txt`.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,20 +170,16 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
         with stage.atomic_path(stage_dir / "model") as tmp:
             tmp.mkdir()
             tokenizer.save_model(str(tmp))
-        done = stage.finish(stage_dir, params, {"vocab_size": load_vocab(trained).size, "sha1": _sha1(trained)})
+        done = stage.finish(stage_dir, params, {"vocab_size": load_vocab(trained).size, "sha1": stage.file_sha1(trained)})
     if "sha1" not in done or not trained.is_file():
         raise PipelineError(f"{stage_dir} was written by an earlier version of data.vocab, which did not keep "
                             f"the trained vocab there; delete {stage_dir} to train it again")
     if not target.is_file():
         with stage.atomic_path(target) as tmp:
             shutil.copyfile(trained, tmp)
-    elif _sha1(target) != done["sha1"]:
+    elif stage.file_sha1(target) != done["sha1"]:
         raise PipelineError(_other_vocab(target, f"the vocab trained into {trained}"))
     return load_vocab(target)
-
-
-def _sha1(path: Path) -> str:
-    return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
 def _other_vocab(target: Path, wanted: str) -> str:

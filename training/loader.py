@@ -34,6 +34,7 @@ from modeling import IGNORE_INDEX
 
 REQUIRED_KEYS = ("input_ids", "input_mask", "segment_ids", "next_sentence_labels")
 MASK_KEYS = ("masked_lm_positions", "masked_lm_ids")
+BERT_MASKED_LM_PROB = 0.15  # dynamic masking of shards without our attributes (NVIDIA's, Habana's)
 SPLITS = ("training", "test")
 OPEN_FILES = 2  # HDF5 handles per process
 CHUNK_CACHE_BYTES = 64 << 20  # per dataset of an open file; only chunked (compressed) shards use it
@@ -50,7 +51,7 @@ class ShardInfo:
     num_samples: int
     static_masks: bool
     # Dynamic masking's recipe, from our shards' attributes (BERT's defaults for others).
-    masked_lm_prob: float = 0.15
+    masked_lm_prob: float = BERT_MASKED_LM_PROB
     whole_word_masking: bool = False
 
 
@@ -117,7 +118,7 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
                         f"{f[key].shape[-1]}")
         attrs = dict(f.attrs)
     _check_attrs(path, attrs, static, max_seq_length, max_predictions, vocab_size)
-    prob = float(attrs.get("masked_lm_prob", 0.15))
+    prob = float(attrs.get("masked_lm_prob", BERT_MASKED_LM_PROB))
     if not 0.0 < prob < 1.0:
         raise DataConfigError(f"{path}: attribute masked_lm_prob={prob} is outside (0, 1); recreate the shards")
     return ShardInfo(path=str(path), num_samples=int(n), static_masks=static, masked_lm_prob=prob,
