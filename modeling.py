@@ -21,14 +21,16 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from training.atomic import atomic_write_text
 
 IGNORE_INDEX = -100  # masked_lm_labels value for "no prediction at this slot"
 
@@ -136,26 +138,27 @@ class BertConfig:
         return dataclasses.asdict(self)
 
     def to_json_file(self, path: str | os.PathLike) -> None:
-        _atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
+        atomic_write_text(Path(path), json.dumps(self.to_dict(), indent=2) + "\n")
 
 
 @dataclass
 class ActivationCheckpointing:
-    """Recompute encoder activations in backward. `interval` layers form one checkpointed segment."""
+    """Recompute encoder activations in backward (torch.utils.checkpoint, non-reentrant). `interval`
+    layers form one checkpointed segment, whose input alone is kept."""
 
     enabled: bool = False
     interval: int = 1
-    impl: str = "torch"  # "torch" (torch.utils.checkpoint, non-reentrant) or "deepspeed"
 
     def __post_init__(self) -> None:
         if self.interval < 1:
             raise ValueError(f"activation checkpointing interval must be >= 1, got {self.interval}")
-        if self.impl not in ("torch", "deepspeed"):
-            raise ValueError(f"activation checkpointing impl must be 'torch' or 'deepspeed', got {self.impl!r}")
 
 
-@dataclass
-class PreTrainingOutput:
+class PreTrainingOutput(NamedTuple):
+    """A tuple, not a dataclass: DeepSpeed's engine runs its backward prologue (for BF16_Optimizer:
+    zeroing the bf16 gradients of the previous micro batch) from hooks that it registers only on
+    tensors it finds in tuples, lists and dicts of the forward's output."""
+
     loss: torch.Tensor | None
     mlm_loss: torch.Tensor | None
     nsp_loss: torch.Tensor | None
@@ -297,15 +300,8 @@ class BertEncoder(nn.Module):
         if not (ckpt.enabled and self.training and torch.is_grad_enabled()):
             x = self._run_layers(0, len(self.layer))(x, attn_mask)
         else:
-            if ckpt.impl == "deepspeed":
-                import deepspeed  # imported here: only runs that ask for it need DeepSpeed in the model
-
-                checkpoint_fn = deepspeed.checkpointing.checkpoint
-            else:
-                def checkpoint_fn(fn, *args):
-                    return torch_checkpoint(fn, *args, use_reentrant=False)
             for start in range(0, len(self.layer), ckpt.interval):
-                x = checkpoint_fn(self._run_layers(start, start + ckpt.interval), x, attn_mask)
+                x = torch_checkpoint(self._run_layers(start, start + ckpt.interval), x, attn_mask, use_reentrant=False)
         return x if self.ln is None else self.ln(x)
 
 
@@ -436,14 +432,6 @@ class BertForPreTraining(nn.Module):
 
 
 # ----------------------------------------------------------------------------- Hugging Face interop
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _hf_classes(config: BertConfig):

@@ -71,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="decay exponent after warm-up/constant: 1 = linear (Gaudi 1.5B), 0.5 = NVIDIA BERT")
     g.add_argument("--seed", type=int, default=12439, help="weights, data order, masks and dropout")
     g.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
+    g.add_argument("--checkpoint_activations_interval", type=int, default=1,
+                   help="encoder layers per checkpointed segment, whose input alone is kept (with --checkpoint_activations)")
     g.add_argument("--max_nonfinite_steps", type=int, default=10,
                    help="stop after this many consecutive micro batches with a non-finite loss")
     g = p.add_argument_group("phases and checkpoints")
@@ -101,12 +103,15 @@ def check_args(args: argparse.Namespace) -> None:
     if args.init_checkpoint is not None and args.init_checkpoint.resolve() == args.output_dir.resolve():
         raise RunConfigError("--init_checkpoint must be the phase-1 run, not this run's --output_dir")
     for name in ("max_steps", "num_steps_per_checkpoint", "keep_checkpoints", "log_freq", "max_nonfinite_steps",
-                 "max_seq_length", "max_predictions_per_seq"):
+                 "max_seq_length", "max_predictions_per_seq", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise RunConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
     for name in ("eval_freq", "num_eval_samples", "num_workers"):
         if getattr(args, name) < 0:
             raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
+    if args.checkpoint_activations_interval != 1 and not args.checkpoint_activations:
+        raise RunConfigError(f"--checkpoint_activations_interval {args.checkpoint_activations_interval} does nothing "
+                             "without --checkpoint_activations; add it or drop the interval")
     if args.eval_freq and not args.num_eval_samples:
         raise RunConfigError(f"--eval_freq {args.eval_freq} with --num_eval_samples 0 evaluates nothing; "
                              "drop one of them")
@@ -180,6 +185,16 @@ def load_ds_config(path: Path, world_size: int) -> tuple[dict, BatchSizes]:
             raise RunConfigError(f"{path}: remove the '{key}' section; this script builds it from {flag}")
     if config.get("fp16", {}).get("enabled"):
         raise RunConfigError(f"{path}: fp16 is not supported; use \"bf16\": {{\"enabled\": true}}")
+    zero = config.get("zero_optimization", {})
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
+    # Checkpoints (one optimizer partition per rank) and layer-wise LAMB are built on ZeRO-1/2's layout;
+    # other stages would train and then fail at the first checkpoint.
+    if stage not in (1, 2):
+        raise RunConfigError(f"{path}: zero_optimization.stage {stage} is not supported; use \"zero_optimization\": "
+                             "{\"stage\": 1} (bf16 or fp32) or stage 2 (fp32)")
+    if config.get("bf16", {}).get("enabled") and stage != 1:
+        raise RunConfigError(f"{path}: bf16 needs zero_optimization.stage 1, got {stage}: only there does "
+                             "DeepSpeed's BF16_Optimizer accumulate gradients in fp32")
     if config.get("bf16", {}).get("enabled") and config.get("data_types", {}).get("grad_accum_dtype") != "fp32":
         raise RunConfigError(f"{path}: bf16 needs \"data_types\": {{\"grad_accum_dtype\": \"fp32\"}} so that "
                              "gradients accumulate in fp32 (bf16 accumulation loses small gradients)")
@@ -403,10 +418,12 @@ def train(args: argparse.Namespace) -> dict:
     if args.num_eval_samples:
         eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,
                               config.vocab_size, args.seed, shuffle=False)
-    if args.eval_freq and eval_set is None:
-        raise DataConfigError(f"--eval_freq {args.eval_freq}: no test shards under --input_dir {args.input_dir} "
-                              "(.hdf5 files in a test/ directory or named like wikicorpus_en_test_0.hdf5); "
-                              "add them or drop --eval_freq")
+    if args.num_eval_samples and eval_set is None:
+        when = f"every {args.eval_freq} steps" if args.eval_freq else "at the end of the run"
+        raise DataConfigError(f"--num_eval_samples {args.num_eval_samples} evaluates {when}, but there are no test "
+                              f"shards under --input_dir {args.input_dir} (.hdf5 files in a test/ directory or "
+                              "named like wikicorpus_en_test_0.hdf5); add them, or pass --num_eval_samples 0 "
+                              "to train without evaluation")
     identity = run_identity(args, train_set, sizes)
 
     ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
@@ -420,7 +437,8 @@ def train(args: argparse.Namespace) -> dict:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
-    model = BertForPreTraining(config, checkpointing=ActivationCheckpointing(enabled=args.checkpoint_activations))
+    checkpointing = ActivationCheckpointing(args.checkpoint_activations, args.checkpoint_activations_interval)
+    model = BertForPreTraining(config, checkpointing=checkpointing)
     init_from = None
     if args.phase2 and resume is None:
         init_from = checkpoint.load_module_weights(model, args.init_checkpoint)
@@ -455,6 +473,7 @@ def train(args: argparse.Namespace) -> dict:
         "gradient_accumulation_steps": sizes.grad_accum, "zero_stage": engine.zero_optimization_stage(),
         "bf16": engine.bfloat16_enabled(), "grad_accum_dtype": accum_dtype, "compiled": compiled,
         "activation_checkpointing": model.checkpointing.enabled,
+        "activation_checkpointing_interval": model.checkpointing.interval if model.checkpointing.enabled else None,
         "optimizer": args.optimizer, "optimizer_wrapper": type(engine.optimizer).__name__,
         "parameters": count_parameters(model), "resumed_from": resume[0] if resume else None,
         "resumed_world_size": resume[1].world_size if resume else None, "init_checkpoint": init_from,

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 
 from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
-
-MODEL_STATES = "mp_rank_00_model_states.pt"
+from training.checkpoint import CHECKPOINTS, MODEL_STATES
 
 
 class ExportError(RuntimeError):
@@ -53,8 +52,10 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
         if tag is not None and tag != path.name:
             raise ExportError(f"{path} is the checkpoint tag '{path.name}'; --tag {tag} contradicts it")
         return CheckpointLocation(path.parent.parent, path.parent, path.name)
-    checkpoints = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    run_dir = checkpoints.parent if checkpoints != path else path
+    if (path / CHECKPOINTS).is_dir():  # a run's --output_dir
+        run_dir, checkpoints = path, path / CHECKPOINTS
+    else:  # its checkpoints/ directory
+        run_dir, checkpoints = path.parent, path
     if tag is None:
         latest = checkpoints / "latest"
         if not latest.is_file():

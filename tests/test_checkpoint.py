@@ -4,6 +4,7 @@ The DeepSpeed side (save/load through a real engine, SIGKILL, universal checkpoi
 tests/test_train_run.py."""
 
 import json
+import os
 import zlib
 from pathlib import Path
 
@@ -114,6 +115,19 @@ def test_rewound_timeline_is_neither_pruned_nor_overwritten(tmp_path):
         "step00000020", "step00000020.abandoned", "step00000030"]
 
 
+def test_a_second_rewind_past_the_same_step_keeps_both_abandoned_checkpoints(tmp_path):
+    for step in (10, 20):
+        _save(tmp_path, step, keep=3)
+    for _ in range(2):  # rewound to step 10 twice
+        (tmp_path / LATEST).write_text("step00000010\n")
+        make_room(tmp_path, "step00000020")
+        _save(tmp_path, 20, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "step00000010", "step00000020", "step00000020.abandoned", "step00000020.abandoned-2"]
+    for name in ("step00000020.abandoned", "step00000020.abandoned-2"):
+        assert (tmp_path / name / RUN_STATE).is_file()
+
+
 def test_keep_counts_only_the_tags_of_the_rewound_timeline(tmp_path):
     for step in (10, 20, 30, 40):
         _save(tmp_path, step, keep=4)
@@ -202,3 +216,19 @@ def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_p
     finally:
         dist.destroy_process_group()
     assert read_latest(tmp_path) == "step00000010"
+
+
+def test_small_files_are_replaced_whole_and_get_the_users_umask(tmp_path):
+    from training.atomic import atomic_write_text
+
+    path = atomic_write_text(tmp_path / "sub" / "run_info.json", "{}\n")
+    umask = os.umask(0o022)
+    try:
+        atomic_write_text(path, '{"a": 1}\n')  # not mkstemp's 0600: other users of a cluster read run files
+        assert path.stat().st_mode & 0o777 == 0o644
+    finally:
+        os.umask(umask)
+    with pytest.raises(TypeError):
+        atomic_write_text(path, None)  # fails mid-write: the old content stays, no temporary file is left
+    assert path.read_text() == '{"a": 1}\n'
+    assert [p.name for p in path.parent.iterdir()] == ["run_info.json"]

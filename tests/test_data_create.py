@@ -140,9 +140,15 @@ def test_truncation_matches_the_one_token_at_a_time_loop():
     # How many tokens come off the front has the reference's distribution (same mean and spread).
     cut = ours[:, [0, 2]] - pairs[:, [0, 2]]
     assert (cut >= 0).all() and (ours[:, 1] + ours[:, 3] <= max_num_tokens).all()
+    removed = pairs[:, [1, 3]] - ours[:, [1, 3]]
     for side in (0, 1):
         assert abs(cut[:, side].mean() - front[:, side].mean()) < 0.5
         assert abs(cut[:, side].std() - front[:, side].std()) < 1.0
+        # Where the cut falls, given how much is cut: the reference's front share is a fair coin per
+        # token, Binomial(removed, 0.5), whose spread around removed / 2 a fixed cut point lacks.
+        spread_ref = ((front[:, side] - removed[:, side] / 2) ** 2).mean()
+        spread_ours = ((cut[:, side] - removed[:, side] / 2) ** 2).mean()
+        assert spread_ref > 1.0 and abs(spread_ours - spread_ref) < 0.1 * spread_ref
 
 
 def test_whole_word_choice_equals_the_reference_greedy_loop(phase1_shards):

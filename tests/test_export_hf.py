@@ -43,6 +43,13 @@ def _real_batch(shards: Path, n: int = 4) -> dict[str, torch.Tensor]:
         return {k: torch.from_numpy(f[k][:n].astype("int64")) for k in ("input_ids", "input_mask", "segment_ids")}
 
 
+def test_a_run_its_checkpoints_dir_and_a_tag_locate_the_same_checkpoint(zero_run: Path):
+    run = locate(zero_run)
+    assert run.run_dir == zero_run.resolve() and run.checkpoints_dir == zero_run.resolve() / "checkpoints"
+    assert locate(zero_run / "checkpoints") == run
+    assert locate(run.tag_dir) == run
+
+
 def test_zero_export_is_the_fp32_master_weights(zero_run: Path, zero_export):
     _, weights = zero_export
     tag_dir = locate(zero_run).tag_dir

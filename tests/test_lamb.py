@@ -19,7 +19,7 @@ from training.lamb import Lamb, Lans, build_param_groups
 
 
 # ------------------------------------------------------------------ straightforward references, one tensor at a time
-def reference_lamb_step(params, grads, states, groups_wd, lr, betas, eps, adapt_no_decay=False):
+def reference_lamb_step(params, grads, states, groups_wd, lr, betas, eps):
     """Textbook LAMB with apex's BERT conventions; `states` holds (m, v, t) per tensor."""
     beta1, beta2 = betas
     for i, (w, g, wd) in enumerate(zip(params, grads, groups_wd)):
@@ -29,7 +29,7 @@ def reference_lamb_step(params, grads, states, groups_wd, lr, betas, eps, adapt_
         v = beta2 * v + (1 - beta2) * g * g
         u = (m / (1 - beta1**t)) / ((v / (1 - beta2**t)).sqrt() + eps) + wd * w
         ratio = 1.0
-        if wd != 0 or adapt_no_decay:
+        if wd != 0:
             wn, un = w.norm().item(), u.norm().item()
             ratio = wn / un if wn > 0 and un > 0 else 1.0
         params[i] = w - lr * ratio * u
@@ -103,7 +103,6 @@ def run_reference(
     clip: float | None = None,
     bf16: bool = False,
     lr: float = 2e-2,
-    adapt_no_decay: bool = False,
 ):
     """Single process, unpartitioned, the reference rule on the mean gradient over `world` ranks'
     micro-batches; with `clip`, DeepSpeed's global-norm clipping first. With bf16, forward and backward
@@ -136,7 +135,7 @@ def run_reference(
             scale = max((total + 1e-6) / clip, 1.0)
             grads = [g / scale for g in grads]
         if kind == "lamb":
-            reference_lamb_step(values, grads, states, wds, lr, (0.9, 0.999), 1e-6, adapt_no_decay)
+            reference_lamb_step(values, grads, states, wds, lr, (0.9, 0.999), 1e-6)
         else:
             reference_lans_step(values, grads, states, wds, lr, (0.9, 0.999), 1e-6)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -192,12 +191,6 @@ def test_matches_reference_unpartitioned(kind, cls):
     assert max_abs_diff(ours, start) > 1e-3
 
 
-def test_adapt_no_decay_adapts_bias_and_layernorm_too():
-    ours = run_optimizer(Lamb, 6, adapt_no_decay=True)
-    assert max_abs_diff(ours, run_reference("lamb", 6, adapt_no_decay=True)) < 1e-6
-    assert max_abs_diff(ours, run_optimizer(Lamb, 6)) > 1e-4
-
-
 def test_trust_ratio_only_where_weights_decay():
     """Bias/LayerNorm tensors take the plain Adam step (ratio 1); weights take ||w||/||u|| of their own tensor."""
     model = make_model()
@@ -227,18 +220,18 @@ def test_trust_ratio_only_where_weights_decay():
 
 
 def test_a_zero_tensor_takes_the_plain_adam_step():
-    """Trust ratio 1 where ||w|| = 0: a zero-initialised bias still trains under adapt_no_decay (apex's rule)."""
+    """Trust ratio 1 where ||w|| = 0 (apex's rule): a zero-initialised decayed weight still trains."""
     model = make_model()
     with torch.no_grad():
-        model.out.bias.zero_()
+        model.out.weight.zero_()
     lr = 1e-2
-    opt = Lamb(build_param_groups(model, 0.01), lr=lr, eps=1e-6, adapt_no_decay=True)
+    opt = Lamb(build_param_groups(model, 0.01), lr=lr, eps=1e-6)
     x, y = batches(1)[0]
     model(x, y).backward()
-    g = model.out.bias.grad.detach().clone()
+    g = model.out.weight.grad.detach().clone()
     opt.step()
     assert g.abs().min() > 0
-    torch.testing.assert_close(model.out.bias.detach(), -lr * g / (g.abs() + 1e-6), rtol=0, atol=1e-7)
+    torch.testing.assert_close(model.out.weight.detach(), -lr * g / (g.abs() + 1e-6), rtol=0, atol=1e-7)
 
 
 @pytest.mark.parametrize("cls", [Lamb, Lans])

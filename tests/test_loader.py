@@ -235,9 +235,13 @@ def test_sequence_length_mismatch_names_file_and_flag(phase1_shards):
         training_set(phase1_shards, max_seq_length=512)
 
 
-def test_max_predictions_mismatch_names_file_and_flag(phase1_shards):
+def test_max_predictions_mismatch_names_file_and_flag(phase1_shards, dynamic_shards):
     with pytest.raises(DataConfigError, match=r"\.hdf5.*--max_predictions_per_seq is 80; pass --max_predictions_per_seq 20"):
         training_set(phase1_shards, max_predictions=80)
+    # without static masks the attribute is checked the same way: the shards' --max_predictions_per_seq counts
+    with pytest.raises(DataConfigError, match=r"attribute max_predictions_per_seq=20 but --max_predictions_per_seq "
+                                              r"is 80; pass --max_predictions_per_seq 20 or recreate the shards"):
+        training_set(dynamic_shards, max_predictions=80)
 
 
 def test_vocab_size_mismatch_is_caught_from_attributes(phase1_shards):

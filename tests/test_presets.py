@@ -166,6 +166,11 @@ def test_bad_json_and_unknown_names(tmp_path: Path):
         load_preset("bert-huge")
     with pytest.raises(PresetError, match="no entry for device kind 'tpu'"):
         resolve(load_preset("bert-1.5b-phase1"), 8, device_kind="tpu")
+    with pytest.raises(PresetError, match="bert-1.5b-phase1.json: number of nodes must be >= 1, got 0"):
+        resolve(load_preset("bert-1.5b-phase1"), 0)
+    for devices in (0, -8):  # an explicit bad count is refused, not replaced by the preset's 8
+        with pytest.raises(PresetError, match=f"bert-1.5b-phase1.json: devices per node must be >= 1, got {devices}"):
+            resolve(load_preset("bert-1.5b-phase1"), 1, devices_per_node=devices)
 
 
 def test_overrides_are_validated_like_the_file():

@@ -65,6 +65,9 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping():
     ({"fp16": {"enabled": True}}, "fp16 is not supported"),
     ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' section"),
     ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' section"),
+    ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage 0 is not supported; use"),
+    ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage 3 is not supported"),
+    ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
 ])
 def test_deepspeed_json_errors(tmp_path, change, message):
     config = json.loads(DEFAULT_DS_CONFIG.read_text()) | change
@@ -101,6 +104,8 @@ def test_flags_parse_with_reference_names():
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
     (["--warmup_proportion", "1.5"], r"--warmup_proportion must be in \[0, 1\]"),
     (["--eval_freq", "2", "--num_eval_samples", "0"], "evaluates nothing"),
+    (["--checkpoint_activations_interval", "2"], "does nothing without --checkpoint_activations"),
+    (["--checkpoint_activations", "--checkpoint_activations_interval", "0"], "must be >= 1, got 0"),
 ])
 def test_bad_flag_combinations(extra, message):
     with pytest.raises(RunConfigError, match=message):

@@ -137,6 +137,23 @@ def test_bf16_zero1_two_ranks_trains(bf16_run):
 
 
 @pytest.mark.slow
+def test_bf16_accumulation_counts_each_micro_batch_once(phase1_shards, no_dropout_model, tmp_path):
+    """Micro batch 2 x accumulation 4 and micro batch 8 x accumulation 1 see the same 8 samples per
+    step, so their fp32 gradients and logged norms agree to rounding. A bf16 gradient not zeroed
+    between micro batches counts the first micro batch 4 times and the norm comes out ~2.5x."""
+    norms = {}
+    for micro, accum in ((2, 4), (8, 1)):
+        ds = ds_config(tmp_path / f"ds{micro}.json", bf16=True, train_batch_size=8,
+                       train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=accum)
+        out = tmp_path / f"micro{micro}"
+        ok(run(1, base_args(phase1_shards, out, no_dropout_model, ds, 3, optimizer="lamb", learning_rate=1e-3)))
+        recs = records(out)
+        assert [recs[s]["consumed_samples"] for s in (1, 2, 3)] == [8, 16, 24]
+        norms[micro] = [recs[s]["grad_norm"] for s in (1, 2, 3)]
+    assert norms[2] == pytest.approx(norms[8], rel=0.03), norms
+
+
+@pytest.mark.slow
 def test_checkpoint_layout_and_export_files(bf16_run, phase1_shards):
     ckpt = bf16_run / "checkpoints"
     assert read_latest(ckpt) == "step00000016"
@@ -187,9 +204,10 @@ def test_phase2_starts_from_phase1_weights_with_fresh_optimizer(bf16_run, dynami
     phase1_files = {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()}
     ok(run(1, base_args(dynamic_shards, out, bf16_run / "model_config.json", ds, 3, optimizer="lans",
                         learning_rate=1e-3, warmup_proportion=0.5, phase2=True, init_checkpoint=bf16_run,
-                        checkpoint_activations=True)))
+                        checkpoint_activations=True, checkpoint_activations_interval=2)))
     info = json.loads((out / "run_info.json").read_text())
-    assert info["activation_checkpointing"] and not info["compiled"]
+    assert info["activation_checkpointing"] and info["activation_checkpointing_interval"] == 2
+    assert not info["compiled"]
     assert info["optimizer"] == "lans" and info["optimizer_wrapper"] == "BF16_Optimizer"
     assert info["init_checkpoint"].endswith("checkpoints/step00000016") and info["start_step"] == 0
     recs, phase1 = records(out), records(bf16_run)
@@ -384,6 +402,22 @@ def test_batch_sizes_that_do_not_divide_fail_clearly(phase1_shards, tmp_path):
     result = run(1, base_args(phase1_shards, tmp_path / "out", ROOT / "configs/models/bert-tiny.json", ds, 2))
     assert result.returncode == 1
     assert f"{ds}: train_batch_size 12 != 4 x 2 x 1" in result.stderr
+    assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.slow
+def test_evaluation_without_test_shards_is_refused_not_skipped(phase1_shards, tmp_path):
+    shards = tmp_path / "training_only"
+    shards.mkdir()
+    for src in sorted((phase1_shards / "hdf5").rglob("*training*.hdf5")):
+        shutil.copy(src, shards / src.name)
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=4, train_micro_batch_size_per_gpu=4,
+                   gradient_accumulation_steps=1)
+    args = base_args(shards, tmp_path / "out", ROOT / "configs/models/bert-tiny.json", ds, 2)
+    result = run(1, args)  # --num_eval_samples 32: evaluate at the end
+    assert result.returncode == 1
+    assert "--num_eval_samples 32 evaluates at the end of the run, but there are no test shards" in result.stderr
+    assert "pass --num_eval_samples 0 to train without evaluation" in result.stderr
     assert not (tmp_path / "out" / "checkpoints").exists()
 
 

@@ -26,7 +26,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import zipfile
 import zlib
@@ -36,6 +35,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from training.atomic import atomic_write_text
 from training.schedule import ScheduleMismatchError
 
 CHECKPOINTS = "checkpoints"
@@ -73,25 +73,6 @@ def checkpoint_dir(output_dir: Path) -> Path:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write to a temporary name in the same directory, fsync, then rename over `path`."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def read_latest(ckpt_dir: Path) -> str | None:
@@ -177,15 +158,18 @@ def prune(ckpt_dir: Path, keep: int) -> None:
 
 def make_room(ckpt_dir: Path, tag: str) -> None:
     """Before saving `tag`: crash debris of that name goes; a complete tag of that name (from a
-    timeline rewound by editing `latest`) is kept as `<tag>.abandoned`, replacing an older one.
-    A universal copy of the old tag goes in every case: it holds the old timeline's weights."""
+    timeline rewound by editing `latest`) is kept as `<tag>.abandoned` (`.abandoned-2`, ... when a
+    later rewind passes the same step again: no complete checkpoint is ever deleted here).
+    A universal copy of the old tag goes in every case: it is derived from the old tag's weights."""
     shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
     path = ckpt_dir / tag
     if not path.exists():
         return
     if (path / RUN_STATE).is_file():
-        aside = ckpt_dir / f"{tag}.abandoned"
-        shutil.rmtree(aside, ignore_errors=True)
+        aside, n = ckpt_dir / f"{tag}.abandoned", 1
+        while aside.exists():
+            n += 1
+            aside = ckpt_dir / f"{tag}.abandoned-{n}"
         os.replace(path, aside)
         print(f"warning: {path} belonged to a run rewound past it; moved to {aside}", file=sys.stderr)
     else:

@@ -80,7 +80,6 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-6,
         weight_decay: float = 0.01,
-        adapt_no_decay: bool = False,
     ):
         if not lr >= 0.0:
             raise ValueError(f"lr must be >= 0, got {lr!r}")
@@ -93,9 +92,7 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
         # Optimizer.__init__ calls add_param_group, which records the tensors we were built with.
         self._constructed: set[int] = set()
         self._binding: _Binding | None = None
-        defaults = dict(
-            lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, adapt_no_decay=adapt_no_decay
-        )
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -118,7 +115,7 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
 
     @staticmethod
     def _adaptive(group: dict) -> bool:
-        return group["weight_decay"] != 0.0 or group["adapt_no_decay"]
+        return group["weight_decay"] != 0.0
 
     def _piece_tables(self, params: Sequence[torch.Tensor]) -> tuple[list[_Pieces], int, object | None]:
         """Piece tables for the tensors of this step, the number of tensor slots, and the group to reduce over."""
@@ -227,8 +224,8 @@ class Lamb(_LayerwiseOptimizer):
     """LAMB (You et al. 2019) as NVIDIA's BERT recipe runs it (apex FusedLAMB, ``use_nvlamb=False``).
 
     m, v: Adam moments with bias correction; u = m_hat / (sqrt(v_hat) + eps) + weight_decay * w;
-    w -= lr * (||w|| / ||u||) * u with norms per original tensor. Groups with weight_decay 0 get ratio 1
-    unless ``adapt_no_decay=True`` (apex's ``use_nvlamb``). Gradient clipping is not done here: DeepSpeed's
+    w -= lr * (||w|| / ||u||) * u with norms per original tensor. Groups with weight_decay 0 (biases and
+    LayerNorm) get ratio 1, as apex does without ``use_nvlamb``. Gradient clipping is not done here: DeepSpeed's
     ``gradient_clipping`` clips by the global norm before this step, as the recipe does.
     """
 
@@ -279,8 +276,8 @@ class Lans(_LayerwiseOptimizer):
     g_hat = g / (||g|| + eps) per original tensor; m, v: Adam moments of g_hat with bias correction;
     r_m = m_hat / (sqrt(v_hat) + eps) + wd * w and r_c = g_hat / (sqrt(v_hat) + eps) + wd * w;
     w -= lr * (beta1 * ||w||/||r_m|| * r_m + (1 - beta1) * ||w||/||r_c|| * r_c).
-    Every tensor's gradient is normalised; the trust ratios are skipped where weight_decay is 0 unless
-    ``adapt_no_decay=True``, as for Lamb. Under ZeRO this takes two small all-reduces per step: the gradient
+    Every tensor's gradient is normalised; the trust ratios are skipped where weight_decay is 0, as for
+    Lamb. Under ZeRO this takes two small all-reduces per step: the gradient
     norms are needed before the moments, the update norms after them.
     """
 

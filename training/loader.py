@@ -134,9 +134,11 @@ def _check_attrs(path: Path, attrs: dict, static: bool, seq: int, preds: int, vo
     if "max_seq_length" in attrs and int(attrs["max_seq_length"]) != seq:
         raise DataConfigError(f"{path}: attribute max_seq_length={int(attrs['max_seq_length'])} but "
                               f"--max_seq_length is {seq}")
-    if static and "max_predictions_per_seq" in attrs and int(attrs["max_predictions_per_seq"]) != preds:
+    # Dynamic shards too: they were made for a masking budget, as their masked_lm_prob attribute says.
+    if "max_predictions_per_seq" in attrs and int(attrs["max_predictions_per_seq"]) != preds:
         raise DataConfigError(f"{path}: attribute max_predictions_per_seq={int(attrs['max_predictions_per_seq'])} "
-                              f"but --max_predictions_per_seq is {preds}")
+                              f"but --max_predictions_per_seq is {preds}; pass --max_predictions_per_seq "
+                              f"{int(attrs['max_predictions_per_seq'])} or recreate the shards")
     masking = attrs.get("masking")
     if isinstance(masking, bytes):
         masking = masking.decode()

@@ -20,9 +20,10 @@ import json
 import os
 import shlex
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from training.atomic import atomic_write_text
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PRESET_DIR = PROJECT_ROOT / "configs" / "presets"
@@ -339,7 +340,10 @@ def resolve(preset: Preset, num_nodes: int, devices_per_node: int | None = None,
             device_kind: str = DEFAULT_KEY) -> ResolvedRun:
     if num_nodes < 1:
         raise PresetError(f"{preset.path}: number of nodes must be >= 1, got {num_nodes}")
-    devices_per_node = devices_per_node or preset.devices_per_node
+    if devices_per_node is None:
+        devices_per_node = preset.devices_per_node
+    elif devices_per_node < 1:
+        raise PresetError(f"{preset.path}: devices per node must be >= 1, got {devices_per_node}")
     micro = preset.micro_batch_per_device.get(device_kind)
     if micro is None:
         raise PresetError(f"{preset.path}: field 'micro_batch_per_device' has no entry for device kind "
@@ -365,19 +369,6 @@ def _read_json(path: Path) -> dict:
     if not isinstance(values, dict):
         raise PresetError(f"{path}: expected a JSON object (a DeepSpeed config)")
     return values
-
-
-def write_json_atomic(values: dict, path: Path) -> Path:
-    """Write to a unique temporary name in the same directory, then rename: nodes sharing a file
-    system may write the same file at the same time."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        json.dump(values, f, indent=2)
-        f.write("\n")
-    os.chmod(tmp, 0o644)  # mkstemp creates 0600; other nodes' users may read this file
-    os.replace(tmp, path)
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -423,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
             raise PresetError(f"--devices_per_node {args.devices_per_node} and --set devices_per_node="
                               f"{overrides['devices_per_node']} disagree; give one of them")
         run = resolve(load_preset(args.preset, overrides), args.num_nodes, args.devices_per_node, args.device_kind)
-        out = write_json_atomic(run.deepspeed_config, args.deepspeed_config_out)
+        out = atomic_write_text(args.deepspeed_config_out, json.dumps(run.deepspeed_config, indent=2) + "\n")
         flags = run.run_args(out.resolve(), args.init_checkpoint)
     except PresetError as e:
         print(f"error: {e}", file=sys.stderr)
