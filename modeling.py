@@ -483,23 +483,42 @@ def to_hf_model(model: BertForPreTraining):
     return hf_model.eval()
 
 
+# What save_hf writes (transformers may add generation_config.json): the only files it replaces.
+HF_EXPORT_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
+                             "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"})
+
+
 def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None) -> Path:
     """Write a Hugging Face model directory (config.json + model.safetensors) that
     `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM) loads.
     With `vocab_file` (a WordPiece vocab.txt), the tokenizer files are written too.
-    The directory is staged beside its final name and swapped in whole."""
+    The directory is staged beside its final name and swapped in whole; an existing directory is
+    replaced only when it holds nothing but an earlier export's files."""
     if vocab_file is not None:
         n_lines = len(Path(vocab_file).read_text(encoding="utf-8").splitlines())
         if n_lines != model.config.vocab_size:
             raise ValueError(f"{vocab_file}: {n_lines} tokens, but the model's vocab_size is "
                              f"{model.config.vocab_size}; pass the vocab.txt the shards were made with")
     directory = Path(directory).resolve()
+    if directory.exists():
+        if not directory.is_dir():
+            raise ValueError(f"{directory}: exists and is not a directory; pass a new directory as the output")
+        foreign = sorted(p.name for p in directory.iterdir() if p.name not in HF_EXPORT_FILES)
+        if foreign:
+            raise ValueError(f"{directory}: holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}, "
+                             "which no export writes; an export replaces its directory whole, so pass a new "
+                             "directory (or an earlier export) as the output")
     staging = directory.with_name(f".{directory.name}.tmp")
     if staging.exists():
         shutil.rmtree(staging)
     to_hf_model(model).save_pretrained(staging)
     if vocab_file is not None:
-        save_tokenizer(Path(vocab_file), staging)
+        save_tokenizer(Path(vocab_file), staging, model.config.max_position_embeddings)
+    # safetensors writes through a 0600 temporary file; give every file the mode config.json got
+    # from the user's umask.
+    mode = (staging / "config.json").stat().st_mode & 0o777
+    for path in staging.iterdir():
+        path.chmod(mode)
     if directory.exists():
         _replace_dir(staging, directory)
     else:
@@ -507,10 +526,10 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
     return directory
 
 
-def save_tokenizer(vocab_file: Path, directory: Path) -> None:
+def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int) -> None:
     """Hugging Face tokenizer files for a WordPiece vocab.txt, built from the `tokenizers` object:
     `BertTokenizerFast(vocab_file=...)` silently ignores the file in transformers 5.x (every token
-    becomes [UNK])."""
+    becomes [UNK]). `model_max_length` (the model's positions) is what `truncation=True` cuts to."""
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertTokenizerFast
 
@@ -519,7 +538,8 @@ def save_tokenizer(vocab_file: Path, directory: Path) -> None:
     lower = all(w == w.lower() for w in words)
     wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
     tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
-                                  sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]")
+                                  sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",
+                                  model_max_length=model_max_length)
     if len(tokenizer) != len(lines):
         raise ValueError(f"{vocab_file}: the tokenizer built from it has {len(tokenizer)} tokens but the file has "
                          f"{len(lines)} lines; remove duplicate or blank lines")

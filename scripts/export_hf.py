@@ -148,8 +148,6 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         raise ExportError(f"{config_file}: no model config; pass the run's --config_file with --config_file")
     if not vocab_file.is_file():
         raise ExportError(f"{vocab_file}: no vocab.txt; pass the vocab the shards were made with (--vocab_file)")
-    if vocab_file.name != "vocab.txt":
-        raise ExportError(f"{vocab_file}: the tokenizer is exported from a file named vocab.txt; rename or copy it")
     try:
         config = BertConfig.from_json_file(config_file)
     except ConfigError as e:

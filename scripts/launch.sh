@@ -27,11 +27,14 @@
 #   --init_checkpoint DIR  phase-1 output directory, for phase-2 presets
 #   --set FIELD=VALUE      override a preset field (max_steps, learning_rate, ...; see training/presets.py)
 #   --dry_run              resolve the preset and print the command without running it
-# Environment: PYTHON (default python3) is the interpreter on every node; scripts/hpu_env.sh sets the HPU variables.
+# Environment: PYTHON (default: .venv/bin/python of this checkout if present, else python3) is the interpreter
+# on every node; scripts/hpu_env.sh sets the HPU variables.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-PYTHON="${PYTHON:-python3}"
+if [[ -z ${PYTHON:-} ]]; then
+    if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
+fi
 ORIGINAL_ARGS=("$@")
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }

@@ -128,6 +128,20 @@ def test_a_second_rewind_past_the_same_step_keeps_both_abandoned_checkpoints(tmp
         assert (tmp_path / name / RUN_STATE).is_file()
 
 
+def test_abandoned_tags_the_rewound_run_passes_are_set_aside_not_pruned(tmp_path):
+    for step in (10, 17, 30):
+        _save(tmp_path, step, keep=3)
+    (tmp_path / "step00000017_universal").mkdir()
+    (tmp_path / LATEST).write_text("step00000010\n")  # rewound to step 10; 17 and 30 are abandoned
+    for step in (20, 30, 40, 50):
+        make_room(tmp_path, tag_for(step))
+        _save(tmp_path, step, keep=2)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [
+        "step00000017.abandoned", "step00000030.abandoned", "step00000040", "step00000050"]
+    for name in ("step00000017.abandoned", "step00000030.abandoned"):
+        assert (tmp_path / name / RUN_STATE).is_file()
+
+
 def test_keep_counts_only_the_tags_of_the_rewound_timeline(tmp_path):
     for step in (10, 20, 30, 40):
         _save(tmp_path, step, keep=4)

@@ -121,6 +121,17 @@ def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     assert ds["gradient_accumulation_steps"] == 24  # 12288 / (32 x 16 devices)
 
 
+def test_default_interpreter_is_the_checkouts_venv(tmp_path: Path):
+    """Without PYTHON, launch.sh runs the venv `make venv` made (as prepare_wikicorpus.sh does), not
+    whatever python3 comes first on PATH, which need not have torch."""
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    assert venv_python.exists(), "make test creates .venv"
+    env = {k: v for k, v in _env().items() if k != "PYTHON"}
+    cmd = _command(_launch(["--preset", "demo", "--nodes", "1", "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"),
+                            "--dry_run"], env=env))
+    assert cmd[0] == str(venv_python)
+
+
 def test_run_n_nodes_wrappers(tmp_path: Path):
     hosts = ",".join(f"node{i}" for i in range(16))
     for nodes, accumulation, lr in ((1, 48, "0.0015"), (16, 3, "0.0015")):

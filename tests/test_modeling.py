@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -132,9 +133,30 @@ def test_save_hf_writes_a_working_tokenizer(tmp_path, bert_vocab):
     assert tokenizer.convert_ids_to_tokens(ids) == ["[CLS]", "the", "quick", "brown", "fox", "jumps", ".", "[SEP]"]
     fill = transformers.pipeline("fill-mask", model=str(tmp_path / "hf"))
     assert len(fill("paris is the [MASK] of france.")) == 5
+    long = tokenizer("word " * 700, truncation=True)["input_ids"]  # cut to the model's positions
+    assert len(long) == config.max_position_embeddings == 512
     with pytest.raises(ValueError, match="vocab_size is 1001"):
         modeling.save_hf(BertForPreTraining(small_config()), tmp_path / "bad", vocab_file=bert_vocab)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing half-written
+
+
+def test_save_hf_replaces_only_an_earlier_export_and_honours_the_umask(tmp_path, bert_vocab):
+    model = BertForPreTraining(BertConfig.from_json_file(MODEL_CONFIGS / "bert-tiny.json")).eval()
+    run = tmp_path / "run"  # a training run's directory given as the output by mistake
+    (run / "checkpoints" / "step00000010").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=r"run: holds checkpoints, metrics.jsonl, which no export writes"):
+        modeling.save_hf(model, run, vocab_file=bert_vocab)
+    assert (run / "checkpoints" / "step00000010").is_dir() and (run / "metrics.jsonl").is_file()
+    umask = os.umask(0o022)
+    try:
+        for _ in range(2):  # the second export replaces the first
+            out = modeling.save_hf(model, tmp_path / "hf", vocab_file=bert_vocab)
+    finally:
+        os.umask(umask)
+    assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
+        "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.json": 0o644, "tokenizer_config.json": 0o644}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
 
 
 def test_load_hf_from_a_transformers_model(tmp_path):

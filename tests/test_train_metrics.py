@@ -71,6 +71,32 @@ def test_writer_appends_jsonl_and_prints_progress(tmp_path, capsys):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    writer = MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=True)
+    for step in range(1, 8):
+        writer.log({"step": step, "loss": 10.0 - step})
+    writer.log({"step": 5, "loss": 6.0}, prefix="eval")
+    writer.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 8, "lo')  # killed mid-write
+    # killed after step 7; the checkpoint was at step 4: steps 5-7 are trained again
+    writer = MetricsWriter(tmp_path, total_steps=10, start_step=4, enabled=True)
+    for step in range(5, 11):
+        writer.log({"step": step, "loss": 20.0 - step})
+    writer.close()
+    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 11))
+    assert (tmp_path / "eval.jsonl").read_text() == ""
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = {e.step: e.value for e in events.Scalars("train/loss")}
+    assert sorted(losses) == list(range(1, 11)) and len(events.Scalars("train/loss")) == 10
+    assert losses[3] == 7.0 and losses[6] == 14.0  # the rerun's values past the checkpoint
+    assert events.Scalars("eval/loss") == []  # step 5 was evaluated before the kill
+
+
 def test_other_ranks_write_nothing(tmp_path):
     writer = MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=False)
     writer.log({"step": 1, "loss": 1.0})

@@ -157,23 +157,24 @@ def prune(ckpt_dir: Path, keep: int) -> None:
 
 
 def make_room(ckpt_dir: Path, tag: str) -> None:
-    """Before saving `tag`: crash debris of that name goes; a complete tag of that name (from a
-    timeline rewound by editing `latest`) is kept as `<tag>.abandoned` (`.abandoned-2`, ... when a
-    later rewind passes the same step again: no complete checkpoint is ever deleted here).
-    A universal copy of the old tag goes in every case: it is derived from the old tag's weights."""
+    """Before saving `tag`: crash debris of that name goes. Complete tags newer than `latest` up to
+    `tag` (and `tag` itself) belong to a timeline the user rewound past by editing `latest`: each is
+    kept as `<tag>.abandoned` (`.abandoned-2`, ... when a later rewind passes the same step again),
+    out of reach of keep-K pruning, so no complete checkpoint is ever deleted here. Their universal
+    copies go: they are derived from the old weights."""
+    latest = read_latest(ckpt_dir)
+    for old in complete_tags(ckpt_dir):
+        if old == tag or (latest is not None and latest < old <= tag):
+            shutil.rmtree(ckpt_dir / (old + UNIVERSAL_SUFFIX), ignore_errors=True)
+            aside, n = ckpt_dir / f"{old}.abandoned", 1
+            while aside.exists():
+                n += 1
+                aside = ckpt_dir / f"{old}.abandoned-{n}"
+            os.replace(ckpt_dir / old, aside)
+            print(f"warning: {ckpt_dir / old} belonged to a run rewound past it; moved to {aside}", file=sys.stderr)
     shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
-    path = ckpt_dir / tag
-    if not path.exists():
-        return
-    if (path / RUN_STATE).is_file():
-        aside, n = ckpt_dir / f"{tag}.abandoned", 1
-        while aside.exists():
-            n += 1
-            aside = ckpt_dir / f"{tag}.abandoned-{n}"
-        os.replace(path, aside)
-        print(f"warning: {path} belonged to a run rewound past it; moved to {aside}", file=sys.stderr)
-    else:
-        shutil.rmtree(path)
+    if (ckpt_dir / tag).exists():
+        shutil.rmtree(ckpt_dir / tag)
 
 
 def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, skipped_batches: int,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from training.atomic import atomic_write_text
 from training.planner import device_peak_tflops
 
 # torch's device names ("NVIDIA H100 80GB HBM3", "GAUDI2"; first-generation Gaudi is "GAUDI") -> training.planner's
@@ -74,6 +75,26 @@ class Throughput:
         return rate
 
 
+def drop_records_after(path: Path, step: int) -> None:
+    """Keep the records of steps <= `step` in a JSON-lines log (and lines that are not records);
+    a last line cut short by a kill is dropped. Rewritten atomically, only when something goes."""
+    if not path.is_file():
+        return
+    lines = path.read_text(encoding="utf-8").splitlines()
+    kept = []
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                continue
+            record = None
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step):
+            kept.append(line)
+    if len(kept) != len(lines):
+        atomic_write_text(path, "".join(line + "\n" for line in kept))
+
+
 class MetricsWriter:
     """Rank 0's sinks: `<output_dir>/metrics.jsonl` (one object per logged step), `eval.jsonl`,
     TensorBoard under `<output_dir>/tensorboard`, and a tqdm progress bar."""
@@ -89,10 +110,14 @@ class MetricsWriter:
             return
         from torch.utils.tensorboard import SummaryWriter
 
-        # Both files live as long as the run; records are appended, so a resumed run continues them.
-        self.jsonl = open(Path(output_dir) / "metrics.jsonl", "a")  # noqa: SIM115
-        self.eval_jsonl = open(Path(output_dir) / "eval.jsonl", "a")  # noqa: SIM115
-        self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
+        # Both files live as long as the run; records are appended, so a resumed run continues them
+        # after dropping what was logged past its checkpoint (that stretch is trained again).
+        paths = [Path(output_dir) / name for name in ("metrics.jsonl", "eval.jsonl")]
+        for path in paths:
+            drop_records_after(path, start_step)
+        self.jsonl, self.eval_jsonl = (open(path, "a") for path in paths)  # noqa: SIM115
+        # purge_step: TensorBoard hides the events of steps >= it written before this run.
+        self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def advance(self, step: int) -> None:
