@@ -588,7 +588,7 @@ def from_hf_model(hf_model, pad_vocab_size_multiple: int = 8) -> BertForPreTrain
     return model
 
 
-def load_hf(directory: str | os.PathLike) -> BertForPreTraining:
+def load_hf(directory: str | os.PathLike, pad_vocab_size_multiple: int = 8) -> BertForPreTraining:
     """Load a Hugging Face BERT / MegatronBERT pretraining (or masked-LM) checkpoint directory."""
     import transformers
 
@@ -601,7 +601,7 @@ def load_hf(directory: str | os.PathLike) -> BertForPreTraining:
         hf_model = transformers.AutoModelForMaskedLM.from_pretrained(directory)
     else:
         hf_model = transformers.AutoModelForPreTraining.from_pretrained(directory)
-    return from_hf_model(hf_model)
+    return from_hf_model(hf_model, pad_vocab_size_multiple)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop after this many consecutive micro batches with a non-finite loss")
     g = p.add_argument_group("phases and checkpoints")
     g.add_argument("--phase2", action="store_true", help="start from --init_checkpoint's weights, fresh optimizer")
-    g.add_argument("--init_checkpoint", type=Path, help="--output_dir of the phase-1 run (with --phase2)")
+    g.add_argument("--init_checkpoint", type=Path,
+                   help="--output_dir of the phase-1 run, or a Hugging Face BERT directory (with --phase2)")
     g.add_argument("--num_steps_per_checkpoint", type=int, default=200)
     g.add_argument("--keep_checkpoints", type=int, default=3, help="how many newest checkpoints to keep")
     g = p.add_argument_group("logging and evaluation")

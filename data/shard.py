@@ -121,10 +121,15 @@ def shard(cfg: ShardConfig) -> ShardResult:
     for split, n in counts.items():
         total = summary["instances"][split]
         if n > total:
-            raise PipelineError(
-                f"{cfg.instances_dir} has {total} {split} instances, too few for {n} {split} shards; "
-                f"use fewer shards{' or a larger --test_fraction' if split == 'test' else ''}"
-            )
+            if split == "test" and total == 0:
+                fix = ("no document was held out; create the instances again with a larger --test_fraction, "
+                       "or with --test_fraction 0 and shard with --num_test_shards 0 to evaluate on nothing")
+            elif n > 1:
+                fix = f"use fewer {split} shards{' or a larger --test_fraction' if split == 'test' else ''}"
+            else:
+                fix = "the corpus is too small to make training data; give a larger dump"
+            raise PipelineError(f"{cfg.instances_dir} has {total} {split} instances, too few for {n} {split} "
+                                f"shard{'s' if n > 1 else ''}; {fix}")
     if cfg.num_test_shards == 0 and summary["instances"]["test"]:
         raise PipelineError(
             f"{cfg.instances_dir} holds {summary['instances']['test']} test instances (from held-out documents), "

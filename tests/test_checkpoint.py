@@ -9,6 +9,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 from conftest import free_port
 
@@ -246,3 +247,26 @@ def test_small_files_are_replaced_whole_and_get_the_users_umask(tmp_path):
         atomic_write_text(path, None)  # fails mid-write: the old content stays, no temporary file is left
     assert path.read_text() == '{"a": 1}\n'
     assert [p.name for p in path.parent.iterdir()] == ["run_info.json"]
+
+
+def test_init_weights_from_a_hugging_face_directory(tmp_path):
+    """--phase2 --init_checkpoint <an HF BERT directory>: continued pretraining from published weights."""
+    import modeling
+    from tests.test_modeling import small_config
+
+    torch.manual_seed(1)
+    source = modeling.BertForPreTraining(small_config(pre_layer_norm=True))
+    modeling.save_hf(source, tmp_path / "hf")  # as transformers' MegatronBertForPreTraining
+    torch.manual_seed(2)
+    model = modeling.BertForPreTraining(small_config(pre_layer_norm=True))
+    assert checkpoint.load_module_weights(model, tmp_path / "hf") == f"{tmp_path / 'hf'} (Hugging Face)"
+    for (name, a), b in zip(source.state_dict().items(), model.state_dict().values()):
+        real = a[:1001] if a.shape[0] == 1008 else a  # padded vocab rows are not exported
+        assert torch.equal(real, b[:len(real)]), name
+    other = modeling.BertForPreTraining(small_config(num_hidden_layers=2))
+    with pytest.raises(CheckpointError, match=r"hf/config.json: not the model of --config_file \(num_hidden_layers 3 "
+                                              r"there, 2 in --config_file; pre_layer_norm True there, False in"):
+        checkpoint.load_module_weights(other, tmp_path / "hf")
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"not weights")
+    with pytest.raises(CheckpointError, match="cannot load it as a Hugging Face BERT"):
+        checkpoint.load_module_weights(model, tmp_path / "hf")

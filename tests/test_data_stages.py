@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 
 from data import shard as shard_stage
+from data import stage
 from data.extract import ExtractConfig, extract
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
@@ -35,8 +37,17 @@ def test_shard_cli_reshards_the_same_instances(phase1_shards, tmp_path, capsys):
         with h5py.File(path, "r") as f:
             original += len(f["input_ids"])
     assert sum(sizes) == original and max(sizes) - min(sizes) <= 1
-    with pytest.raises(PipelineError, match="too few for"):
+    with pytest.raises(PipelineError, match="too few for 10000000 training shards; use fewer training shards"):
         shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "other", 10**7, 1))
+    # a seed that held no document out: the advice is a larger --test_fraction, not "fewer shards"
+    no_test = tmp_path / "instances_without_test"
+    no_test.mkdir()
+    created = json.loads((phase1_shards / "instances" / stage.COMPLETE_FILE).read_text())
+    created["summary"]["instances"]["test"] = 0
+    (no_test / stage.COMPLETE_FILE).write_text(json.dumps(created))
+    with pytest.raises(PipelineError, match=r"0 test instances, too few for 1 test shard; no document was held "
+                                            r"out; create the instances again with a larger --test_fraction"):
+        shard_stage.shard(shard_stage.ShardConfig(no_test, tmp_path / "none", 3, 1))
     with pytest.raises(PipelineError, match="test instances .* which --num_test_shards 0 would write nowhere"):
         shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "no_test", 3, 0))
     assert not (tmp_path / "no_test").exists()

@@ -220,6 +220,24 @@ def test_phase2_starts_from_phase1_weights_with_fresh_optimizer(bf16_run, dynami
 
 
 @pytest.mark.slow
+def test_phase2_can_start_from_a_hugging_face_export(bf16_run, phase1_shards, tmp_path):
+    """--init_checkpoint also takes a Hugging Face BERT directory: continued pretraining from it."""
+    from scripts.export_hf import export
+
+    hf, _ = export(bf16_run, tmp_path / "hf")
+    out = tmp_path / "continued"
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    ok(run(1, base_args(phase1_shards, out, bf16_run / "model_config.json", ds, 2, learning_rate=1e-4,
+                        phase2=True, init_checkpoint=hf)))
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["init_checkpoint"] == f"{hf} (Hugging Face)" and info["start_step"] == 0
+    # the trained weights, not a fresh model: the loss starts where phase 1 ended
+    recs, phase1 = records(out), records(bf16_run)
+    assert recs[1]["loss"] < phase1[1]["loss"] - 0.5
+    assert abs(recs[1]["loss"] - phase1[16]["loss"]) < 0.5
+
+
+@pytest.mark.slow
 def test_truncated_checkpoint_fails_loudly(bf16_run, phase1_shards, no_dropout_model, bf16_ds, tmp_path):
     out = tmp_path / "corrupt"
     shutil.copytree(bf16_run, out)
