@@ -563,6 +563,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(argv)
         summary = train(args)
+        # Every rank past its last collective before any of them tears gloo down: a rank whose peer
+        # had already closed its connections once aborted at exit ("terminate called without an
+        # active exception") after a finished run.
+        dist.barrier()
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
