@@ -555,20 +555,25 @@ def _replace_dir(new: Path, old: Path) -> None:
     shutil.rmtree(trash)
 
 
-def config_from_hf(hf_config, pad_vocab_size_multiple: int = 8) -> BertConfig:
+def config_from_hf(hf_config, pad_vocab_size_multiple: int = 8, next_sentence_prediction: bool | None = None
+                   ) -> BertConfig:
+    """Our config for a transformers BERT config; without `next_sentence_prediction`, the NSP head is
+    assumed from `architectures` (a *ForMaskedLM has none)."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in ("bert", "megatron-bert"):
         raise ConfigError(f"model_type {model_type!r} is not a BERT; expected 'bert' or 'megatron-bert'")
     if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
         raise ConfigError(f"position_embedding_type {hf_config.position_embedding_type!r} is not supported")
-    archs = getattr(hf_config, "architectures", None) or []
-    nsp = not any(a.endswith("ForMaskedLM") for a in archs)
+    nsp = next_sentence_prediction
+    if nsp is None:
+        nsp = not any(a.endswith("ForMaskedLM") for a in getattr(hf_config, "architectures", None) or [])
     return BertConfig(**{k: getattr(hf_config, k) for k in _HF_FIELDS}, pre_layer_norm=model_type == "megatron-bert",
                       next_sentence_prediction=nsp, pad_vocab_size_multiple=pad_vocab_size_multiple)
 
 
 def from_hf_model(hf_model, pad_vocab_size_multiple: int = 8) -> BertForPreTraining:
-    config = config_from_hf(hf_model.config, pad_vocab_size_multiple)
+    nsp = hasattr(getattr(hf_model, "cls", None), "seq_relationship")  # *ForPreTraining, not *ForMaskedLM
+    config = config_from_hf(hf_model.config, pad_vocab_size_multiple, next_sentence_prediction=nsp)
     model = BertForPreTraining(config)
     hf_state = hf_model.state_dict()
     decoder = hf_state.get("cls.predictions.decoder.weight")
@@ -588,19 +593,29 @@ def from_hf_model(hf_model, pad_vocab_size_multiple: int = 8) -> BertForPreTrain
     return model
 
 
+_NSP_WEIGHTS = ("bert.pooler.", "cls.seq_relationship.")
+
+
 def load_hf(directory: str | os.PathLike, pad_vocab_size_multiple: int = 8) -> BertForPreTraining:
-    """Load a Hugging Face BERT / MegatronBERT pretraining (or masked-LM) checkpoint directory."""
+    """Load a Hugging Face BERT / MegatronBERT pretraining (or masked-LM) checkpoint directory.
+
+    The NSP head is there when the weights are (bert-base-uncased says BertForMaskedLM but has
+    them). transformers fills missing weights with random ones, so a checkpoint without its MLM head
+    (a bare encoder, a fine-tuned classifier) is refused rather than loaded half random."""
     import transformers
 
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory}: no config.json; expected a Hugging Face model directory")
-    hf_config = transformers.AutoConfig.from_pretrained(directory)
-    archs = getattr(hf_config, "architectures", None) or []
-    if any(a.endswith("ForMaskedLM") for a in archs):
-        hf_model = transformers.AutoModelForMaskedLM.from_pretrained(directory)
-    else:
-        hf_model = transformers.AutoModelForPreTraining.from_pretrained(directory)
+    hf_model, info = transformers.AutoModelForPreTraining.from_pretrained(directory, output_loading_info=True)
+    missing = sorted(info["missing_keys"])
+    if missing and all(k.startswith(_NSP_WEIGHTS) for k in missing):
+        hf_model, info = transformers.AutoModelForMaskedLM.from_pretrained(directory, output_loading_info=True)
+        missing = sorted(info["missing_keys"])
+    if missing:
+        raise ConfigError(f"{directory}: the checkpoint has no weights for {', '.join(missing[:4])}"
+                          f"{', ...' if len(missing) > 4 else ''}; a BERT pretraining checkpoint (with its MLM head) "
+                          "is needed, not a bare encoder or a fine-tuned model")
     return from_hf_model(hf_model, pad_vocab_size_multiple)
 
 

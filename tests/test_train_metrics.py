@@ -89,6 +89,10 @@ def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 11))
     assert (tmp_path / "eval.jsonl").read_text() == ""
+    # what was dropped is kept aside (a rewound run's records are not lost); the cut-short line is not
+    assert [json.loads(x) for x in (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()] == [
+        {"step": step, "loss": 10.0 - step} for step in (5, 6, 7)]
+    assert json.loads((tmp_path / "eval.dropped.jsonl").read_text()) == {"step": 5, "loss": 6.0}
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     losses = {e.step: e.value for e in events.Scalars("train/loss")}

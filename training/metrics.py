@@ -77,11 +77,13 @@ class Throughput:
 
 def drop_records_after(path: Path, step: int) -> None:
     """Keep the records of steps <= `step` in a JSON-lines log (and lines that are not records);
-    a last line cut short by a kill is dropped. Rewritten atomically, only when something goes."""
+    a last line cut short by a kill is dropped. The dropped lines are appended to
+    `<name>.dropped.jsonl` first (a rewound run's records are not lost), then the log is rewritten
+    atomically, only when something goes."""
     if not path.is_file():
         return
     lines = path.read_text(encoding="utf-8").splitlines()
-    kept = []
+    kept, dropped = [], []
     for i, line in enumerate(lines):
         try:
             record = json.loads(line)
@@ -89,9 +91,12 @@ def drop_records_after(path: Path, step: int) -> None:
             if i == len(lines) - 1:
                 continue
             record = None
-        if not (isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step):
-            kept.append(line)
+        late = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
+        (dropped if late else kept).append(line)
     if len(kept) != len(lines):
+        if dropped:
+            with open(path.with_name(f"{path.stem}.dropped.jsonl"), "a", encoding="utf-8") as f:
+                f.write("".join(line + "\n" for line in dropped))
         atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
