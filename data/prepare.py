@@ -34,7 +34,7 @@ from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
 from data.stage import PipelineError, file_sha1
 from data.tokens import TokenizeConfig, tokenize
-from data.vocab import VocabConfig, build_vocab, check_case, check_vocab_size, load_vocab
+from data.vocab import VocabConfig, build_vocab, check_case, check_training_settings, load_vocab
 
 PHASES = {1: (128, 20), 2: (512, 80)}
 
@@ -59,6 +59,7 @@ class PrepareConfig:
     test_fraction: float = 0.02
     lower_case: bool = True
     vocab_size: int = 30522
+    limit_alphabet: int = 1000
     articles_per_part: int = 2000
     name: str = "wikicorpus_en"
     hdf5_compression: str | None = None
@@ -109,7 +110,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     if cfg.vocab_file is not None:
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:
-        check_vocab_size(cfg.vocab_size)
+        check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):
@@ -125,7 +126,8 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     ex = timed("extract", extract, ExtractConfig(dump, text_dir / "extracted", cfg.workers, cfg.articles_per_part))
     seg = timed("segment", segment, SegmentConfig(text_dir / "extracted", text_dir / "sentences", cfg.workers))
     vocab = timed("vocab", build_vocab, VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences",
-                                                    cfg.vocab_size, cfg.lower_case))
+                                                    cfg.vocab_size, cfg.lower_case,
+                                                    limit_alphabet=cfg.limit_alphabet, workers=cfg.workers))
     digest = file_sha1(vocab.path)[:10]
     tokens_dir = text_dir / f"tokens_{digest}_{'uncased' if cfg.lower_case else 'cased'}"
     tok = timed("tokens", tokenize, TokenizeConfig(text_dir / "sentences", vocab.path, tokens_dir,
@@ -152,6 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text_dir", type=Path, help="where text stages go (default <output_dir>/text)")
     p.add_argument("--vocab_file", type=Path, help="BERT vocab.txt; without it a WordPiece vocab is trained")
     p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
+    p.add_argument("--limit_alphabet", type=int, default=1000,
+                   help="characters kept as tokens in a trained vocab: the most frequent ones")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false", help="keep case and accents")
     p.add_argument("--phase", type=int, choices=sorted(PHASES), default=1,
                    help="1: seq 128 / 20 predictions, 2: seq 512 / 80 (explicit flags override)")
@@ -167,8 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.input and a.mirror != DEFAULT_MIRROR:
         p.error("--mirror applies to --dump_date; with --input, put the mirror in the URL")
-    if a.vocab_file and a.vocab_size != 30522:
-        p.error("--vocab_size applies when a vocab is trained; it cannot change the given --vocab_file")
+    if a.vocab_file and (a.vocab_size != 30522 or a.limit_alphabet != 1000):
+        p.error("--vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given "
+                "--vocab_file")
     seq, pred = PHASES[a.phase]
     source: Path | str = a.input if a.input else dump_url(a.mirror, a.dump_date)
     if isinstance(source, str) and not source.startswith(("http://", "https://")):
@@ -181,6 +186,7 @@ def main(argv: list[str] | None = None) -> None:
         workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
         whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
         test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
+        limit_alphabet=a.limit_alphabet,
         articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression))
     try:
         result = prepare(cfg)

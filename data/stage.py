@@ -51,6 +51,13 @@ def atomic_path(final: Path) -> Iterator[Path]:
     os.replace(tmp, final)
 
 
+def remove_leftovers(final: Path) -> None:
+    """Remove the temporaries of `final` that a killed run left: for a file outside any stage
+    directory, whose leftovers `begin` never sees."""
+    for leftover in sorted(final.parent.glob(f".{final.name}.tmp-*")):
+        _remove(leftover)
+
+
 def _remove(path: Path) -> None:
     if path.is_dir():
         shutil.rmtree(path)

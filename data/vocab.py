@@ -9,6 +9,8 @@ The vocab used is always written to `<output_dir>/vocab.txt`.
 from __future__ import annotations
 
 import argparse
+import collections
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,7 @@ from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from data import stage
 from data.extract import list_parts
+from data.parallel import bounded_map
 from data.stage import PipelineError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
@@ -43,6 +46,8 @@ class VocabConfig:
     vocab_size: int = 30522
     lower_case: bool = True
     min_frequency: int = 2
+    limit_alphabet: int = 1000  # the most frequent characters kept as single-character tokens
+    workers: int = 1
 
 
 # Unicode White_Space, which the Rust tokenizer trims from the end of each vocab line.
@@ -127,10 +132,12 @@ def make_tokenizer(vocab_path: Path, lower_case: bool) -> Tokenizer:
     return tokenizer
 
 
-def check_vocab_size(vocab_size: int) -> None:
+def check_training_settings(vocab_size: int, limit_alphabet: int) -> None:
     if vocab_size <= len(SPECIAL_TOKENS):
         raise PipelineError(f"--vocab_size {vocab_size} leaves no room for word pieces beside the "
                             f"{len(SPECIAL_TOKENS)} special tokens; BERT's is 30522")
+    if limit_alphabet < 1:
+        raise PipelineError(f"--limit_alphabet {limit_alphabet} keeps no character; the default is 1000")
 
 
 def build_vocab(cfg: VocabConfig) -> Vocab:
@@ -140,6 +147,7 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     there is refused rather than leaving shards beside a vocab that does not match them.
     """
     target = cfg.output_dir / "vocab.txt"
+    stage.remove_leftovers(target)
     if cfg.vocab_file is not None:
         vocab = load_vocab(cfg.vocab_file)
         if target.is_file():
@@ -151,12 +159,12 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
         return Vocab(target, vocab.tokens)
     if cfg.corpus_dir is None:
         raise PipelineError("no vocab: pass --vocab_file vocab.txt, or a corpus to train one on")
-    check_vocab_size(cfg.vocab_size)
-    files = [str(p) for p in list_parts(cfg.corpus_dir)]
+    check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
+    files = list_parts(cfg.corpus_dir)
     if not files:
         raise PipelineError(f"{cfg.corpus_dir}: no part-*.txt files to train a vocab on; run data.segment first")
     params = {"corpus": stage.fingerprint(cfg.corpus_dir), "vocab_size": cfg.vocab_size,
-              "lower_case": cfg.lower_case, "min_frequency": cfg.min_frequency}
+              "lower_case": cfg.lower_case, "min_frequency": cfg.min_frequency, "limit_alphabet": cfg.limit_alphabet}
     stage_dir = cfg.output_dir / "vocab_training"
     trained = stage_dir / "model" / "vocab.txt"
     if target.is_file() and stage.completed(stage_dir, params) is None:
@@ -164,9 +172,7 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
         raise PipelineError(_other_vocab(target, "a vocab trained on the corpus"))
     done = stage.begin(stage_dir, params)
     if done is None:
-        tokenizer = BertWordPieceTokenizer(lowercase=cfg.lower_case, strip_accents=cfg.lower_case)
-        tokenizer.train(files, vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
-                        special_tokens=list(SPECIAL_TOKENS), show_progress=True)
+        tokenizer = _train(files, cfg)
         with stage.atomic_path(stage_dir / "model") as tmp:
             tmp.mkdir()
             tokenizer.save_model(str(tmp))
@@ -182,6 +188,62 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     return load_vocab(target)
 
 
+def _count_characters(path: Path) -> collections.Counter[str]:
+    counts: collections.Counter[str] = collections.Counter()
+    with path.open(encoding="utf-8") as f:
+        while block := f.read(1 << 24):
+            counts.update(block)
+    return counts
+
+
+def corpus_alphabet(files: list[Path], tokenizer: BertWordPieceTokenizer, limit: int, workers: int) -> list[str]:
+    """The `limit` most frequent characters of the corpus as `tokenizer` normalises it, ties broken by
+    code point, in code-point order.
+
+    Characters are counted raw and normalised one by one: BERT's normaliser (control characters
+    dropped, NFD, accents stripped, lower-casing) maps each character on its own, so the counts are
+    those of the normalised text, at the speed of a C loop instead of the normaliser's.
+    """
+    raw: collections.Counter[str] = collections.Counter()
+    for counts in bounded_map(_count_characters, files, workers):
+        raw.update(counts)
+    normalised: collections.Counter[str] = collections.Counter()
+    for char, count in raw.items():
+        for c in tokenizer.normalizer.normalize_str(char):
+            if not c.isspace():
+                normalised[c] += count
+    ranked = sorted(normalised.items(), key=lambda item: (-item[1], item[0]))
+    return sorted(c for c, _ in ranked[:limit])
+
+
+def _train(files: list[Path], cfg: VocabConfig) -> BertWordPieceTokenizer:
+    """Train a WordPiece vocab that is the same in every run on the same corpus.
+
+    Left to itself, `tokenizers`' trainer is not: it numbers the `##` continuation pieces in the
+    iteration order of a Rust HashMap, seeded afresh for every map, breaks ties between equally
+    frequent pairs by those numbers, and picks the alphabet among equally frequent characters the
+    same way. The same corpus gave vocabs in other orders, and at 30,522 tokens other tokens, from
+    run to run. So the alphabet is chosen here, and it and its `##` forms are handed to the trainer
+    as fixed tokens in code-point order (Google's vocab also holds every character in both forms):
+    every piece then has the same number in every run, and so does every merge.
+    """
+    tokenizer = BertWordPieceTokenizer(lowercase=cfg.lower_case, strip_accents=cfg.lower_case)
+    alphabet = corpus_alphabet(files, tokenizer, cfg.limit_alphabet, cfg.workers)
+    if not alphabet:
+        raise PipelineError(f"{cfg.corpus_dir}: the part files hold no text to train a vocab on")
+    fixed = [*SPECIAL_TOKENS, *alphabet, *(f"##{c}" for c in alphabet)]
+    if cfg.vocab_size < len(fixed):
+        raise PipelineError(
+            f"--vocab_size {cfg.vocab_size} is smaller than the {len(SPECIAL_TOKENS)} special tokens and the "
+            f"corpus's {len(alphabet)} characters in their two forms ({len(fixed)} tokens); raise --vocab_size "
+            f"or lower --limit_alphabet (now {cfg.limit_alphabet})")
+    # limit_alphabet = the alphabet's size with the alphabet as initial_alphabet keeps exactly it.
+    tokenizer.train([str(f) for f in files], vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
+                    limit_alphabet=len(alphabet), initial_alphabet=alphabet, special_tokens=fixed,
+                    show_progress=True)
+    return tokenizer
+
+
 def _other_vocab(target: Path, wanted: str) -> str:
     return (f"{target} is another vocab than {wanted}, and the output in {target.parent} was made with it; "
             f"use another output directory, or delete {target.parent} to start over with the new vocab")
@@ -195,14 +257,18 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--corpus_dir", type=Path, help="train a WordPiece vocab on this data.segment output")
     p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
     p.add_argument("--min_frequency", type=int, default=2, help="minimum pair frequency when training")
+    p.add_argument("--limit_alphabet", type=int, default=1000,
+                   help="characters kept as tokens when training: the most frequent ones")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
                    help="keep case (and accents) when training the vocab and tokenizing")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes counting characters")
     a = p.parse_args(argv)
-    if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2 or not a.lower_case):
-        p.error("--vocab_size, --min_frequency and --no_lower_case apply when training (--corpus_dir), not with "
-                "--vocab_file (tokenization case is data.tokens' --no_lower_case)")
+    if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2 or a.limit_alphabet != 1000
+                                     or not a.lower_case):
+        p.error("--vocab_size, --min_frequency, --limit_alphabet and --no_lower_case apply when training "
+                "(--corpus_dir), not with --vocab_file (tokenization case is data.tokens' --no_lower_case)")
     v = stage.cli_call(build_vocab, VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case,
-                                a.min_frequency))
+                                                a.min_frequency, a.limit_alphabet, a.workers))
     print(f"vocab: {v.size} tokens -> {v.path}")
 
 

@@ -91,3 +91,15 @@ def test_killed_mid_stage_then_rerun_gives_identical_output(phase1_shards, wiki_
     stamps = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
     _run(args)
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == stamps
+
+
+@pytest.mark.slow
+def test_killed_while_training_its_vocab_then_rerun_gives_identical_output(sample_dump, tmp_path):
+    args = ["--input", str(sample_dump), "--vocab_size", "3000", "--workers", "2", *FLAGS]
+    _run([*args, "--output_dir", str(tmp_path / "whole")])
+    out = tmp_path / "out"
+    training = out / "vocab_training"
+    _run([*args, "--output_dir", str(out)], kill_when=lambda: (training / "_PARAMS.json").is_file())
+    assert not (training / "_COMPLETE.json").exists() and not (out / "vocab.txt").exists()
+    _run([*args, "--output_dir", str(out)])
+    assert_same_output(out, tmp_path / "whole")

@@ -3,6 +3,7 @@ the Rust tokenizer reads it; and the pipeline's up-front checks of flags."""
 
 from __future__ import annotations
 
+import collections
 import random
 import re
 import shutil
@@ -11,6 +12,7 @@ import h5py
 import pytest
 from tokenizers import Tokenizer
 from tokenizers.models import WordPiece
+from tokenizers.normalizers import BertNormalizer
 
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
@@ -59,6 +61,49 @@ def test_a_trained_vocab_is_kept_and_never_replaced_by_a_given_one(phase1_shards
     with pytest.raises(PipelineError, match="is another vocab than a vocab trained on the corpus"):
         build_vocab(VocabConfig(given, corpus_dir=corpus, vocab_size=1200))
     assert (given / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
+
+
+@pytest.mark.parametrize("limit_alphabet", [1000, 60])
+def test_a_trained_vocab_is_the_same_in_every_run(phase1_shards, limit_alphabet, tmp_path):
+    """tokenizers' trainer alone numbers pieces in a Rust HashMap's order, seeded afresh for each map:
+    two trainings in one process gave the same tokens in other orders (and at 30,522 other tokens)."""
+    corpus = phase1_shards / "text" / "sentences"
+    runs = [build_vocab(VocabConfig(tmp_path / str(i), corpus_dir=corpus, vocab_size=1500,
+                                    limit_alphabet=limit_alphabet, workers=workers))
+            for i, workers in enumerate([1, 2, 1])]
+    assert runs[0].size == 1500
+    assert runs[1].path.read_bytes() == runs[0].path.read_bytes() == runs[2].path.read_bytes()
+
+    # The alphabet: the most frequent characters of the normalised text (ties by code point), each
+    # also in its ## form, right after the special tokens; counted here on the whole text at once.
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted(corpus.glob("part-*.txt")))
+    normaliser = BertNormalizer(clean_text=True, handle_chinese_chars=True, strip_accents=True, lowercase=True)
+    counts = collections.Counter(c for c in normaliser.normalize_str(text) if not c.isspace())
+    top = sorted(sorted(counts.items(), key=lambda item: (-item[1], item[0]))[:limit_alphabet])
+    alphabet = sorted(c for c, _ in top)
+    assert len(alphabet) == min(limit_alphabet, len(counts)) and len(counts) > 60
+    tokens = runs[0].tokens
+    assert tokens[:5] == ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    assert tokens[5:5 + 2 * len(alphabet)] == alphabet + [f"##{c}" for c in alphabet]
+    assert {t for t in tokens if len(t.removeprefix("##")) == 1} == set(alphabet) | {f"##{c}" for c in alphabet}
+
+
+def test_a_vocab_size_below_the_alphabet_is_refused(phase1_shards, tmp_path):
+    corpus = phase1_shards / "text" / "sentences"
+    with pytest.raises(PipelineError, match=r"--vocab_size 300 is smaller than the 5 special tokens and the "
+                                            r"corpus's \d+ characters in their two forms"):
+        build_vocab(VocabConfig(tmp_path / "small", corpus_dir=corpus, vocab_size=300))
+    with pytest.raises(PipelineError, match="--limit_alphabet 0 keeps no character"):
+        build_vocab(VocabConfig(tmp_path / "none", corpus_dir=corpus, vocab_size=3000, limit_alphabet=0))
+
+
+def test_a_vocab_copy_left_by_a_killed_run_is_removed(bert_vocab, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / ".vocab.txt.tmp-4242").write_text("[PAD]\n[UN", encoding="utf-8")  # killed while copying
+    build_vocab(VocabConfig(out, vocab_file=bert_vocab))
+    assert sorted(p.name for p in out.iterdir()) == ["vocab.txt"]
+    assert (out / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
 
 
 def _devanagari_dump(path) -> None:
