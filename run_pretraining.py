@@ -24,7 +24,8 @@ import torch.distributed as dist
 from modeling import ActivationCheckpointing, BertConfig, BertForPreTraining, ConfigError, count_parameters
 from training import accelerator as accel
 from training import checkpoint
-from training.checkpoint import CheckpointError, atomic_write_text
+from training.atomic import atomic_write_text, remove_stale_temporaries
+from training.checkpoint import CheckpointError
 from training.loader import DataConfigError, RankSampler, make_loader, open_split
 from training.metrics import MetricsWriter, Throughput, peak_tflops
 from training.planner import training_flops_per_sequence
@@ -388,6 +389,8 @@ def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -
 def write_run_files(args: argparse.Namespace, config: BertConfig) -> None:
     """What export_hf needs beside the checkpoints: the model config and the vocabulary."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("model_config.json", "run_info.json"):  # a killed run's temporaries of the files rank 0 writes
+        remove_stale_temporaries(args.output_dir / name)
     config.to_json_file(args.output_dir / "model_config.json")
     vocab = args.input_dir / "vocab.txt"
     if vocab.is_file():
@@ -428,6 +431,7 @@ def train(args: argparse.Namespace) -> dict:
     identity = run_identity(args, train_set, sizes)
 
     ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
+    checkpoint.finish_interrupted_commit(ckpt_dir, args.keep_checkpoints)
     resume = checkpoint.find_resume(ckpt_dir)
     if resume is not None and resume[1].seed != args.seed:
         raise RunConfigError(f"{ckpt_dir / resume[0]} was trained with --seed {resume[1].seed}; resuming with "
@@ -548,11 +552,19 @@ def train(args: argparse.Namespace) -> dict:
                          else "no step had completed, so nothing was saved; rerun the command to start")
                 print(f"stop requested (signal {stop.signal or 'on another rank'}) at step {step}: {saved}",
                       file=sys.stderr)
-        elif eval_set is not None and step > start_step:  # a rerun of a finished run trains and evaluates nothing
+        elif eval_set is not None and (step > start_step or final_evaluation_missing(writer, step)):
             writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
     finally:
         writer.close()
     return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped, "skipped_batches": guard.skipped}
+
+
+def final_evaluation_missing(writer: MetricsWriter, step: int) -> bool:
+    """Collective. A finished run's rerun trains and evaluates nothing, unless the run was stopped
+    (killed, or by a signal) after its final checkpoint and before its final evaluation."""
+    missing = [writer.enabled and not writer.evaluated(step)]
+    dist.broadcast_object_list(missing, src=0)
+    return bool(missing[0])
 
 
 USER_ERRORS = (RunConfigError, DataConfigError, CheckpointError, ConfigError, ScheduleMismatchError,

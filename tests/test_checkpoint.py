@@ -15,6 +15,7 @@ from conftest import free_port
 
 from training import checkpoint
 from training.checkpoint import (
+    COMMIT_PENDING,
     LATEST,
     RUN_STATE,
     CheckpointError,
@@ -24,6 +25,7 @@ from training.checkpoint import (
     find_resume,
     make_room,
     read_latest,
+    recover,
     tag_for,
     verify_files,
 )
@@ -159,6 +161,66 @@ def test_crash_debris_of_the_same_name_is_removed_before_saving(tmp_path):
     make_room(tmp_path, "step00000020")
     assert not (tmp_path / "step00000020").exists()
     assert not (tmp_path / "step00000020.abandoned").exists()
+
+
+def _killed_before_latest(ckpt_dir, step, monkeypatch, keep=2):
+    """A commit killed after the tag's run_state.json and before `latest` names the tag."""
+    real = checkpoint.atomic_write_text
+
+    def write(path, text):
+        if Path(path).name == LATEST:
+            raise KeyboardInterrupt("killed")
+        return real(path, text)
+
+    _fake_deepspeed_tag(ckpt_dir, step)
+    with monkeypatch.context() as m:
+        m.setattr(checkpoint, "atomic_write_text", write)
+        with pytest.raises(KeyboardInterrupt):
+            commit(ckpt_dir, tag_for(step), _state(step), keep, _describe(ckpt_dir, step))
+    assert (ckpt_dir / tag_for(step) / RUN_STATE).is_file()
+
+
+def test_a_first_checkpoint_killed_before_latest_is_committed_on_rerun(tmp_path, monkeypatch):
+    _killed_before_latest(tmp_path, 10, monkeypatch)
+    assert read_latest(tmp_path) is None
+    assert recover(tmp_path, keep=2) == "step00000010"
+    tag, state = find_resume(tmp_path)
+    assert tag == "step00000010" and state.step == 10 and state.previous is None
+    assert not (tmp_path / tag / COMMIT_PENDING).exists()
+    assert recover(tmp_path, keep=2) is None  # nothing left to finish
+
+
+def test_a_later_checkpoint_killed_before_latest_is_committed_not_set_aside(tmp_path, monkeypatch):
+    for step in (10, 20):
+        _save(tmp_path, step)
+    _killed_before_latest(tmp_path, 30, monkeypatch)
+    (tmp_path / ".latest.4242.0123456789ab.tmp").write_text("step000")  # the kill's other leftover
+    assert read_latest(tmp_path) == "step00000020"
+    assert recover(tmp_path, keep=2) == "step00000030"
+    assert find_resume(tmp_path)[0] == "step00000030"
+    make_room(tmp_path, "step00000040")
+    _save(tmp_path, 40)
+    # pruned to keep=2, nothing set aside as a rewound timeline, no temporary left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000030", "step00000040"]
+
+
+def test_recover_leaves_what_the_user_rewound_past(tmp_path, monkeypatch):
+    for step in (10, 20):
+        _save(tmp_path, step, keep=3)
+    _killed_before_latest(tmp_path, 30, monkeypatch, keep=3)  # saved when `latest` was step 20
+    (tmp_path / LATEST).write_text("step00000010\n")  # then the user rewound to step 10
+    assert recover(tmp_path, keep=3) is None
+    assert read_latest(tmp_path) == "step00000010"
+    assert complete_tags(tmp_path) == ["step00000010", "step00000020", "step00000030"]
+
+
+def test_recover_finishes_a_commit_killed_after_latest(tmp_path):
+    for step in (10, 20, 30):
+        _save(tmp_path, step, keep=3)
+    (tmp_path / "step00000030" / COMMIT_PENDING).touch()  # killed before the mark went and before pruning
+    assert recover(tmp_path, keep=2) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000020", "step00000030"]
+    assert not (tmp_path / "step00000030" / COMMIT_PENDING).exists()
 
 
 def test_truncated_file_is_a_loud_error(tmp_path):

@@ -372,6 +372,38 @@ def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shard
 
 
 @pytest.mark.slow
+def test_a_run_killed_around_its_final_checkpoint_is_finished_by_the_rerun(fp32_setup, phase1_shards, tmp_path):
+    """Killed after the final tag's run_state.json, before `latest` named it and before the final
+    evaluation: the rerun commits the tag, trains nothing, evaluates once and clears the leftovers."""
+    args, reference = fp32_setup
+    out = tmp_path / "killed_at_the_end"
+    shutil.copytree(reference, out)
+    ckpt = out / "checkpoints"
+    (ckpt / "latest").write_text("step00000008\n")
+    (ckpt / "step00000012" / "commit_pending").touch()
+    (ckpt / ".latest.4242.0123456789ab.tmp").write_text("step0000")
+    (out / ".metrics.jsonl.4242.0123456789ab.tmp").write_text('{"step": 1')
+    assert list(records(reference, "eval.jsonl")) == [FP32_STEPS]
+    (out / "eval.jsonl").write_text("")
+    result = ok(run(1, args(phase1_shards, out)))
+    assert f"{ckpt / 'step00000012'} was saved whole but the run stopped before 'latest' named it" in result.stderr
+    assert json.loads((out / "run_info.json").read_text())["start_step"] == FP32_STEPS
+    assert read_latest(ckpt) == "step00000012" and not (ckpt / "step00000012" / "commit_pending").exists()
+    assert (out / "metrics.jsonl").read_text() == (reference / "metrics.jsonl").read_text()
+    assert records(out, "eval.jsonl") == records(reference, "eval.jsonl")  # the same weights, evaluated again
+    assert not list(out.rglob("*.tmp"))
+
+    # Stopped by a signal in its last step: the final checkpoint is saved, the final evaluation is not.
+    stopped = tmp_path / "stopped_in_the_last_step"
+    shutil.copytree(reference, stopped)
+    (stopped / "eval.jsonl").write_text("")
+    ok(run(1, args(phase1_shards, stopped)))
+    assert records(stopped, "eval.jsonl") == records(reference, "eval.jsonl")
+    ok(run(1, args(phase1_shards, stopped)))  # and once only
+    assert (stopped / "eval.jsonl").read_text() == (reference / "eval.jsonl").read_text()
+
+
+@pytest.mark.slow
 def test_one_rank_checkpoint_resumes_on_two_ranks(fp32_setup, phase1_shards, tmp_path):
     """The other direction: rank 0 converts while rank 1 waits for it on the filesystem."""
     args, reference = fp32_setup

@@ -7,6 +7,7 @@ opened like any other file, so it gets the user's umask, not mkstemp's 0600.
 
 from __future__ import annotations
 
+import glob
 import os
 import uuid
 from pathlib import Path
@@ -35,3 +36,11 @@ def atomic_write_text(path: Path, text: str) -> Path:
         raise
     fsync_dir(path.parent)
     return path
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporary files of `path` that a killed `atomic_write_text` left. Only for a file
+    that no other process can be writing at the same moment (one a single rank writes)."""
+    path = Path(path)
+    for tmp in path.parent.glob(f".{glob.escape(path.name)}.*.tmp"):
+        tmp.unlink(missing_ok=True)

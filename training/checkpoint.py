@@ -12,9 +12,11 @@ Layout under `<output_dir>/checkpoints/`:
 
 Save order: DeepSpeed writes the tag (`save_latest=False`), every rank reaches a barrier,
 the ranks fsync the files and compute their CRC-32s, rank 0 checks that every rank's partition
-is there, writes run_state.json (the manifest), then replaces `latest` atomically, then deletes tags beyond the newest K. A crash at any
-point leaves `latest` naming the previous complete tag. Anything that does not check out on
-load is a `CheckpointError`; a run never falls back to a fresh start.
+is there, marks the tag `commit_pending`, writes run_state.json (the manifest), replaces `latest`
+atomically, removes the mark, then deletes tags beyond the newest K. A crash before run_state.json
+leaves `latest` naming the previous complete tag; a crash after it is finished by the next run
+(`recover`). Anything that does not check out on load is a `CheckpointError`; a run never falls
+back to a fresh start.
 """
 
 from __future__ import annotations
@@ -36,13 +38,14 @@ import torch
 import torch.distributed as dist
 
 from modeling import BertForPreTraining, ConfigError, load_hf
-from training.atomic import atomic_write_text
+from training.atomic import atomic_write_text, remove_stale_temporaries
 from training.schedule import ScheduleMismatchError
 
 CHECKPOINTS = "checkpoints"
 RUN_STATE = "run_state.json"
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
+COMMIT_PENDING = "commit_pending"  # in a tag from just before its run_state.json until `latest` names it
 UNIVERSAL_SUFFIX = "_universal"
 SOURCE_RUN_STATE = "source_run_state.json"  # in a universal copy: the run_state.json it was made from
 _TAG = re.compile(r"^step(\d{8})$")
@@ -61,6 +64,7 @@ class RunState:
     skipped_batches: int  # micro batches dropped for a non-finite loss
     identity: dict  # what a resume must not change: optimizer, weight decay, training shards
     files: dict[str, dict]  # relative path -> {"size": bytes, "crc32": checksum}, every file of the tag
+    previous: str | None = None  # the tag `latest` named when this one was saved
 
 
 def tag_for(step: int) -> str:
@@ -134,11 +138,64 @@ def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int, files: dict[
     if missing:
         raise CheckpointError(f"{tag_dir}: DeepSpeed did not write {', '.join(missing)}; 'latest' was left "
                               "at the previous checkpoint")
-    state = RunState(**state_fields, files=files)
+    state = RunState(**state_fields, files=files, previous=read_latest(ckpt_dir))
+    pending = tag_dir / COMMIT_PENDING
+    pending.touch()
     atomic_write_text(tag_dir / RUN_STATE, json.dumps(asdict(state), indent=1) + "\n")
     atomic_write_text(ckpt_dir / LATEST, tag + "\n")
+    pending.unlink()
     prune(ckpt_dir, keep)
     return state
+
+
+def recover(ckpt_dir: Path, keep: int) -> str | None:
+    """Rank 0, before any rank looks for its checkpoint: finish the commit a kill interrupted.
+
+    Killed after a tag's run_state.json and before `latest` names it, the tag is complete and
+    still marked `commit_pending`, and `latest` names the tag it records as `previous`: it is
+    committed now (it would otherwise be taken for a tag the user rewound past, or, for a run's
+    first checkpoint, leave checkpoints without a `latest`). A complete tag beyond `latest`
+    without the mark was committed and later rewound past by the user, and one whose `previous`
+    is not `latest` was saved before the user rewound: both are left to `make_room`. Killed after
+    `latest`, the mark goes, and so do the tags beyond the newest `keep` and `latest`'s temporary
+    files. Returns the tag committed here, if any."""
+    if not ckpt_dir.is_dir():
+        return None
+    remove_stale_temporaries(ckpt_dir / LATEST)
+    latest = read_latest(ckpt_dir)
+    committed = None
+    for tag in complete_tags(ckpt_dir):
+        pending = ckpt_dir / tag / COMMIT_PENDING
+        if not pending.exists():
+            continue
+        if latest is not None and tag <= latest:
+            pending.unlink()
+            continue
+        state = read_state(ckpt_dir / tag)
+        if state.previous != latest:
+            continue
+        verify_files(ckpt_dir / tag, state)
+        atomic_write_text(ckpt_dir / LATEST, tag + "\n")
+        pending.unlink()
+        print(f"{ckpt_dir / tag} was saved whole but the run stopped before '{LATEST}' named it; it does now",
+              file=sys.stderr)
+        latest = committed = tag
+    prune(ckpt_dir, keep)
+    return committed
+
+
+def finish_interrupted_commit(ckpt_dir: Path, keep: int) -> None:
+    """Collective: `recover` on rank 0; its error, if any, is raised on every rank."""
+    error = None
+    if dist.get_rank() == 0:
+        try:
+            recover(ckpt_dir, keep)
+        except (CheckpointError, OSError) as e:
+            error = str(e)
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)
+    if errors[0]:
+        raise CheckpointError(errors[0])
 
 
 def prune(ckpt_dir: Path, keep: int) -> None:
@@ -225,16 +282,21 @@ def find_resume(ckpt_dir: Path) -> tuple[str, RunState] | None:
                                   f"Write the tag to resume from into {ckpt_dir / LATEST}, or use a new --output_dir")
         return None
     tag_dir = ckpt_dir / latest
-    state_file = tag_dir / RUN_STATE
-    if not state_file.is_file():
-        raise CheckpointError(f"{ckpt_dir / LATEST} names {latest!r} but {state_file} does not exist: the "
+    if not (tag_dir / RUN_STATE).is_file():
+        raise CheckpointError(f"{ckpt_dir / LATEST} names {latest!r} but {tag_dir / RUN_STATE} does not exist: the "
                               "checkpoint is incomplete or was deleted. Point 'latest' at a complete tag")
-    try:
-        state = RunState(**json.loads(state_file.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise CheckpointError(f"{state_file} is corrupt ({e}); point {ckpt_dir / LATEST} at an older tag") from e
+    state = read_state(tag_dir)
     verify_files(tag_dir, state)
     return latest, state
+
+
+def read_state(tag_dir: Path) -> RunState:
+    state_file = tag_dir / RUN_STATE
+    try:
+        return RunState(**json.loads(state_file.read_text()))
+    except (json.JSONDecodeError, TypeError) as e:
+        raise CheckpointError(f"{state_file} is corrupt ({e}); point {tag_dir.parent / LATEST} at an older "
+                              "tag") from e
 
 
 def verify_files(tag_dir: Path, state: RunState, checksum: list[str] | None = None) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from training.atomic import atomic_write_text
+from training.atomic import atomic_write_text, remove_stale_temporaries
 from training.planner import device_peak_tflops
 
 # torch's device names ("NVIDIA H100 80GB HBM3", "GAUDI2"; first-generation Gaudi is "GAUDI") -> training.planner's
@@ -100,6 +100,20 @@ def drop_records_after(path: Path, step: int) -> None:
         atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
+def logged_steps(path: Path) -> set[int]:
+    """The steps of the records in a JSON-lines log."""
+    steps = set()
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                steps.add(record["step"])
+    return steps
+
+
 class MetricsWriter:
     """Rank 0's sinks: `<output_dir>/metrics.jsonl` (one object per logged step), `eval.jsonl`,
     TensorBoard under `<output_dir>/tensorboard`, and a tqdm progress bar."""
@@ -111,6 +125,7 @@ class MetricsWriter:
         self.start_time = time.perf_counter()
         self.start_step = start_step
         self.total_steps = total_steps
+        self.eval_steps: set[int] = set()
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -119,11 +134,17 @@ class MetricsWriter:
         # after dropping what was logged past its checkpoint (that stretch is trained again).
         paths = [Path(output_dir) / name for name in ("metrics.jsonl", "eval.jsonl")]
         for path in paths:
+            remove_stale_temporaries(path)
             drop_records_after(path, start_step)
+        self.eval_steps = logged_steps(paths[1])
         self.jsonl, self.eval_jsonl = (open(path, "a") for path in paths)  # noqa: SIM115
         # purge_step: TensorBoard hides the events of steps >= it written before this run.
         self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+
+    def evaluated(self, step: int) -> bool:
+        """Whether eval.jsonl holds a record of `step` (from this run or the one it resumes)."""
+        return step in self.eval_steps
 
     def advance(self, step: int) -> None:
         if self.bar is not None:
