@@ -101,6 +101,18 @@ def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     assert events.Scalars("eval/loss") == []  # step 5 was evaluated before the kill
 
 
+def test_a_rerun_killed_while_dropping_records_keeps_them_aside_once(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n"
+                                                    for s in range(1, 7)))
+    (tmp_path / ".metrics.jsonl.4242.0123456789ab.tmp").write_text('{"step": 1')  # the killed rewrite
+    (tmp_path / "metrics.dropped.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n"
+                                                            for s in (5, 6)))  # appended before the kill
+    MetricsWriter(tmp_path, total_steps=10, start_step=4, enabled=True).close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.dropped.jsonl").read_text().splitlines()] == [5, 6]
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_other_ranks_write_nothing(tmp_path):
     writer = MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=False)
     writer.log({"step": 1, "loss": 1.0})

@@ -94,9 +94,11 @@ def drop_records_after(path: Path, step: int) -> None:
         late = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
         (dropped if late else kept).append(line)
     if len(kept) != len(lines):
-        if dropped:
-            with open(path.with_name(f"{path.stem}.dropped.jsonl"), "a", encoding="utf-8") as f:
-                f.write("".join(line + "\n" for line in dropped))
+        side, text = path.with_name(f"{path.stem}.dropped.jsonl"), "".join(line + "\n" for line in dropped)
+        # Already there when a rerun was killed between this append and the rewrite below.
+        if text and not (side.is_file() and side.read_text(encoding="utf-8").endswith(text)):
+            with open(side, "a", encoding="utf-8") as f:
+                f.write(text)
         atomic_write_text(path, "".join(line + "\n" for line in kept))
 
 
