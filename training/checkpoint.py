@@ -192,6 +192,12 @@ def finish_interrupted_commit(ckpt_dir: Path, keep: int) -> None:
             recover(ckpt_dir, keep)
         except (CheckpointError, OSError) as e:
             error = str(e)
+    _raise_rank0_error(error)
+
+
+def _raise_rank0_error(error: str | None) -> None:
+    """Collective: rank 0's error, if any, raised on every rank (raised on rank 0 alone, it would
+    leave the others waiting in the next collective)."""
     errors = [error]
     dist.broadcast_object_list(errors, src=0)
     if errors[0]:
@@ -265,10 +271,7 @@ def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, sk
                    keep, dict(sorted(files.items())))
         except (CheckpointError, OSError) as e:
             error = str(e)
-    errors = [error]
-    dist.broadcast_object_list(errors, src=0)
-    if errors[0]:
-        raise CheckpointError(errors[0])
+    _raise_rank0_error(error)
     return tag
 
 
