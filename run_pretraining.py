@@ -194,10 +194,11 @@ def load_ds_config(path: Path, world_size: int) -> tuple[dict, BatchSizes]:
     if stage not in (1, 2):
         raise RunConfigError(f"{path}: zero_optimization.stage {stage} is not supported; use \"zero_optimization\": "
                              "{\"stage\": 1} (bf16 or fp32) or stage 2 (fp32)")
-    if config.get("bf16", {}).get("enabled") and stage != 1:
+    bf16 = config.get("bf16", {}).get("enabled")
+    if bf16 and stage != 1:
         raise RunConfigError(f"{path}: bf16 needs zero_optimization.stage 1, got {stage}: only there does "
                              "DeepSpeed's BF16_Optimizer accumulate gradients in fp32")
-    if config.get("bf16", {}).get("enabled") and config.get("data_types", {}).get("grad_accum_dtype") != "fp32":
+    if bf16 and config.get("data_types", {}).get("grad_accum_dtype") != "fp32":
         raise RunConfigError(f"{path}: bf16 needs \"data_types\": {{\"grad_accum_dtype\": \"fp32\"}} so that "
                              "gradients accumulate in fp32 (bf16 accumulation loses small gradients)")
     sizes = resolve_batch_sizes(config, world_size, str(path))

@@ -75,15 +75,15 @@ class Throughput:
         return rate
 
 
-def drop_records_after(path: Path, step: int) -> None:
+def drop_records_after(path: Path, step: int) -> set[int]:
     """Keep the records of steps <= `step` in a JSON-lines log (and lines that are not records);
     a last line cut short by a kill is dropped. The dropped lines are appended to
     `<name>.dropped.jsonl` first (a rewound run's records are not lost), then the log is rewritten
-    atomically, only when something goes."""
+    atomically, only when something goes. Returns the steps of the records kept."""
     if not path.is_file():
-        return
+        return set()
     lines = path.read_text(encoding="utf-8").splitlines()
-    kept, dropped = [], []
+    kept, dropped, steps = [], [], set()
     for i, line in enumerate(lines):
         try:
             record = json.loads(line)
@@ -91,8 +91,13 @@ def drop_records_after(path: Path, step: int) -> None:
             if i == len(lines) - 1:
                 continue
             record = None
-        late = isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] > step
-        (dropped if late else kept).append(line)
+        logged = record.get("step") if isinstance(record, dict) else None
+        if isinstance(logged, int) and logged > step:
+            dropped.append(line)
+        else:
+            kept.append(line)
+            if isinstance(logged, int):
+                steps.add(logged)
     if len(kept) != len(lines):
         side, text = path.with_name(f"{path.stem}.dropped.jsonl"), "".join(line + "\n" for line in dropped)
         # Already there when a rerun was killed between this append and the rewrite below.
@@ -100,19 +105,6 @@ def drop_records_after(path: Path, step: int) -> None:
             with open(side, "a", encoding="utf-8") as f:
                 f.write(text)
         atomic_write_text(path, "".join(line + "\n" for line in kept))
-
-
-def logged_steps(path: Path) -> set[int]:
-    """The steps of the records in a JSON-lines log."""
-    steps = set()
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(record, dict) and isinstance(record.get("step"), int):
-                steps.add(record["step"])
     return steps
 
 
@@ -137,8 +129,7 @@ class MetricsWriter:
         paths = [Path(output_dir) / name for name in ("metrics.jsonl", "eval.jsonl")]
         for path in paths:
             remove_stale_temporaries(path)
-            drop_records_after(path, start_step)
-        self.eval_steps = logged_steps(paths[1])
+        _, self.eval_steps = (drop_records_after(path, start_step) for path in paths)
         self.jsonl, self.eval_jsonl = (open(path, "a") for path in paths)  # noqa: SIM115
         # purge_step: TensorBoard hides the events of steps >= it written before this run.
         self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
