@@ -21,6 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from data.cli import HelpFormatter
 from modeling import ActivationCheckpointing, BertConfig, BertForPreTraining, ConfigError, count_parameters
 from training import accelerator as accel
 from training import checkpoint
@@ -47,22 +48,22 @@ class NonFiniteLossError(RuntimeError):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("data and model")
     g.add_argument("--input_dir", type=Path, required=True,
                    help="shards, searched recursively: .hdf5 files in training/ or with the word training in their name "
                         "(wiki_training_0.hdf5) train; in test/ or with the word test, evaluate")
-    g.add_argument("--output_dir", type=Path, required=True, help="checkpoints, metrics, model_config.json")
+    g.add_argument("--output_dir", type=Path, required=True, help="checkpoints, metrics, TensorBoard, model_config.json and vocab.txt")
     g.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
     g.add_argument("--max_seq_length", type=int, default=128, help="must equal the shards' sequence length")
     g.add_argument("--max_predictions_per_seq", type=int, default=20,
-                   help="masked positions per sequence; must equal static-mask shards")
+                   help="masked positions per sequence; must equal the shards' (static or dynamic masks)")
     g.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_steps", type=int, required=True, help="optimizer steps in this phase")
     g.add_argument("--optimizer", choices=("lamb", "lans", "adamw"), default="lamb",
                    help="lamb (BERT recipe), lans (Gaudi BERT-1.5B recipe) or adamw")
-    g.add_argument("--learning_rate", type=float, default=6e-3)
+    g.add_argument("--learning_rate", type=float, default=6e-3, help="peak learning rate, reached after warm-up")
     g.add_argument("--weight_decay", type=float, default=0.01, help="not applied to biases and LayerNorm")
     g.add_argument("--warmup_proportion", type=float, default=0.2843,
                    help="fraction of --max_steps with linear warm-up")
@@ -77,10 +78,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max_nonfinite_steps", type=int, default=10,
                    help="stop after this many consecutive micro batches with a non-finite loss")
     g = p.add_argument_group("phases and checkpoints")
-    g.add_argument("--phase2", action="store_true", help="start from --init_checkpoint's weights, fresh optimizer")
+    g.add_argument("--phase2", action="store_true", help="start from --init_checkpoint's weights with a fresh optimizer and schedule (NVIDIA's flag; "
+                        "required with --init_checkpoint)")
     g.add_argument("--init_checkpoint", type=Path,
                    help="--output_dir of the phase-1 run, or a Hugging Face BERT directory (with --phase2)")
-    g.add_argument("--num_steps_per_checkpoint", type=int, default=200)
+    g.add_argument("--num_steps_per_checkpoint", type=int, default=200,
+                   help="save a checkpoint every N steps (and at the last step, or on SIGTERM/SIGINT)")
     g.add_argument("--keep_checkpoints", type=int, default=3, help="how many newest checkpoints to keep")
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log_freq", type=int, default=10, help="log every N steps")
@@ -90,7 +93,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true", required=True,
                    help="required: this script runs on DeepSpeed (kept so DeepSpeed-style commands work as is)")
-    g.add_argument("--deepspeed_config", type=Path, default=DEFAULT_DS_CONFIG)
+    g.add_argument("--deepspeed_config", type=Path, default=DEFAULT_DS_CONFIG,
+                   help="DeepSpeed JSON: batch sizes, ZeRO, bf16 (no optimizer or scheduler section)")
     g.add_argument("--local_rank", type=int, default=None,
                    help="set by the deepspeed launcher; LOCAL_RANK in the environment wins")
     args = p.parse_args(argv)
@@ -175,7 +179,7 @@ def resolve_batch_sizes(ds_config: dict, world_size: int, source: str) -> BatchS
     return BatchSizes(train_batch_size=t, micro_batch=m, grad_accum=g)
 
 
-def load_ds_config(path: Path, world_size: int) -> tuple[dict, BatchSizes]:
+def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, BatchSizes]:
     try:
         config = json.loads(path.read_text())
     except OSError as e:
@@ -201,6 +205,11 @@ def load_ds_config(path: Path, world_size: int) -> tuple[dict, BatchSizes]:
     if bf16 and config.get("data_types", {}).get("grad_accum_dtype") != "fp32":
         raise RunConfigError(f"{path}: bf16 needs \"data_types\": {{\"grad_accum_dtype\": \"fp32\"}} so that "
                              "gradients accumulate in fp32 (bf16 accumulation loses small gradients)")
+    # DeepSpeed accepts only its own list of optimizers under ZeRO (torch's Adam/AdamW among them)
+    # and asserts deep inside deepspeed.initialize otherwise.
+    if optimizer in ("lamb", "lans") and config.get("zero_allow_untested_optimizer") is not True:
+        raise RunConfigError(f"{path}: --optimizer {optimizer} is this project's layer-wise optimizer, which DeepSpeed "
+                             "runs under ZeRO only with \"zero_allow_untested_optimizer\": true; add it")
     sizes = resolve_batch_sizes(config, world_size, str(path))
     config.update(train_batch_size=sizes.train_batch_size, train_micro_batch_size_per_gpu=sizes.micro_batch,
                   gradient_accumulation_steps=sizes.grad_accum)
@@ -409,7 +418,7 @@ def train(args: argparse.Namespace) -> dict:
     import deepspeed
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    ds_config, sizes = load_ds_config(args.deepspeed_config, world)
+    ds_config, sizes = load_ds_config(args.deepspeed_config, world, args.optimizer)
     config = BertConfig.from_json_file(args.config_file)
     if args.max_seq_length > config.max_position_embeddings:
         raise RunConfigError(f"--max_seq_length {args.max_seq_length} exceeds max_position_embeddings "

@@ -1,4 +1,4 @@
-"""Stage 5: tokenized documents -> NSP sentence pairs with (optionally) static MLM masks.
+"""Stage 6: tokenized documents -> NSP sentence pairs with (optionally) static MLM masks.
 
 The recipe is BERT's (`create_pretraining_data.py`): per document and per duplicate, sentences
 are packed greedily up to a target length (`max_seq_length - 3`, or with probability
@@ -43,6 +43,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import stage
+from data.cli import HelpFormatter
 from data.parallel import bounded_map
 from data.stage import PipelineError
 from data.tokens import TokenizedPart, load_part
@@ -411,24 +412,27 @@ def create(cfg: CreateConfig) -> CreateResult:
 
 def add_masking_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dupe_factor", type=int, default=5, help="instances made from each document, each with new masks")
-    p.add_argument("--short_seq_prob", type=float, default=0.1)
-    p.add_argument("--masked_lm_prob", type=float, default=0.15)
-    p.add_argument("--whole_word_masking", action="store_true")
+    p.add_argument("--short_seq_prob", type=float, default=0.1,
+                   help="probability of a shorter target length for an instance, as in BERT")
+    p.add_argument("--masked_lm_prob", type=float, default=0.15,
+                   help="share of tokens masked (80%% [MASK], 10%% random, 10%% kept)")
+    p.add_argument("--whole_word_masking", action="store_true", help="mask all pieces of a word together")
     p.add_argument("--dynamic_masking", action="store_true",
                    help="write no static masks (no masked_lm_* keys); the loader masks at load time")
     p.add_argument("--test_fraction", type=float, default=0.02, help="fraction of documents held out for test")
-    p.add_argument("--seed", type=int, default=12345)
+    p.add_argument("--seed", type=int, default=12345, help="pairs, masks and the test hold-out")
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input_dir", type=Path, required=True, help="output of data.tokens")
-    p.add_argument("--vocab_file", type=Path, required=True)
-    p.add_argument("--output_dir", type=Path, required=True)
-    p.add_argument("--max_seq_length", type=int, default=128)
-    p.add_argument("--max_predictions_per_seq", type=int, default=20)
+    p.add_argument("--vocab_file", type=Path, required=True, help="the vocab.txt data.tokens used")
+    p.add_argument("--output_dir", type=Path, required=True, help="the instances directory (input of data.shard)")
+    p.add_argument("--max_seq_length", type=int, default=128, help="tokens per instance, [CLS] and [SEP]s included")
+    p.add_argument("--max_predictions_per_seq", type=int, default=20, help="most masked positions per instance")
     add_masking_arguments(p)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
     a = p.parse_args(argv)
     r = stage.cli_call(create, CreateConfig(a.input_dir, a.vocab_file, a.output_dir, a.max_seq_length, a.max_predictions_per_seq,
                             a.dupe_factor, a.short_seq_prob, a.masked_lm_prob, a.whole_word_masking,

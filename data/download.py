@@ -29,6 +29,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
+from data.cli import HelpFormatter
 from data.stage import PipelineError
 
 DEFAULT_DUMP_DATE = "20261101"
@@ -281,19 +282,20 @@ def _non_negative_int(text: str) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--dump_date", default=DEFAULT_DUMP_DATE, help="YYYYMMDD (default: %(default)s)")
     src.add_argument("--url", help="download this URL instead of the dump for --dump_date")
-    p.add_argument("--mirror", default=DEFAULT_MIRROR)
-    p.add_argument("--output_dir", type=Path, required=True)
+    p.add_argument("--mirror", default=DEFAULT_MIRROR,
+                   help="dump mirror used with --dump_date (default: %(default)s)")
+    p.add_argument("--output_dir", type=Path, required=True, help="where the dump is written")
     p.add_argument("--retries", type=_non_negative_int, default=5,
                    help="retries after a network error, 408, 429 or 5xx (default: %(default)s)")
     a = p.parse_args(argv)
     if a.url and a.mirror != DEFAULT_MIRROR:
         p.error("--mirror applies to --dump_date; with --url, put the mirror in the URL")
-    url = a.url or dump_url(a.mirror, a.dump_date)
     try:
+        url = a.url or dump_url(a.mirror, a.dump_date)
         path = download(DownloadConfig(url, a.output_dir, retries=a.retries))
     except PipelineError as exc:
         raise SystemExit(f"error: {exc}") from exc

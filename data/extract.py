@@ -6,8 +6,11 @@ wikitext is cleaned by wikiextractor 3.1.0 used as a library (`Extractor.clean_t
 tables, references, file links, lists and markup are dropped; section headings are dropped too.
 
 Output: `<output_dir>/part-NNNNN.txt`, `articles_per_part` articles each, one paragraph per line
-and a blank line after each article. Parts are cleaned in parallel worker processes, at most
-`2 * workers` parts in flight, so memory stays bounded whatever the dump size.
+and a blank line after each article. A single-stream dump is read by one process and its parts
+are cleaned in parallel worker processes. A multistream dump (`*-multistream.xml.bz2`, the form
+data.download fetches) is cut into chunks of whole bz2 streams that the workers decompress, parse
+and clean in parallel. At most `2 * workers` parts or chunks are in flight, so memory stays
+bounded whatever the dump size; both forms give the same parts.
 
     python -m data.extract --input enwiki-20261101-pages-articles.xml.bz2 --output_dir text/extracted
 """
@@ -33,6 +36,7 @@ from tqdm import tqdm
 from wikiextractor.extract import Extractor, discardElements, placeholder_tags
 
 from data import multistream, stage
+from data.cli import HelpFormatter
 from data.parallel import bounded_map
 from data.stage import PipelineError
 
@@ -481,10 +485,11 @@ def _clean_chunk_or_skip(task: _Chunk | int) -> list[str] | int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input", type=Path, required=True, help="MediaWiki XML dump, .xml or .xml.bz2")
-    p.add_argument("--output_dir", type=Path, required=True)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--output_dir", type=Path, required=True, help="the articles directory")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
     p.add_argument("--articles_per_part", type=int, default=2000)
     a = p.parse_args(argv)
     r = stage.cli_call(extract, ExtractConfig(a.input, a.output_dir, a.workers, a.articles_per_part))

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.cli import HelpFormatter
 from data.create import CreateConfig, add_masking_arguments, create, validate
 from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_url
 from data.extract import ExtractConfig, extract
@@ -144,13 +145,13 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--input", help="a MediaWiki dump (.xml.bz2 or .xml) path, or an http(s) URL to download")
     src.add_argument("--dump_date",
                      help=f"download enwiki-<date>-pages-articles-multistream.xml.bz2, e.g. {DEFAULT_DUMP_DATE}")
     p.add_argument("--mirror", default=DEFAULT_MIRROR, help="dump mirror used with --dump_date")
-    p.add_argument("--output_dir", type=Path, required=True)
+    p.add_argument("--output_dir", type=Path, required=True, help="hdf5/{training,test}/, vocab.txt, instances/")
     p.add_argument("--text_dir", type=Path, help="where text stages go (default <output_dir>/text)")
     p.add_argument("--vocab_file", type=Path, help="BERT vocab.txt; without it a WordPiece vocab is trained")
     p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
@@ -159,36 +160,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false", help="keep case and accents")
     p.add_argument("--phase", type=int, choices=sorted(PHASES), default=1,
                    help="1: seq 128 / 20 predictions, 2: seq 512 / 80 (explicit flags override)")
-    p.add_argument("--max_seq_length", type=int)
-    p.add_argument("--max_predictions_per_seq", type=int)
+    p.add_argument("--max_seq_length", type=int, help="overrides --phase's sequence length")
+    p.add_argument("--max_predictions_per_seq", type=int, help="overrides --phase's masked positions")
     add_masking_arguments(p)
     p.add_argument("--num_shards", type=int, default=256, help="training shards")
-    p.add_argument("--num_test_shards", type=int, default=1)
+    p.add_argument("--num_test_shards", type=int, default=1, help="test shards (0: no test split)")
     p.add_argument("--articles_per_part", type=int, default=2000, help="articles per parallel work unit")
     p.add_argument("--name", default="wikicorpus_en", help="shard file name prefix")
     add_compression_argument(p)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
     a = p.parse_args(argv)
     if a.input and a.mirror != DEFAULT_MIRROR:
         p.error("--mirror applies to --dump_date; with --input, put the mirror in the URL")
     if a.vocab_file and (a.vocab_size != 30522 or a.limit_alphabet != 1000):
         p.error("--vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given "
                 "--vocab_file")
-    seq, pred = PHASES[a.phase]
-    source: Path | str = a.input if a.input else dump_url(a.mirror, a.dump_date)
-    if isinstance(source, str) and not source.startswith(("http://", "https://")):
-        source = Path(source)
-    cfg = PrepareConfig(
-        input=source, output_dir=a.output_dir, vocab_file=a.vocab_file,
-        max_seq_length=seq if a.max_seq_length is None else a.max_seq_length,
-        max_predictions_per_seq=pred if a.max_predictions_per_seq is None else a.max_predictions_per_seq,
-        dupe_factor=a.dupe_factor, num_shards=a.num_shards, num_test_shards=a.num_test_shards, seed=a.seed,
-        workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
-        whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
-        test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
-        limit_alphabet=a.limit_alphabet,
-        articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression))
     try:
+        seq, pred = PHASES[a.phase]
+        source: Path | str = a.input if a.input else dump_url(a.mirror, a.dump_date)
+        if isinstance(source, str) and not source.startswith(("http://", "https://")):
+            source = Path(source)
+        cfg = PrepareConfig(
+            input=source, output_dir=a.output_dir, vocab_file=a.vocab_file,
+            max_seq_length=seq if a.max_seq_length is None else a.max_seq_length,
+            max_predictions_per_seq=pred if a.max_predictions_per_seq is None else a.max_predictions_per_seq,
+            dupe_factor=a.dupe_factor, num_shards=a.num_shards, num_test_shards=a.num_test_shards, seed=a.seed,
+            workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
+            whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
+            test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
+            limit_alphabet=a.limit_alphabet,
+            articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression))
         result = prepare(cfg)
     except PipelineError as exc:
         raise SystemExit(f"error: {exc}") from exc

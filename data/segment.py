@@ -19,6 +19,7 @@ import blingfire
 from tqdm import tqdm
 
 from data import stage
+from data.cli import HelpFormatter
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -91,10 +92,11 @@ def segment(cfg: SegmentConfig) -> SegmentResult:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input_dir", type=Path, required=True, help="output of data.extract")
-    p.add_argument("--output_dir", type=Path, required=True)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--output_dir", type=Path, required=True, help="the sentences directory")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
     a = p.parse_args(argv)
     r = stage.cli_call(segment, SegmentConfig(a.input_dir, a.output_dir, a.workers))
     print(f"segment: {r.documents} documents, {r.sentences} sentences, {r.seconds:.1f} s")

@@ -1,4 +1,4 @@
-"""Stage 6: instances -> balanced HDF5 shards in the NVIDIA/Habana format.
+"""Stage 7: instances -> balanced HDF5 shards in the NVIDIA/Habana format.
 
 Every part's instances (already shuffled within the part) are cut into `num_shards` contiguous
 slices whose sizes differ by at most one; the part that gets the extra rows rotates, so shard
@@ -7,7 +7,8 @@ of every part (read through memory maps), shuffled with a seed of its own, and w
 temporary name, then renamed. Memory per worker is one shard.
 
 Files: `<output_dir>/{training,test}/<name>_{training,test}_<i>.hdf5`, keys and dtypes as in
-docs/ARCHITECTURE.md, attributes max_seq_length, max_predictions_per_seq, vocab_size, masking.
+docs/ARCHITECTURE.md, attributes max_seq_length, max_predictions_per_seq, vocab_size, masking
+(static or dynamic), masked_lm_prob and whole_word_masking.
 
     python -m data.shard --instances_dir out/instances --output_dir out/hdf5 --num_shards 256
 """
@@ -26,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import stage
+from data.cli import HelpFormatter
 from data.create import DTYPES, SPLITS, derive_seed
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -181,14 +183,15 @@ def compression_filter(name: str) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--instances_dir", type=Path, required=True, help="output of data.create")
     p.add_argument("--output_dir", type=Path, required=True, help="the hdf5 directory")
     p.add_argument("--num_shards", type=int, default=256, help="training shards")
-    p.add_argument("--num_test_shards", type=int, default=1)
+    p.add_argument("--num_test_shards", type=int, default=1, help="test shards (0: no test split)")
     p.add_argument("--name", default="wikicorpus_en", help="file name prefix")
     add_compression_argument(p)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
     a = p.parse_args(argv)
     r = stage.cli_call(shard, ShardConfig(a.instances_dir, a.output_dir, a.num_shards, a.num_test_shards, a.name,
                                           a.workers, compression_filter(a.hdf5_compression)))

@@ -1,4 +1,4 @@
-"""Tokenize the segmented corpus once, with BERT's WordPiece, each distinct word once per part.
+"""Stage 5: tokenize the segmented corpus once, with BERT's WordPiece, each distinct word once per part.
 
 Distinct words are looked up in the vocab (most of them) or tokenized by the Rust tokenizer in
 one batch; the token ids equal the Rust tokenizer's on whole sentences (`WordPieceTokenizer`).
@@ -26,6 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import stage
+from data.cli import HelpFormatter
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -218,12 +219,14 @@ def tokenize_with_given_vocab(cfg: TokenizeConfig) -> TokenizeResult:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input_dir", type=Path, required=True, help="output of data.segment")
-    p.add_argument("--vocab_file", type=Path, required=True)
-    p.add_argument("--output_dir", type=Path, required=True)
-    p.add_argument("--no_lower_case", dest="lower_case", action="store_false")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--vocab_file", type=Path, required=True, help="BERT vocab.txt")
+    p.add_argument("--output_dir", type=Path, required=True, help="the tokens directory")
+    p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
+                   help="keep case and accents (for a cased vocab)")
+    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
     a = p.parse_args(argv)
     r = stage.cli_call(tokenize_with_given_vocab, TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
     print(f"tokenize: {r.documents} documents, {r.sentences} sentences, {r.tokens} tokens "

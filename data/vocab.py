@@ -21,6 +21,7 @@ from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from data import stage
+from data.cli import HelpFormatter
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -250,8 +251,8 @@ def _other_vocab(target: Path, wanted: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--output_dir", type=Path, required=True)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--output_dir", type=Path, required=True, help="where vocab.txt is written")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--vocab_file", type=Path, help="use this BERT vocab.txt")
     src.add_argument("--corpus_dir", type=Path, help="train a WordPiece vocab on this data.segment output")
@@ -260,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit_alphabet", type=int, default=1000,
                    help="characters kept as tokens when training: the most frequent ones")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
-                   help="keep case (and accents) when training the vocab and tokenizing")
+                   help="keep case (and accents) when training the vocab; data.tokens needs the same flag")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes counting characters")
     a = p.parse_args(argv)
     if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2 or a.limit_alphabet != 1000

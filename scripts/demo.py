@@ -24,6 +24,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from data.cli import HelpFormatter
+
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "configs" / "models" / "bert-demo.json"
 PROBES = ("the city was founded in 1200 as a [MASK] on the river.",
@@ -202,7 +204,7 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--output_dir", type=Path, default=DemoConfig.output_dir)
     parser.add_argument("--articles", type=int, default=DemoConfig.articles, help="articles in the generated dump")
     parser.add_argument("--vocab_size", type=int, default=DemoConfig.vocab_size, help="WordPiece vocab to train")

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from data.cli import HelpFormatter
 from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
 from training.checkpoint import CHECKPOINTS, MODEL_STATES
 
@@ -167,7 +168,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True,
                         help="a run's --output_dir, its checkpoints/ directory, or a checkpoint tag directory")
     parser.add_argument("--output", type=Path, required=True, help="the Hugging Face model directory to write")

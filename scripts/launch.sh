@@ -26,7 +26,7 @@
 #   --ssh_port P           sshd port of the other nodes (deepspeed launcher); default 3022
 #   --init_checkpoint DIR  phase-1 output directory, for phase-2 presets
 #   --set FIELD=VALUE      override a preset field (max_steps, learning_rate, ...; see training/presets.py)
-#   --dry_run              resolve the preset and print the command without running it
+#   --dry_run              resolve the preset (writing <output_dir>/launch/) and print the command; start nothing
 # Environment: PYTHON (default: .venv/bin/python of this checkout if present, else python3) is the interpreter
 # on every node; scripts/hpu_env.sh sets the HPU variables.
 set -euo pipefail
@@ -98,6 +98,8 @@ first_host() {  # the first host of the hostfile or host list, if any
 NNODES="$NODES"
 # Options that a launcher would not use are errors, never silently ignored.
 [[ -z "$SSH_PORT" || "$LAUNCHER" == deepspeed ]] || die "--ssh_port is for the deepspeed launcher (pdsh), not $LAUNCHER"
+[[ -z "$SSH_PORT" || -n "$HOSTFILE$HOSTS" ]] \
+  || die "--ssh_port is for pdsh, which the deepspeed launcher uses only with --hostfile or --hosts"
 SSH_PORT="${SSH_PORT:-3022}"
 [[ -z "$NODE_RANK" || "$LAUNCHER" == torchrun ]] \
   || die "--node_rank is for torchrun; the $LAUNCHER launcher ranks the nodes itself"

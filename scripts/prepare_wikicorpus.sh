@@ -18,8 +18,14 @@
 # Text (download, extraction, segmentation, tokens) is shared by both phases in OUTPUT_DIR/text.
 set -euo pipefail
 
+usage() { sed -n '2,18p' "$0"; }
+case ${1:-} in
+    -h|--help) usage; exit 0 ;;
+    -*) echo "error: unknown option $1 (this script takes OUTPUT_DIR [VOCAB_FILE]; settings are environment variables)" >&2
+        usage >&2; exit 2 ;;
+esac
 if [[ $# -lt 1 || $# -gt 2 ]]; then
-    sed -n '2,18p' "$0" >&2
+    usage >&2
     exit 2
 fi
 # Relative paths are the caller's: resolve them before moving to the repository root.

@@ -157,3 +157,15 @@ def test_negative_retries_are_refused(wiki_mirror, tmp_path, capsys):
         download_main(["--url", dump_url(mirror, DATE), "--output_dir", str(tmp_path), "--retries", "-1"])
     assert exc.value.code == 2 and "--retries: must be >= 0" in capsys.readouterr().err
     assert site.requests == [] and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("cli", ["download", "prepare"])
+def test_a_malformed_dump_date_is_a_one_line_error(cli, tmp_path):
+    """Both command lines answer a bad --dump_date with their usual `error:` line (it was a traceback)."""
+    from data.prepare import main as prepare_main
+
+    main, extra = (download_main, []) if cli == "download" else (prepare_main, ["--vocab_file", "v.txt"])
+    with pytest.raises(SystemExit) as exc:
+        main(["--dump_date", "2026-11-01", "--output_dir", str(tmp_path / "out"), *extra])
+    assert exc.value.code == "error: dump date '2026-11-01' is not YYYYMMDD, e.g. 20261101"
+    assert not (tmp_path / "out").exists()

@@ -138,6 +138,20 @@ def test_prepare_wikicorpus_script_makes_both_phases_from_relative_paths(sample_
     assert "extract 0.0," in proc.stdout.split("=== phase 2")[1]
 
 
+@pytest.mark.parametrize("arg, code", [("--help", 0), ("-h", 0), ("--output_dir", 2)])
+def test_prepare_wikicorpus_script_takes_no_option_for_its_output_dir(arg, code, tmp_path):
+    """`--help` prints the usage; it was taken for OUTPUT_DIR and started the 22 GB download into ./--help."""
+    env = dict(os.environ, DUMP="/nonexistent/dump.xml.bz2", PYTHON=sys.executable)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "prepare_wikicorpus.sh"), arg, "x"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr
+    usage = proc.stdout if code == 0 else proc.stderr
+    assert "scripts/prepare_wikicorpus.sh OUTPUT_DIR [VOCAB_FILE]" in usage
+    if code:
+        assert proc.stderr.startswith(f"error: unknown option {arg} ")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_another_dump_of_the_same_name_and_size_is_not_taken_for_the_extracted_one(tmp_path):
     def dump(directory: str, word: str) -> Path:
         page = (f"<page><title>{word}</title><ns>0</ns><id>1</id><revision><id>1</id><text>The {word} river "

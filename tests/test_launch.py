@@ -226,6 +226,8 @@ def test_clear_errors(tmp_path: Path):
         (["--preset", "demo", "--nodes", "2", "--hostfile", str(tmp_path / "hosts"), *base], "does not exist"),
         (["--preset", "demo", "--nodes", "1", "--launcher", "torchrun", "--ssh_port", "22", *base],
          "--ssh_port is for the deepspeed launcher"),
+        (["--preset", "demo", "--nodes", "1", "--ssh_port", "22", *base],
+         "--ssh_port is for pdsh, which the deepspeed launcher uses only with --hostfile or --hosts"),
         (["--preset", "demo", "--nodes", "1", "--node_rank", "0", *base], "--node_rank is for torchrun"),
     ]
     for args, message in cases:

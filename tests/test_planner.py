@@ -358,6 +358,17 @@ def test_cli_rejects_bad_sizes_and_says_what_fits(capsys):
     assert "DOES NOT FIT; largest micro batch that fits: 0" in capsys.readouterr().out
 
 
+
+def test_cli_refuses_a_checkpoint_interval_without_checkpointing(capsys):
+    """It was ignored silently; run_pretraining.py refuses the same combination."""
+    args = ["--config_file", str(ROOT / "configs/models/bert-base.json"), "--micro_batch", "8",
+            "--checkpoint_interval", "4"]
+    assert planner.main(args) == 2
+    assert capsys.readouterr().err == ("error: --checkpoint_interval 4 applies to --checkpoint_activations; add "
+                                       "--checkpoint_activations or drop --checkpoint_interval\n")
+    assert planner.main([*args, "--checkpoint_activations"]) == 0
+
+
 if __name__ == "__main__":  # a rank of test_bf16_zero1_memory_matches_a_real_deepspeed_engine
     import torch.distributed
 

@@ -4,6 +4,7 @@ the DeepSpeed JSON, flag combinations, what a resume may not change, and the non
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,7 @@ def test_batch_sizes_that_do_not_divide_name_the_file_and_fields(config, world, 
 
 
 def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping():
-    config, sizes = load_ds_config(DEFAULT_DS_CONFIG, world_size=2)
+    config, sizes = load_ds_config(DEFAULT_DS_CONFIG, world_size=2, optimizer="lamb")
     assert config["zero_optimization"]["stage"] == 1 and config["bf16"]["enabled"]
     assert config["data_types"]["grad_accum_dtype"] == "fp32" and config["gradient_clipping"] == 1.0
     assert sizes == BatchSizes(16, 8, 1) and config["train_batch_size"] == 16
@@ -68,21 +69,38 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping():
     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage 0 is not supported; use"),
     ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage 3 is not supported"),
     ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
+    ({"zero_allow_untested_optimizer": False}, r"--optimizer lamb .*\"zero_allow_untested_optimizer\": true; add it"),
 ])
 def test_deepspeed_json_errors(tmp_path, change, message):
     config = json.loads(DEFAULT_DS_CONFIG.read_text()) | change
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
     with pytest.raises(RunConfigError, match=message):
-        load_ds_config(path, world_size=1)
+        load_ds_config(path, world_size=1, optimizer="lamb")
+
+
+@pytest.mark.parametrize("optimizer, refused", [("lamb", True), ("lans", True), ("adamw", False)])
+def test_layerwise_optimizers_need_zero_allow_untested_optimizer(tmp_path, optimizer, refused):
+    """DeepSpeed would assert only inside deepspeed.initialize, after the model is built; torch's
+    AdamW is on its ZeRO list and needs nothing."""
+    config = json.loads(DEFAULT_DS_CONFIG.read_text())
+    del config["zero_allow_untested_optimizer"]
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    if refused:
+        with pytest.raises(RunConfigError, match=f"^{re.escape(str(path))}: --optimizer {optimizer} .*"
+                                                 "\"zero_allow_untested_optimizer\": true; add it"):
+            load_ds_config(path, world_size=1, optimizer=optimizer)
+    else:
+        assert load_ds_config(path, world_size=1, optimizer=optimizer)[1] == BatchSizes(8, 8, 1)
 
 
 def test_unreadable_deepspeed_json(tmp_path):
     with pytest.raises(RunConfigError, match="cannot read it"):
-        load_ds_config(tmp_path / "missing.json", 1)
+        load_ds_config(tmp_path / "missing.json", 1, "lamb")
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(RunConfigError, match="not valid JSON"):
-        load_ds_config(tmp_path / "bad.json", 1)
+        load_ds_config(tmp_path / "bad.json", 1, "lamb")
 
 
 REQUIRED = ["--deepspeed", "--input_dir", "in", "--output_dir", "out", "--config_file", "c.json", "--max_steps", "5"]

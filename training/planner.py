@@ -25,6 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.cli import HelpFormatter
 from modeling import BertConfig, BertForPreTraining, count_parameters
 
 GiB = 1024**3
@@ -456,27 +457,30 @@ def _duration(seconds: float) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m training.planner", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m training.planner", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
-    p.add_argument("--device", default="gaudi", help=f"device model: {', '.join(DEVICES)} (default gaudi)")
-    p.add_argument("--devices", type=int, default=1, help="data-parallel devices in total (default 1)")
+    p.add_argument("--device", default="gaudi", help=f"device model: {', '.join(DEVICES)}")
+    p.add_argument("--devices", type=int, default=1, help="data-parallel devices in total")
     p.add_argument("--device_memory", type=parse_bytes, default=None,
                    help="memory of one device, e.g. 32GiB (default: the device table's figure)")
     p.add_argument("--headroom", type=float, default=0.1,
-                   help="fraction of device memory kept free for the runtime and allocator fragmentation (0.1)")
-    p.add_argument("--zero_stage", type=int, default=1, choices=(0, 1, 2, 3))
-    p.add_argument("--micro_batch", type=int, required=True)
-    p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--max_predictions", type=int, default=None, help="masked positions per sequence (20 at 128)")
-    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
-    p.add_argument("--checkpoint_activations", action="store_true")
-    p.add_argument("--checkpoint_interval", type=int, default=1, help="layers per checkpointed segment")
+                   help="fraction of device memory kept free for the runtime and allocator fragmentation")
+    p.add_argument("--zero_stage", type=int, default=1, choices=(0, 1, 2, 3),
+                   help="ZeRO stage: which of optimizer states, gradients and weights are partitioned")
+    p.add_argument("--micro_batch", type=int, required=True, help="sequences per device per forward pass")
+    p.add_argument("--seq_len", type=int, default=128, help="sequence length")
+    p.add_argument("--max_predictions", type=int, default=None, help="masked positions per sequence (default: seq_len x 0.15625 rounded up: 20 at 128, 80 at 512)")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="training precision of weights and activations")
+    p.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
+    p.add_argument("--checkpoint_interval", type=int, default=1,
+                   help="layers per checkpointed segment (with --checkpoint_activations)")
     p.add_argument("--reduce_bucket_size", type=int, default=500_000_000,
                    help="DeepSpeed zero_optimization.reduce_bucket_size in elements (the ZeRO optimizer's buffer "
                         "under ZeRO-1/2; bf16 ZeRO-1 runs BF16_Optimizer, which does not use it)")
     p.add_argument("--sequences", type=float, default=None,
                    help="sequences to train (e.g. 7038 steps x 65536 = 4.6e8); prints the time it takes")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for --sequences (0.4)")
+    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for --sequences")
     p.add_argument("--throughput", type=float, default=None,
                    help="measured sequences/s per device: prints the MFU it implies")
     return p
@@ -490,6 +494,9 @@ def report(args: argparse.Namespace) -> str:
         raise ValueError(f"device {device.name!r} has no memory figure; pass --device_memory (e.g. 24GiB)")
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
+    if args.checkpoint_interval != 1 and not args.checkpoint_activations:
+        raise ValueError(f"--checkpoint_interval {args.checkpoint_interval} applies to --checkpoint_activations; "
+                         "add --checkpoint_activations or drop --checkpoint_interval")
     max_predictions = args.max_predictions or default_max_predictions(args.seq_len)
     parameters = count_parameters_exact(config)
     kwargs = dict(device=device, devices=args.devices, zero_stage=args.zero_stage, seq_len=args.seq_len,

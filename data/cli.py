@@ -1,0 +1,20 @@
+"""The help layout shared by the project's command lines (data stages, training, export)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the module docstring as written and appends each option's default to its help.
+
+    Like argparse.ArgumentDefaultsHelpFormatter, except that it leaves out defaults that say
+    nothing (None, and the on/off state of a switch) and help that already names its default.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if (not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS)
+                or "%(default)" in text):
+            return text
+        return f"{text} (default: %(default)s)".lstrip()
