@@ -97,10 +97,12 @@ def test_keep_last_k_and_drop_unfinished(tmp_path):
     for step in (10, 20):
         _save(tmp_path, step, keep=2)
     (tmp_path / "step00000010_universal").mkdir()
+    (tmp_path / "latest_universal").write_text("step00000010_universal")
     _fake_deepspeed_tag(tmp_path, 25)  # unfinished, older than the next commit
     _save(tmp_path, 30, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step00000020", "step00000030"]
     assert read_latest(tmp_path) == "step00000030"
+    assert not (tmp_path / "latest_universal").exists()  # it named the pruned copy
 
 
 def test_rewound_timeline_is_neither_pruned_nor_overwritten(tmp_path):

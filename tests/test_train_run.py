@@ -421,6 +421,8 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(fp32_setup, phase1_shards, tmp
     universal = out / "checkpoints" / "step00000008_universal"
     assert (universal / "source_run_state.json").read_bytes() == \
         (out / "checkpoints" / "step00000008" / "run_state.json").read_bytes()
+    # DeepSpeed's pointer names the copy, not the temporary directory it was converted into
+    assert (out / "checkpoints" / "latest_universal").read_text() == universal.name
     ref, widened = records(reference), records(out)
     for step in range(9, FP32_STEPS + 1):
         assert widened[step]["consumed_samples"] == ref[step]["consumed_samples"] == step * 8

@@ -47,6 +47,7 @@ LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 COMMIT_PENDING = "commit_pending"  # in a tag from just before its run_state.json until `latest` names it
 UNIVERSAL_SUFFIX = "_universal"
+LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer to the newest universal copy
 SOURCE_RUN_STATE = "source_run_state.json"  # in a universal copy: the run_state.json it was made from
 _TAG = re.compile(r"^step(\d{8})$")
 
@@ -218,6 +219,9 @@ def prune(ckpt_dir: Path, keep: int) -> None:
             continue
         if base not in complete or (latest is not None and base < latest):
             shutil.rmtree(path)
+    pointer = ckpt_dir / LATEST_UNIVERSAL
+    if pointer.is_file() and not (ckpt_dir / pointer.read_text().strip()).is_dir():
+        pointer.unlink()
 
 
 def make_room(ckpt_dir: Path, tag: str) -> None:
@@ -385,6 +389,8 @@ def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
         else:
             (tmp / SOURCE_RUN_STATE).write_bytes(source)
             os.replace(tmp, target)
+            # ds_to_universal pointed it at the temporary name
+            atomic_write_text(ckpt_dir / LATEST_UNIVERSAL, target.name)
             if not ready():
                 atomic_write_text(failed, f"{' '.join(cmd)} wrote no {MODEL_STATES} into {target}")
     while rank != 0 and not (ready() or failed.is_file()):
