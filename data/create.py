@@ -311,6 +311,17 @@ def held_out(n_docs: int, test_fraction: float, seed: int, part_index: int) -> n
     return is_test
 
 
+def held_out_documents(tokens_dir: Path, test_fraction: float, seed: int) -> int:
+    """How many documents `create` will hold out for the test split. Reads only each part's
+    document count, so a run can learn before creating anything that no test split would result."""
+    total = 0
+    for path in sorted(tokens_dir.glob("part-*.npz")):
+        with np.load(path) as z:
+            n_docs = len(z["doc_sentences"])
+        total += int(np.count_nonzero(held_out(n_docs, test_fraction, seed, part_index_of(path))))
+    return total
+
+
 def create_instances(part: TokenizedPart, part_index: int, cfg: CreateConfig, vocab: MaskingVocab
                      ) -> dict[str, dict[str, np.ndarray]]:
     """All instances of one tokenized part, per split, shuffled, as HDF5-ready arrays."""

@@ -28,12 +28,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from data.cli import HelpFormatter
-from data.create import CreateConfig, add_masking_arguments, create, validate
+from data.create import CreateConfig, add_masking_arguments, create, held_out_documents, validate
 from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_url
 from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
-from data.stage import PipelineError, file_sha1
+from data.stage import COMPLETE_FILE, PipelineError, file_sha1
 from data.tokens import TokenizeConfig, tokenize
 from data.vocab import VocabConfig, build_vocab, check_case, check_training_settings, load_vocab
 
@@ -96,6 +96,19 @@ class PrepareResult:
         )
 
 
+def check_test_split(create_cfg: CreateConfig, cfg: PrepareConfig) -> None:
+    """Test shards need held-out documents. On a small corpus (or small parts) --test_fraction may
+    hold out none; say so before the create stage records its settings, so that a rerun with
+    another --test_fraction is not refused."""
+    if cfg.num_test_shards == 0 or (create_cfg.output_dir / COMPLETE_FILE).is_file():
+        return
+    if held_out_documents(create_cfg.input_dir, cfg.test_fraction, cfg.seed) == 0:
+        raise PipelineError(
+            f"--test_fraction {cfg.test_fraction} holds out no document of this corpus for the test shards (each "
+            f"part of --articles_per_part {cfg.articles_per_part} articles needs 2 or more, drawn at random); "
+            "pass a larger --test_fraction, or --test_fraction 0 --num_test_shards 0 to train on every document")
+
+
 def prepare(cfg: PrepareConfig) -> PrepareResult:
     start = time.perf_counter()
     text_dir = cfg.text_dir or cfg.output_dir / "text"
@@ -134,6 +147,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
     tok = timed("tokens", tokenize, TokenizeConfig(text_dir / "sentences", vocab.path, tokens_dir,
                                                     cfg.lower_case, cfg.workers))
     create_cfg = dataclasses.replace(create_cfg, input_dir=tokens_dir, vocab_file=vocab.path)
+    check_test_split(create_cfg, cfg)
     timed("create", create, create_cfg)
     sh = timed("shard", shard, ShardConfig(create_cfg.output_dir, cfg.output_dir / "hdf5", cfg.num_shards,
                                            cfg.num_test_shards, cfg.name, cfg.workers, cfg.hdf5_compression))

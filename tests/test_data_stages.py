@@ -79,6 +79,20 @@ def test_rerun_with_other_settings_is_refused(phase1_shards, sample_dump, bert_v
         prepare(PrepareConfig(dupe_factor=3, **cfg))
 
 
+def test_a_test_fraction_that_holds_out_nothing_is_refused_before_create(phase1_shards, sample_dump, bert_vocab,
+                                                                         tmp_path):
+    """It failed in the shard stage, after create had recorded the fraction: the rerun with a larger
+    one was then refused until instances/ was deleted."""
+    cfg = dict(input=sample_dump, output_dir=tmp_path, vocab_file=bert_vocab, max_seq_length=128,
+               max_predictions_per_seq=20, dupe_factor=1, num_shards=2, num_test_shards=1, seed=12345, workers=1,
+               articles_per_part=40, text_dir=phase1_shards / "text")
+    with pytest.raises(PipelineError, match=r"^--test_fraction 0.001 holds out no document of this corpus .*"
+                                            r"--articles_per_part 40 .*pass a larger --test_fraction"):
+        prepare(PrepareConfig(test_fraction=0.001, **cfg))
+    assert not (tmp_path / "instances").exists()
+    assert prepare(PrepareConfig(test_fraction=0.1, **cfg)).shards == {"training": 2, "test": 1}
+
+
 def test_prepare_cli_downloads_a_pinned_dump_date_from_a_mirror(wiki_mirror, bert_vocab, tmp_path, capsys):
     base, site = wiki_mirror
     out = tmp_path / "out"

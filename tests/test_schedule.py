@@ -69,14 +69,18 @@ def test_resuming_with_another_schedule_is_an_error():
     cfg = ScheduleConfig(base_lr=1.0, total_steps=10)
     state = WarmupConstantDecay(_optimizer(), cfg).state_dict()
     other = WarmupConstantDecay(_optimizer(), ScheduleConfig(base_lr=1.0, total_steps=20))
-    with pytest.raises(ScheduleMismatchError, match="total_steps: checkpoint 10 vs now 20"):
+    with pytest.raises(ScheduleMismatchError) as exc:
         other.load_state_dict(state)
+    assert str(exc.value) == ("this command line changes the checkpoint's learning-rate schedule: --max_steps 20 "
+                              "(the checkpoint's: 10). The checkpoint is fine: resume with the checkpoint's values, "
+                              "or start a new phase in another --output_dir with --phase2 --init_checkpoint.")
 
 
-@pytest.mark.parametrize("field", ["base_lr", "warmup_proportion", "constant_proportion", "power"])
-def test_every_schedule_field_is_checked_on_resume(field):
+@pytest.mark.parametrize("field, flag", [("base_lr", "--learning_rate"), ("warmup_proportion", "--warmup_proportion"),
+                                         ("constant_proportion", "--constant_proportion"), ("power", "--poly_power")])
+def test_every_schedule_field_is_checked_on_resume(field, flag):
     cfg = ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.1, constant_proportion=0.3, power=1.0)
     state = WarmupConstantDecay(_optimizer(), cfg).state_dict()
     changed = dataclasses.replace(cfg, **{field: getattr(cfg, field) + 0.1})
-    with pytest.raises(ScheduleMismatchError, match=f"{field}: checkpoint"):
+    with pytest.raises(ScheduleMismatchError, match=f"schedule: {flag} [0-9.]+ \\(the checkpoint's: "):
         WarmupConstantDecay(_optimizer(), changed).load_state_dict(state)

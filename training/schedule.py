@@ -55,6 +55,11 @@ def lr_at(cfg: ScheduleConfig, step: int) -> float:
     return cfg.base_lr * remaining**cfg.power
 
 
+# The command-line flag behind each ScheduleConfig field (run_pretraining.schedule_config).
+FLAGS = {"base_lr": "--learning_rate", "total_steps": "--max_steps", "warmup_proportion": "--warmup_proportion",
+         "constant_proportion": "--constant_proportion", "power": "--poly_power"}
+
+
 class ScheduleMismatchError(ValueError):
     """A resumed run whose command line asks for a different schedule than the checkpoint's."""
 
@@ -87,12 +92,12 @@ class WarmupConstantDecay:
     def load_state_dict(self, state: dict) -> None:
         saved = ScheduleConfig(**state["config"])
         if saved != self.cfg:
-            diff = ", ".join(f"{k}: checkpoint {v!r} vs now {getattr(self.cfg, k)!r}"
+            diff = ", ".join(f"{FLAGS[k]} {getattr(self.cfg, k)!r} (the checkpoint's: {v!r})"
                              for k, v in asdict(saved).items() if getattr(self.cfg, k) != v)
             raise ScheduleMismatchError(
-                f"the checkpoint's learning-rate schedule differs from this command line ({diff}). "
-                "Resume with the original --learning_rate/--max_steps/--warmup_proportion/"
-                "--constant_proportion/--poly_power, or start a new phase with --phase2 --init_checkpoint."
+                f"this command line changes the checkpoint's learning-rate schedule: {diff}. The checkpoint "
+                "is fine: resume with the checkpoint's values, or start a new phase in another --output_dir "
+                "with --phase2 --init_checkpoint."
             )
         self.step_count = int(state["step_count"])
         self._apply()
