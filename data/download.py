@@ -14,15 +14,18 @@ with retries and exponential back-off. The result is checked against the dump's 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import email.utils
+import fcntl
+import glob
 import hashlib
 import http.client
 import re
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -30,7 +33,7 @@ from typing import TypeVar
 from tqdm import tqdm
 
 from data.cli import HelpFormatter
-from data.stage import PipelineError
+from data.stage import PipelineError, cli_call
 
 DEFAULT_DUMP_DATE = "20261101"
 DEFAULT_MIRROR = "https://dumps.wikimedia.org"
@@ -112,19 +115,26 @@ def _wait_s(cfg: DownloadConfig, attempt: int, exc: Exception) -> float:
     return wait if retry_after is None else max(wait, min(retry_after, cfg.max_retry_after_s))
 
 
-def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint: Callable[[], str]) -> T:
-    """fetch(), tried again up to cfg.retries times after a transient failure (network error, 408, 429, 5xx,
-    a range mismatch). Any other error is raised as it is; running out of retries is a PipelineError."""
+def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint: Callable[[], str],
+              progress: Callable[[], int] = lambda: 0) -> T:
+    """fetch(), tried again after a transient failure (network error, 408, 429, 5xx, a range mismatch) up
+    to cfg.retries times in a row without progress: an attempt that grew `progress()` (the bytes on disk)
+    starts the count and the back-off afresh, so a long transfer survives any number of spread-out drops.
+    Any other error is raised as it is; running out of retries is a PipelineError."""
     attempt = 0
     while True:
+        before = progress()
         try:
             return fetch()
         except (*_NETWORK_ERRORS, _RangeMismatch) as exc:
             if not _is_transient(exc):
                 raise
+            if progress() > before:
+                attempt = 0
             if attempt >= cfg.retries:
                 raise PipelineError(
-                    f"{url}: failed after {attempt + 1} attempts (last: {_describe(exc)}); {rerun_hint()}"
+                    f"{url}: failed after {attempt + 1} attempts in a row without progress (last: "
+                    f"{_describe(exc)}); {rerun_hint()}"
                 ) from exc
             time.sleep(_wait_s(cfg, attempt, exc))
             attempt += 1
@@ -169,8 +179,16 @@ def _restart(part: Path, why: str) -> _RangeMismatch:
     return _RangeMismatch(f"{why}; {part} was emptied to download from byte 0")
 
 
-def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
-    """Append the rest of `url` to `part` (Range from its current size). Raises on any failure."""
+# What a transfer tells of the part file: it holds the whole file (the length was known, or a Range
+# request for the bytes after it found none); the body ended but no length was given; or the end
+# cannot be confirmed (the server ignores Range requests).
+COMPLETE, LENGTH_UNKNOWN, UNCONFIRMED = "complete", "length unknown", "unconfirmed"
+
+
+def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end: bool = False) -> str:
+    """Append the rest of `url` to `part` (Range from its current size) and say what is known of the
+    result. `after_unknown_end`: the previous transfer ended without a length, and this request only
+    asks whether bytes follow. Raises on any failure."""
     have = part.stat().st_size if part.exists() else 0
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
     try:
@@ -179,8 +197,8 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
         if exc.code != 416 or not have:
             raise
         _, total = _content_range(exc.headers.get("Content-Range"))
-        if total == have:
-            return  # the part file already holds the whole file
+        if total == have or (total is None and after_unknown_end):
+            return COMPLETE  # nothing lies past the bytes the part file holds
         raise _restart(part, f"HTTP 416 with Content-Range {exc.headers.get('Content-Range')!r} while the part "
                              f"file holds {have} bytes") from exc
     with response:
@@ -190,6 +208,8 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
             first, total = _content_range(header)
             if first != have:
                 raise _restart(part, f"HTTP 206 with Content-Range {header!r} in answer to Range: bytes={have}-")
+        elif have and after_unknown_end:
+            return UNCONFIRMED  # it would send the whole file again, which says nothing of the end
         elif have:
             have = 0  # the server ignored Range and sends the whole file: start again
         length = response.headers.get("Content-Length")
@@ -205,8 +225,12 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm) -> None:
                 f.write(chunk)
                 bar.update(len(chunk))
             size = f.tell()
-    if total is not None and size != total:
+    if total is None:
+        # A body without a length ends when the connection closes, which a dropped connection does too.
+        return UNCONFIRMED if after_unknown_end and size == have else LENGTH_UNKNOWN
+    if size != total:
         raise http.client.IncompleteRead(b"", total - size)
+    return COMPLETE
 
 
 def _digest(path: Path, algorithm: str) -> str:
@@ -227,16 +251,28 @@ def _check_config(cfg: DownloadConfig) -> None:
         raise PipelineError(f"timeout_s must be > 0, got {cfg.timeout_s}")
 
 
-def _download_part(cfg: DownloadConfig, part: Path) -> None:
-    """Fetch cfg.url into `part`, resuming and retrying; a 404 or 410 is a PipelineError at once."""
+def _download_part(cfg: DownloadConfig, part: Path) -> bool:
+    """Fetch cfg.url into `part`, resuming and retrying; a 404 or 410 is a PipelineError at once.
+    Returns whether `part` is known to hold the whole file (False: only a checksum can tell)."""
+
+    def size() -> int:
+        return part.stat().st_size if part.exists() else 0
 
     def resume_hint() -> str:
-        return f"rerun to resume from the {part.stat().st_size if part.exists() else 0} bytes in {part}"
+        return f"rerun to resume from the {size()} bytes in {part}"
 
     name = cfg.url.rsplit("/", 1)[1]
     with tqdm(desc=f"download {name}", unit="B", unit_scale=True, dynamic_ncols=True) as bar:
         try:
-            _retrying(cfg, cfg.url, lambda: _fetch(cfg.url, part, cfg.timeout_s, bar), resume_hint)
+            state = None  # a part file left by an earlier run is resumed, never taken as ended
+            while state != COMPLETE:
+                after_unknown_end = state == LENGTH_UNKNOWN
+                state = _retrying(cfg, cfg.url,
+                                  lambda end=after_unknown_end: _fetch(cfg.url, part, cfg.timeout_s, bar, end),
+                                  resume_hint, size)
+                if state == UNCONFIRMED:
+                    return False
+            return True
         except urllib.error.HTTPError as exc:
             if exc.code in (404, 410):
                 raise PipelineError(
@@ -256,22 +292,63 @@ def download(cfg: DownloadConfig) -> Path:
     if final.is_file():
         return final
     cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    part = cfg.output_dir / f"{name}.part"
-    checksum = published_checksum(cfg) if cfg.verify else None
-    if cfg.verify and checksum is None:
-        print(f"download: no checksum file published beside {cfg.url}; the file is not verified")
-    _download_part(cfg, part)
-    if checksum is not None:
-        algorithm, expected = checksum
-        actual = _digest(part, algorithm)
-        if actual != expected:
-            part.unlink()
-            raise PipelineError(
-                f"{cfg.url}: {algorithm} checksum mismatch (got {actual}, published {expected}); "
-                "the damaged download was deleted, rerun to fetch it again"
-            )
-    part.replace(final)
+    with _exclusive(cfg.output_dir / f".{name}.lock", f"another download of {name} into {cfg.output_dir}"):
+        if final.is_file():  # finished by the run that held the lock
+            return final
+        part = cfg.output_dir / f"{name}.part"
+        checksum = published_checksum(cfg) if cfg.verify else None
+        whole = _download_part(cfg, part)
+        if checksum is None:
+            if not whole:
+                raise PipelineError(
+                    f"{cfg.url}: the server sent no length and ignores Range requests, and no checksum file is "
+                    f"published, so the {part.stat().st_size} bytes in {part} may be a cut-off transfer. Fetch "
+                    "the file another way (or from another --mirror) and pass its path to --input")
+            if cfg.verify:
+                print(f"download: no checksum file published beside {cfg.url}; the file is not verified")
+        else:
+            _verify(cfg, part, *checksum)
+        part.replace(final)
     return final
+
+
+def _verify(cfg: DownloadConfig, part: Path, algorithm: str, expected: str) -> None:
+    """Compare `part` with its published digest. A mismatching download is kept aside, named by its
+    digest, not deleted: a second download with the same digest shows that the mirror's file or its
+    checksum file is wrong, not the transfer."""
+    actual = _digest(part, algorithm)
+    name = cfg.url.rsplit("/", 1)[1]
+    aside = part.with_name(f"{name}.{algorithm}-{actual}")
+    again = aside.exists()
+    for old in part.parent.glob(f"{glob.escape(name)}.{algorithm}-*"):
+        if old != aside or actual == expected:
+            old.unlink()  # an earlier mismatching copy: only the newest is kept, none once one matches
+    if actual == expected:
+        return
+    part.replace(aside)
+    if again:
+        raise PipelineError(
+            f"{cfg.url}: {algorithm} checksum mismatch again, with the same bytes as the previous download "
+            f"(got {actual}, published {expected}): the mirror's file or its checksum file is wrong, not the "
+            f"transfer. Try another --mirror. The bytes are kept as {aside}; rename it to {name} only if you "
+            "trust them")
+    raise PipelineError(
+        f"{cfg.url}: {algorithm} checksum mismatch (got {actual}, published {expected}); the download is "
+        f"kept as {aside}. Rerun to download it again")
+
+
+@contextlib.contextmanager
+def _exclusive(lock_path: Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_path` (removed afterwards), or fail at once naming `what` runs."""
+    with lock_path.open("w") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise PipelineError(f"{what} is running; wait for it to finish or stop it") from exc
+        try:
+            yield
+        finally:
+            lock_path.unlink(missing_ok=True)
 
 
 def _non_negative_int(text: str) -> int:
@@ -294,11 +371,8 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     if a.url and a.mirror != DEFAULT_MIRROR:
         p.error("--mirror applies to --dump_date; with --url, put the mirror in the URL")
-    try:
-        url = a.url or dump_url(a.mirror, a.dump_date)
-        path = download(DownloadConfig(url, a.output_dir, retries=a.retries))
-    except PipelineError as exc:
-        raise SystemExit(f"error: {exc}") from exc
+    path = cli_call(lambda args: download(DownloadConfig(args.url or dump_url(args.mirror, args.dump_date),
+                                                        args.output_dir, retries=args.retries)), a)
     print(f"download: {path} ({path.stat().st_size / 1e9:.2f} GB)")
 
 

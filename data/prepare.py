@@ -33,7 +33,7 @@ from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, dow
 from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
-from data.stage import COMPLETE_FILE, PipelineError, file_sha1
+from data.stage import COMPLETE_FILE, PipelineError, cli_call, file_sha1
 from data.tokens import TokenizeConfig, tokenize
 from data.vocab import VocabConfig, build_vocab, check_case, check_training_settings, load_vocab
 
@@ -158,6 +158,23 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         seconds=round(time.perf_counter() - start, 3))
 
 
+def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
+    seq, pred = PHASES[a.phase]
+    source: Path | str = a.input if a.input else dump_url(a.mirror, a.dump_date)
+    if isinstance(source, str) and not source.startswith(("http://", "https://")):
+        source = Path(source)
+    return prepare(PrepareConfig(
+        input=source, output_dir=a.output_dir, vocab_file=a.vocab_file,
+        max_seq_length=seq if a.max_seq_length is None else a.max_seq_length,
+        max_predictions_per_seq=pred if a.max_predictions_per_seq is None else a.max_predictions_per_seq,
+        dupe_factor=a.dupe_factor, num_shards=a.num_shards, num_test_shards=a.num_test_shards, seed=a.seed,
+        workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
+        whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
+        test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
+        limit_alphabet=a.limit_alphabet,
+        articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression)))
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -190,24 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     if a.vocab_file and (a.vocab_size != 30522 or a.limit_alphabet != 1000):
         p.error("--vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given "
                 "--vocab_file")
-    try:
-        seq, pred = PHASES[a.phase]
-        source: Path | str = a.input if a.input else dump_url(a.mirror, a.dump_date)
-        if isinstance(source, str) and not source.startswith(("http://", "https://")):
-            source = Path(source)
-        cfg = PrepareConfig(
-            input=source, output_dir=a.output_dir, vocab_file=a.vocab_file,
-            max_seq_length=seq if a.max_seq_length is None else a.max_seq_length,
-            max_predictions_per_seq=pred if a.max_predictions_per_seq is None else a.max_predictions_per_seq,
-            dupe_factor=a.dupe_factor, num_shards=a.num_shards, num_test_shards=a.num_test_shards, seed=a.seed,
-            workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
-            whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
-            test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
-            limit_alphabet=a.limit_alphabet,
-            articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression))
-        result = prepare(cfg)
-    except PipelineError as exc:
-        raise SystemExit(f"error: {exc}") from exc
+    result = cli_call(prepare_from_args, a)
     print(result.summary())
 
 

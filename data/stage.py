@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -120,11 +121,15 @@ def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any]) -> 
 
 
 def cli_call(fn: Callable[[Any], Any], cfg: Any) -> Any:
-    """Run a stage from its CLI: a PipelineError becomes a one-line message and exit status 1."""
+    """Run a stage from its CLI: a PipelineError becomes a one-line message and exit status 1, Ctrl-C
+    a line saying how to go on and exit status 130, instead of a traceback."""
     try:
         return fn(cfg)
     except PipelineError as exc:
         raise SystemExit(f"error: {exc}") from exc
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to continue where it stopped", file=sys.stderr)
+        raise SystemExit(130) from None
 
 
 def file_identity(path: Path, sample_bytes: int = 1 << 20) -> dict[str, Any]:

@@ -88,6 +88,8 @@ class MirrorSite:
     statuses: dict[str, list[int]] = field(default_factory=dict)  # path -> statuses its next requests get, in turn
     retry_after: str | None = None  # the Retry-After header sent with those statuses
     range_starts: list[int] = field(default_factory=list)  # the next ranged answers start here, not where asked
+    no_length: bool = False  # send no Content-Length: a body ends when the connection closes (HTTP/1.0)
+    ignore_range: bool = False  # answer every request with 200 and the whole file
     requests: list[tuple[str, str | None]] = field(default_factory=list)
 
 
@@ -110,6 +112,8 @@ def _mirror_handler(site: MirrorSite):
                 self.send_header("Content-Length", "0")
                 self.end_headers()
                 return
+            if site.ignore_range:
+                rng = None
             start = int(rng.removeprefix("bytes=").split("-")[0]) if rng else 0
             if rng and site.range_starts:
                 start = site.range_starts.pop(0)
@@ -121,7 +125,8 @@ def _mirror_handler(site: MirrorSite):
             self.send_response(206 if rng else 200)
             if rng:
                 self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
-            self.send_header("Content-Length", str(len(body) - start))
+            if not site.no_length:
+                self.send_header("Content-Length", str(len(body) - start))
             self.end_headers()
             payload = body[start:]
             if site.cuts and self.path.endswith(".bz2"):

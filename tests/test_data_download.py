@@ -44,30 +44,94 @@ def test_partial_file_from_an_earlier_run_is_resumed(wiki_mirror, multistream_sa
     assert [r for p, r in site.requests if p.endswith(".bz2")] == ["bytes=123456-"]
 
 
-def test_too_many_interruptions_fail_clearly_and_keep_the_partial_file(wiki_mirror, tmp_path):
+def test_too_many_interruptions_fail_clearly_and_keep_the_partial_file(wiki_mirror, multistream_sample, tmp_path):
     mirror, site = wiki_mirror
-    site.cut_after, site.cuts = 100_000, 5
-    with pytest.raises(PipelineError, match="after 2 attempts.*rerun to resume from the 200000 bytes"):
+    (tmp_path / f"{NAME}.part").write_bytes(multistream_sample.read_bytes()[:200_000])
+    site.cut_after, site.cuts = 0, 5  # connections that drop before any byte
+    with pytest.raises(PipelineError, match="after 2 attempts in a row without progress.*rerun to resume from the "
+                                            "200000 bytes"):
         download(_cfg(mirror, tmp_path, retries=1))
     assert not (tmp_path / NAME).exists()
     assert (tmp_path / f"{NAME}.part").stat().st_size == 200_000
 
 
-def test_404_is_a_clear_error_and_leaves_no_file(wiki_mirror, tmp_path):
+def test_drops_after_progress_do_not_use_up_the_retries(wiki_mirror, multistream_sample, tmp_path):
+    """Retries count attempts in a row without progress: a 20 GB transfer dropped now and then over
+    hours must not stop after --retries drops in all."""
+    mirror, site = wiki_mirror
+    site.cut_after, site.cuts = 100_000, 5
+    assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == multistream_sample.read_bytes()
+    assert [r for p, r in site.requests if p == _dump_path()] == [
+        None, *(f"bytes={n}-" for n in range(100_000, 600_000, 100_000))]
+
+
+def test_404_is_a_clear_error_and_leaves_no_file(wiki_mirror, tmp_path, capsys):
     mirror, _ = wiki_mirror
     cfg = DownloadConfig(dump_url(mirror, "20000101"), tmp_path, backoff_s=0.01)
     with pytest.raises(PipelineError, match="HTTP 404, no such dump"):
         download(cfg)
     assert list(tmp_path.iterdir()) == []
+    assert "not verified" not in capsys.readouterr().out  # no notice about a file that does not exist
 
 
-def test_checksum_mismatch_fails_and_leaves_no_file(wiki_mirror, tmp_path):
+def test_a_second_download_into_the_same_place_is_refused_while_one_runs(wiki_mirror, multistream_sample, tmp_path):
+    import fcntl
+
     mirror, site = wiki_mirror
-    sums = f"/enwiki/{DATE}/enwiki-{DATE}-sha1sums.txt"
-    site.files[sums] = f"{'f' * 40}  {NAME}\n".encode()
-    with pytest.raises(PipelineError, match="sha1 checksum mismatch"):
+    lock = tmp_path / f".{NAME}.lock"
+    with lock.open("w") as held:  # what a running download holds
+        fcntl.flock(held, fcntl.LOCK_EX)
+        with pytest.raises(PipelineError, match=f"another download of {NAME} into {tmp_path} is running"):
+            download(_cfg(mirror, tmp_path))
+    assert site.requests == []
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == multistream_sample.read_bytes()
+    assert list(tmp_path.iterdir()) == [tmp_path / NAME]
+
+
+def test_checksum_mismatch_fails_and_keeps_the_bytes_aside(wiki_mirror, multistream_sample, tmp_path):
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    site.files[_sums_path()] = f"{'f' * 40}  {NAME}\n".encode()
+    aside = tmp_path / f"{NAME}.sha1-{hashlib.sha1(data).hexdigest()}"
+    with pytest.raises(PipelineError, match=rf"sha1 checksum mismatch .*kept as {re.escape(str(aside))}\. Rerun"):
         download(_cfg(mirror, tmp_path))
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [aside] and aside.read_bytes() == data
+    # The same bytes again: the mirror's file or checksum is wrong, which another download cannot mend.
+    with pytest.raises(PipelineError, match="mismatch again, with the same bytes.*Try another --mirror"):
+        download(_cfg(mirror, tmp_path))
+    assert list(tmp_path.iterdir()) == [aside] and aside.read_bytes() == data
+    site.files[_sums_path()] = f"{hashlib.sha1(data).hexdigest()}  {NAME}\n".encode()  # the mirror mends it
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert list(tmp_path.iterdir()) == [tmp_path / NAME]  # the bad copy went with the good one
+
+
+def test_a_body_without_a_length_is_confirmed_whole_by_a_range_request(wiki_mirror, multistream_sample, tmp_path):
+    """Without Content-Length a body ends when the connection closes, as a dropped one does: a truncated
+    dump without a checksum file was renamed into place and never fetched again."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    del site.files[_sums_path()]
+    site.no_length, site.cut_after, site.cuts = True, 400_000, 1
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    # dropped at 400,000; the rest (206, with the total in Content-Range); nothing is taken on trust
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=400000-"]
+    (tmp_path / NAME).unlink()
+    site.requests.clear()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, f"bytes={len(data)}-"]  # 416: the end
+
+
+def test_an_unconfirmable_end_without_a_checksum_is_an_error(wiki_mirror, multistream_sample, tmp_path):
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    sums = site.files.pop(_sums_path())
+    site.no_length, site.ignore_range, site.cut_after, site.cuts = True, True, 400_000, 1
+    with pytest.raises(PipelineError, match=r"no length and ignores Range requests, and no checksum file is "
+                                            r"published, so the 400000 bytes in .* may be a cut-off transfer"):
+        download(_cfg(mirror, tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{NAME}.part"]
+    site.files[_sums_path()] = sums  # with a checksum, the digest decides
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
 
 
 def test_md5sums_are_used_when_there_is_no_sha1sums_file(wiki_mirror, multistream_sample, tmp_path):
@@ -106,7 +170,7 @@ def test_checksum_file_is_retried_after_a_transient_failure(wiki_mirror, multist
 def test_unreachable_mirror_is_a_clear_error_naming_the_url(tmp_path):
     mirror = f"http://127.0.0.1:{free_port()}"  # nothing listens there: connection refused
     sums_url = f"{mirror}{_sums_path()}"
-    with pytest.raises(PipelineError, match=rf"{re.escape(sums_url)}: failed after 2 attempts \(last: .*refused"):
+    with pytest.raises(PipelineError, match=rf"{re.escape(sums_url)}: failed after 2 attempts in a row without progress \(last: .*refused"):
         download(_cfg(mirror, tmp_path, retries=1))
     assert list(tmp_path.iterdir()) == []
 
@@ -125,7 +189,7 @@ def test_retry_after_is_bounded_and_retries_run_out(wiki_mirror, tmp_path):
     mirror, site = wiki_mirror
     site.statuses[_dump_path()], site.retry_after = [429, 429, 429], "3600"
     start = time.monotonic()
-    with pytest.raises(PipelineError, match=r"failed after 3 attempts \(last: HTTP 429 .*rerun to resume from the 0"):
+    with pytest.raises(PipelineError, match=r"failed after 3 attempts in a row without progress \(last: HTTP 429 .*rerun to resume from the 0"):
         download(_cfg(mirror, tmp_path, retries=2, max_retry_after_s=0.2))
     assert 0.4 <= time.monotonic() - start < 10
 

@@ -152,6 +152,16 @@ def test_prepare_wikicorpus_script_makes_both_phases_from_relative_paths(sample_
     assert "extract 0.0," in proc.stdout.split("=== phase 2")[1]
 
 
+def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
+    def interrupted(cfg):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exc:
+        stage.cli_call(interrupted, None)
+    assert exc.value.code == 130
+    assert capsys.readouterr().err == "interrupted; rerun the same command to continue where it stopped\n"
+
+
 @pytest.mark.parametrize("arg, code", [("--help", 0), ("-h", 0), ("--output_dir", 2)])
 def test_prepare_wikicorpus_script_takes_no_option_for_its_output_dir(arg, code, tmp_path):
     """`--help` prints the usage; it was taken for OUTPUT_DIR and started the 22 GB download into ./--help."""
