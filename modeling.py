@@ -503,11 +503,16 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
     if directory.exists():
         if not directory.is_dir():
             raise ValueError(f"{directory}: exists and is not a directory; pass a new directory as the output")
-        foreign = sorted(p.name for p in directory.iterdir() if p.name not in HF_EXPORT_FILES)
+        names = sorted(p.name for p in directory.iterdir())
+        foreign = [n for n in names if n not in HF_EXPORT_FILES]
         if foreign:
             raise ValueError(f"{directory}: holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}, "
                              "which no export writes; an export replaces its directory whole, so pass a new "
                              "directory (or an earlier export) as the output")
+        # Names alone do not make an export: a user's folder holding just a vocab.txt is not one.
+        if names and not {"config.json", "model.safetensors"} <= set(names):
+            raise ValueError(f"{directory}: holds {', '.join(names)} but no earlier export (config.json and "
+                             "model.safetensors); an export replaces its directory whole, so pass a new directory")
     staging = directory.with_name(f".{directory.name}.tmp")
     if staging.exists():
         shutil.rmtree(staging)
@@ -519,10 +524,7 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
     mode = (staging / "config.json").stat().st_mode & 0o777
     for path in staging.iterdir():
         path.chmod(mode)
-    if directory.exists():
-        _replace_dir(staging, directory)
-    else:
-        os.replace(staging, directory)
+    _replace_dir(staging, directory)
     return directory
 
 
@@ -547,12 +549,16 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int) -> 
 
 
 def _replace_dir(new: Path, old: Path) -> None:
+    """Put directory `new` in the place of `old` (which may not exist). A kill between the two renames
+    leaves the previous export in `.<name>.old` and no `old`: the rerun removes it after its own swap."""
     trash = old.with_name(f".{old.name}.old")
+    if old.exists():
+        if trash.exists():
+            shutil.rmtree(trash)
+        os.replace(old, trash)
+    os.replace(new, old)
     if trash.exists():
         shutil.rmtree(trash)
-    os.replace(old, trash)
-    os.replace(new, old)
-    shutil.rmtree(trash)
 
 
 def config_from_hf(hf_config, pad_vocab_size_multiple: int = 8, next_sentence_prediction: bool | None = None

@@ -26,7 +26,17 @@ import torch
 
 from data.cli import HelpFormatter
 from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
-from training.checkpoint import CHECKPOINTS, MODEL_STATES
+from training.checkpoint import (
+    CHECKPOINTS,
+    LOAD_ERRORS,
+    MODEL_STATES,
+    RUN_STATE,
+    UNIVERSAL_SUFFIX,
+    CheckpointError,
+    complete_tags,
+    read_state,
+    verify_files,
+)
 
 
 class ExportError(RuntimeError):
@@ -55,13 +65,18 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
         return CheckpointLocation(path.parent.parent, path.parent, path.name)
     if (path / CHECKPOINTS).is_dir():  # a run's --output_dir
         run_dir, checkpoints = path, path / CHECKPOINTS
-    else:  # its checkpoints/ directory
+    elif path.name == CHECKPOINTS or (path / "latest").is_file():  # its checkpoints/ directory
         run_dir, checkpoints = path.parent, path
+    else:
+        raise ExportError(f"{path}: no {CHECKPOINTS}/ directory in it; pass a training --output_dir that has "
+                          "saved a checkpoint, its checkpoints/ directory or a checkpoint tag directory")
     if tag is None:
         latest = checkpoints / "latest"
         if not latest.is_file():
-            raise ExportError(f"{checkpoints}: no 'latest' file and no --tag; pass --tag <step...> "
-                              f"(tags there: {', '.join(sorted(p.name for p in checkpoints.iterdir() if p.is_dir())) or 'none'})")
+            complete = complete_tags(checkpoints)
+            raise ExportError(f"{checkpoints}: no 'latest' file, so no checkpoint was completed there"
+                              + (f"; pass --tag with one of the complete tags: {', '.join(complete)}" if complete
+                                 else " (the run saved none yet)"))
         tag = latest.read_text().strip()
     if not (checkpoints / tag).is_dir():
         raise ExportError(f"{checkpoints / tag}: no such checkpoint tag")
@@ -139,6 +154,22 @@ def read_weights(loc: CheckpointLocation) -> tuple[dict[str, torch.Tensor], str]
     return {k: v.float() for k, v in weights.items()}, f"{source} of {tag_dir}"
 
 
+def check_complete(loc: CheckpointLocation) -> None:
+    """A tag of our runs is complete once its run_state.json lists its files; they must all be there with
+    their saved sizes and CRC-32s. Tags of other DeepSpeed runs (no tag of the directory has a
+    run_state.json) and universal copies (complete once renamed into place) are read as they are."""
+    tag_dir = loc.tag_dir
+    if (tag_dir / RUN_STATE).is_file():
+        try:
+            state = read_state(tag_dir)
+            verify_files(tag_dir, state, checksum=list(state.files))
+        except CheckpointError as e:
+            raise ExportError(f"{e}, or export another tag with --tag") from e
+    elif not loc.tag.endswith(UNIVERSAL_SUFFIX) and (complete := complete_tags(loc.checkpoints_dir)):
+        raise ExportError(f"{tag_dir}: no {RUN_STATE}, so this tag was never completed (the run stopped while "
+                          f"saving it); pass --tag with one of the complete tags: {', '.join(complete)}")
+
+
 def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: Path | None = None,
            vocab_file: Path | None = None) -> tuple[Path, str]:
     """Write the Hugging Face directory; returns it and where the weights came from."""
@@ -153,7 +184,12 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         config = BertConfig.from_json_file(config_file)
     except ConfigError as e:
         raise ExportError(str(e)) from e
-    weights, source = read_weights(loc)
+    check_complete(loc)
+    try:
+        weights, source = read_weights(loc)
+    except LOAD_ERRORS as e:
+        raise ExportError(f"{loc.tag_dir}: cannot read the checkpoint ({type(e).__name__}: {e}); it is damaged. "
+                          f"Export another tag with --tag") from e
     model = BertForPreTraining(config)
     try:
         model.load_state_dict(weights, strict=True)

@@ -225,6 +225,15 @@ def test_recover_finishes_a_commit_killed_after_latest(tmp_path):
     assert not (tmp_path / "step00000030" / COMMIT_PENDING).exists()
 
 
+def test_recover_removes_a_killed_universal_conversion(tmp_path):
+    """Its temporary directory is the size of a whole tag, and nothing else ever removed it."""
+    _save(tmp_path, 10)
+    (tmp_path / ".step00000010_universal.tmp" / "zero").mkdir(parents=True)
+    (tmp_path / ".step00000010_universal.failed").write_text("converting ... failed")
+    assert recover(tmp_path, keep=2) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000010"]
+
+
 def test_truncated_file_is_a_loud_error(tmp_path):
     _save(tmp_path, 10)
     path = tmp_path / "step00000010" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"

@@ -142,7 +142,7 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
         export(tmp_path / "nowhere", tmp_path / "hf")
     empty = tmp_path / "empty" / "checkpoints"
     empty.mkdir(parents=True)
-    with pytest.raises(ExportError, match="no 'latest' file and no --tag"):
+    with pytest.raises(ExportError, match="no 'latest' file, so no checkpoint was completed there"):
         export(empty.parent, tmp_path / "hf")
     with pytest.raises(ExportError, match="do not fit"):
         export(zero_run, tmp_path / "hf", config_file=ROOT / "configs/models/bert-demo.json")
@@ -151,7 +151,27 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     shutil.copy(zero_run / "model_config.json", broken)
     shutil.copy(zero_run / "vocab.txt", broken)
     tag = (broken / "checkpoints" / "latest").read_text().strip()
-    (broken / "checkpoints" / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
-    with pytest.raises(ExportError, match="in no rank's partition|values in the partitions"):
+    partition = broken / "checkpoints" / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    partition.write_bytes(partition.read_bytes()[:1000])  # truncated: was a torch.load traceback
+    with pytest.raises(ExportError, match=r"has 1000 bytes but was saved with .*corrupt.*or export another tag "
+                                          r"with --tag"):
+        export(broken, tmp_path / "hf")
+    partition.unlink()
+    with pytest.raises(ExportError, match=r"missing from checkpoint"):
         export(broken, tmp_path / "hf")
     assert not (tmp_path / "hf").exists(), "a failed export leaves no model directory"
+    # A tag the run was stopped while saving (no run_state.json): the complete ones are named.
+    unfinished = broken / "checkpoints" / "step99999999"
+    unfinished.mkdir()
+    with pytest.raises(ExportError, match=rf"no run_state.json, so this tag was never completed.*complete tags: .*"
+                                          rf"{tag}"):
+        export(broken, tmp_path / "hf", tag="step99999999")
+    # A run directory that saved no checkpoint yet is named as such, not read as a checkpoints/ directory.
+    fresh = tmp_path / "fresh"
+    (fresh / "tensorboard").mkdir(parents=True)
+    with pytest.raises(ExportError, match="fresh: no checkpoints/ directory in it"):
+        export(fresh, tmp_path / "hf")
+    (fresh / "checkpoints").mkdir()
+    with pytest.raises(ExportError, match=r"no 'latest' file, so no checkpoint was completed there \(the run "
+                                          r"saved none yet\)"):
+        export(fresh, tmp_path / "hf")

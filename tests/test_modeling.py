@@ -159,6 +159,21 @@ def test_save_hf_replaces_only_an_earlier_export_and_honours_the_umask(tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
 
 
+def test_save_hf_keeps_a_folder_that_only_shares_file_names_and_cleans_up_after_a_kill(tmp_path, bert_vocab):
+    model = BertForPreTraining(BertConfig.from_json_file(MODEL_CONFIGS / "bert-tiny.json")).eval()
+    mine = tmp_path / "mine"  # a user's folder: its vocab.txt is not an export's
+    mine.mkdir()
+    (mine / "vocab.txt").write_text("my words\n")
+    with pytest.raises(ValueError, match=r"mine: holds vocab.txt but no earlier export \(config.json and "):
+        modeling.save_hf(model, mine, vocab_file=bert_vocab)
+    assert (mine / "vocab.txt").read_text() == "my words\n"
+    # Killed between the swap's two renames: the old export sits in .hf.old and hf is gone.
+    modeling.save_hf(model, tmp_path / "hf", vocab_file=bert_vocab)
+    os.replace(tmp_path / "hf", tmp_path / ".hf.old")
+    modeling.save_hf(model, tmp_path / "hf", vocab_file=bert_vocab)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]
+
+
 def test_load_hf_from_a_transformers_model(tmp_path):
     """The other direction: a checkpoint written by transformers loads into our model."""
     hf_config = transformers.BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -159,7 +159,8 @@ def recover(ckpt_dir: Path, keep: int) -> str | None:
     without the mark was committed and later rewound past by the user, and one whose `previous`
     is not `latest` was saved before the user rewound: both are left to `make_room`. Killed after
     `latest`, the mark goes, and so do the tags beyond the newest `keep` and `latest`'s temporary
-    files. Returns the tag committed here, if any."""
+    files. The temporary directory of a killed universal conversion goes too. Returns the tag
+    committed here, if any."""
     if not ckpt_dir.is_dir():
         return None
     remove_stale_temporaries(ckpt_dir / LATEST)
@@ -182,6 +183,12 @@ def recover(ckpt_dir: Path, keep: int) -> str | None:
               file=sys.stderr)
         latest = committed = tag
     prune(ckpt_dir, keep)
+    # A universal conversion killed midway (universal_tag converts again when it is needed).
+    for path in ckpt_dir.glob(f".step*{UNIVERSAL_SUFFIX}.*"):
+        if path.name.endswith(".tmp") and path.is_dir():
+            shutil.rmtree(path)
+        elif path.name.endswith(".failed"):
+            path.unlink()
     return committed
 
 
