@@ -39,6 +39,7 @@ DEFAULT_DUMP_DATE = "20261101"
 DEFAULT_MIRROR = "https://dumps.wikimedia.org"
 CHUNK = 1 << 20
 _DUMP_NAME = re.compile(r"^(?P<wiki>[a-z_]+)-(?P<date>\d{8})-")
+_ALGORITHMS = ("sha1", "md5")  # the checksum files a dump directory publishes, preferred first
 T = TypeVar("T")
 
 
@@ -77,7 +78,7 @@ def _checksum_urls(url: str) -> list[tuple[str, str]]:
     if not m:
         return []
     prefix = f"{base}/{m['wiki']}-{m['date']}"
-    return [(f"{prefix}-sha1sums.txt", "sha1"), (f"{prefix}-md5sums.txt", "md5")]
+    return [(f"{prefix}-{algorithm}sums.txt", algorithm) for algorithm in _ALGORITHMS]
 
 
 def _is_transient(exc: Exception) -> bool:
@@ -309,6 +310,9 @@ def download(cfg: DownloadConfig) -> Path:
         else:
             _verify(cfg, part, *checksum)
         part.replace(final)
+        for algorithm in _ALGORITHMS:  # copies kept by earlier mismatches: this download replaces them
+            for old in cfg.output_dir.glob(f"{glob.escape(name)}.{algorithm}-*"):
+                old.unlink()
     return final
 
 
@@ -319,12 +323,12 @@ def _verify(cfg: DownloadConfig, part: Path, algorithm: str, expected: str) -> N
     actual = _digest(part, algorithm)
     name = cfg.url.rsplit("/", 1)[1]
     aside = part.with_name(f"{name}.{algorithm}-{actual}")
-    again = aside.exists()
-    for old in part.parent.glob(f"{glob.escape(name)}.{algorithm}-*"):
-        if old != aside or actual == expected:
-            old.unlink()  # an earlier mismatching copy: only the newest is kept, none once one matches
     if actual == expected:
         return
+    again = aside.exists()
+    for old in part.parent.glob(f"{glob.escape(name)}.{algorithm}-*"):
+        if old != aside:
+            old.unlink()  # an earlier mismatching copy: only the newest is kept
     part.replace(aside)
     if again:
         raise PipelineError(

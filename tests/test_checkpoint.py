@@ -230,6 +230,8 @@ def test_recover_removes_a_killed_universal_conversion(tmp_path):
     _save(tmp_path, 10)
     (tmp_path / ".step00000010_universal.tmp" / "zero").mkdir(parents=True)
     (tmp_path / ".step00000010_universal.failed").write_text("converting ... failed")
+    # Killed before the pointer was rewritten to the final name, it names the temporary directory.
+    (tmp_path / "latest_universal").write_text(".step00000010_universal.tmp\n")
     assert recover(tmp_path, keep=2) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000010"]
 

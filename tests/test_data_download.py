@@ -145,6 +145,25 @@ def test_md5sums_are_used_when_there_is_no_sha1sums_file(wiki_mirror, multistrea
     assert download(_cfg(mirror, tmp_path)).read_bytes() == multistream_sample.read_bytes()
 
 
+def test_a_good_download_removes_the_copies_kept_by_mismatches_of_either_checksum(wiki_mirror, multistream_sample,
+                                                                                tmp_path):
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    md5_path = f"/enwiki/{DATE}/enwiki-{DATE}-md5sums.txt"
+    site.files[_sums_path()] = f"{'f' * 40}  {NAME}\n".encode()
+    with pytest.raises(PipelineError, match="sha1 checksum mismatch"):
+        download(_cfg(mirror, tmp_path))
+    del site.files[_sums_path()]
+    site.files[md5_path] = f"{'0' * 32}  {NAME}\n".encode()
+    with pytest.raises(PipelineError, match="md5 checksum mismatch"):
+        download(_cfg(mirror, tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{NAME}.md5-{hashlib.md5(data).hexdigest()}",
+                                                          f"{NAME}.sha1-{hashlib.sha1(data).hexdigest()}"]
+    del site.files[md5_path]  # now nothing is published: the download is taken unverified
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert list(tmp_path.iterdir()) == [tmp_path / NAME]
+
+
 def test_dump_url_pins_a_date_and_rejects_a_bad_one():
     assert dump_url("https://dumps.wikimedia.org/", DATE) == (
         f"https://dumps.wikimedia.org/enwiki/{DATE}/{NAME}")

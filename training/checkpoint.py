@@ -182,13 +182,14 @@ def recover(ckpt_dir: Path, keep: int) -> str | None:
         print(f"{ckpt_dir / tag} was saved whole but the run stopped before '{LATEST}' named it; it does now",
               file=sys.stderr)
         latest = committed = tag
-    prune(ckpt_dir, keep)
-    # A universal conversion killed midway (universal_tag converts again when it is needed).
+    # A universal conversion killed midway (universal_tag converts again when it is needed);
+    # before `prune`, which drops a `latest_universal` left naming the temporary directory.
     for path in ckpt_dir.glob(f".step*{UNIVERSAL_SUFFIX}.*"):
         if path.name.endswith(".tmp") and path.is_dir():
             shutil.rmtree(path)
         elif path.name.endswith(".failed"):
             path.unlink()
+    prune(ckpt_dir, keep)
     return committed
 
 
