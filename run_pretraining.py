@@ -112,7 +112,7 @@ def check_args(args: argparse.Namespace) -> None:
                  "max_seq_length", "max_predictions_per_seq", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise RunConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
-    for name in ("eval_freq", "num_eval_samples", "num_workers"):
+    for name in ("eval_freq", "num_eval_samples", "num_workers", "seed"):
         if getattr(args, name) < 0:
             raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
     if args.checkpoint_activations_interval != 1 and not args.checkpoint_activations:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -18,3 +19,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
                 or "%(default)" in text):
             return text
         return f"{text} (default: %(default)s)".lstrip()
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_workers_argument(
+    parser: argparse.ArgumentParser,
+    help: str = "worker processes (default: the cores, %(default)s here); the output does not depend on it",
+) -> None:
+    parser.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help=help)

@@ -32,7 +32,6 @@ Output, per part and split: `<output_dir>/<training|test>/part-NNNNN/<key>.npy` 
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import time
 from bisect import bisect_left
@@ -43,7 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import stage
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, add_workers_argument
 from data.parallel import bounded_map
 from data.stage import PipelineError
 from data.tokens import TokenizedPart, load_part
@@ -99,6 +98,8 @@ def validate(cfg: CreateConfig) -> None:
             raise PipelineError(f"{name} must be in [0, 1), got {value}")
     if cfg.dupe_factor < 1:
         raise PipelineError(f"dupe_factor must be >= 1, got {cfg.dupe_factor}")
+    if cfg.seed < 0:
+        raise PipelineError(f"seed must be >= 0 (numpy's seed sequences take no negative numbers), got {cfg.seed}")
 
 
 @dataclass(frozen=True)
@@ -442,8 +443,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max_seq_length", type=int, default=128, help="tokens per instance, [CLS] and [SEP]s included")
     p.add_argument("--max_predictions_per_seq", type=int, default=20, help="most masked positions per instance")
     add_masking_arguments(p)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
+    add_workers_argument(p)
     a = p.parse_args(argv)
     r = stage.cli_call(create, CreateConfig(a.input_dir, a.vocab_file, a.output_dir, a.max_seq_length, a.max_predictions_per_seq,
                             a.dupe_factor, a.short_seq_prob, a.masked_lm_prob, a.whole_word_masking,

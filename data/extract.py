@@ -21,7 +21,6 @@ import argparse
 import bz2
 import io
 import json
-import os
 import queue
 import re
 import threading
@@ -36,7 +35,7 @@ from tqdm import tqdm
 from wikiextractor.extract import Extractor, discardElements, placeholder_tags
 
 from data import multistream, stage
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, add_workers_argument
 from data.parallel import bounded_map
 from data.stage import PipelineError
 
@@ -488,8 +487,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input", type=Path, required=True, help="MediaWiki XML dump, .xml or .xml.bz2")
     p.add_argument("--output_dir", type=Path, required=True, help="the articles directory")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
+    add_workers_argument(p)
     p.add_argument("--articles_per_part", type=int, default=2000)
     a = p.parse_args(argv)
     r = stage.cli_call(extract, ExtractConfig(a.input, a.output_dir, a.workers, a.articles_per_part))

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, add_workers_argument
 from data.create import CreateConfig, add_masking_arguments, create, held_out_documents, validate
 from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_url
 from data.extract import ExtractConfig, extract
@@ -199,8 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--articles_per_part", type=int, default=2000, help="articles per parallel work unit")
     p.add_argument("--name", default="wikicorpus_en", help="shard file name prefix")
     add_compression_argument(p)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
+    add_workers_argument(p)
     a = p.parse_args(argv)
     if a.input and a.mirror != DEFAULT_MIRROR:
         p.error("--mirror applies to --dump_date; with --input, put the mirror in the URL")

@@ -10,7 +10,6 @@ processed in parallel.
 from __future__ import annotations
 
 import argparse
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +18,7 @@ import blingfire
 from tqdm import tqdm
 
 from data import stage
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, add_workers_argument
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -95,8 +94,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--input_dir", type=Path, required=True, help="output of data.extract")
     p.add_argument("--output_dir", type=Path, required=True, help="the sentences directory")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
+    add_workers_argument(p)
     a = p.parse_args(argv)
     r = stage.cli_call(segment, SegmentConfig(a.input_dir, a.output_dir, a.workers))
     print(f"segment: {r.documents} documents, {r.sentences} sentences, {r.seconds:.1f} s")

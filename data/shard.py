@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import stage
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, add_workers_argument
 from data.create import DTYPES, SPLITS, derive_seed
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -190,8 +189,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num_test_shards", type=int, default=1, help="test shards (0: no test split)")
     p.add_argument("--name", default="wikicorpus_en", help="file name prefix")
     add_compression_argument(p)
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
+    add_workers_argument(p)
     a = p.parse_args(argv)
     r = stage.cli_call(shard, ShardConfig(a.instances_dir, a.output_dir, a.num_shards, a.num_test_shards, a.name,
                                           a.workers, compression_filter(a.hdf5_compression)))

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import re
 import time
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from data import stage
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, add_workers_argument
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -225,8 +224,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output_dir", type=Path, required=True, help="the tokens directory")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
                    help="keep case and accents (for a cased vocab)")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                   help="worker processes (default: the cores, %(default)s here); the output does not depend on it")
+    add_workers_argument(p)
     a = p.parse_args(argv)
     r = stage.cli_call(tokenize_with_given_vocab, TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
     print(f"tokenize: {r.documents} documents, {r.sentences} sentences, {r.tokens} tokens "

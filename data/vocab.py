@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from data import stage
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, add_workers_argument
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -262,7 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="characters kept as tokens when training: the most frequent ones")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
                    help="keep case (and accents) when training the vocab; data.tokens needs the same flag")
-    p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes counting characters")
+    add_workers_argument(p, help="processes counting characters (default: the cores, %(default)s here)")
     a = p.parse_args(argv)
     if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2 or a.limit_alphabet != 1000
                                      or not a.lower_case):

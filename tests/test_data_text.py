@@ -176,3 +176,17 @@ def test_impossible_max_predictions_is_refused_before_any_work(sample_dump, bert
         prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab),
                       "--max_predictions_per_seq", "200"])
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--seed", "-1", "seed must be >= 0"),  # was a numpy traceback in the create stage, after extraction
+    ("--workers", "0", "argument --workers: must be >= 1, got 0"),  # was taken as 1 without a word
+])
+def test_a_negative_seed_or_no_workers_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path, capsys, flag,
+                                                                  value, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab),
+                      flag, value])
+    assert message in f"{exit_.value}{capsys.readouterr().err}"  # ours in the exit, argparse's on stderr
+    assert not out.exists()

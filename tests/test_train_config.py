@@ -119,6 +119,7 @@ def test_flags_parse_with_reference_names():
     (["--phase2", "--init_checkpoint", "out"], "must be the phase-1 run"),
     (["--log_freq", "0"], "--log_freq must be >= 1"),
     (["--num_workers", "-1"], "--num_workers must be >= 0"),
+    (["--seed", "-1"], "--seed must be >= 0"),  # numpy's seed sequences take no negative numbers
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
     (["--warmup_proportion", "1.5"], r"--warmup_proportion must be in \[0, 1\]"),
     (["--eval_freq", "2", "--num_eval_samples", "0"], "evaluates nothing"),

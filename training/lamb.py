@@ -187,6 +187,24 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
         usable = (weight_norm > 0) & (update_norm > 0)
         return torch.where(usable, weight_norm / torch.where(usable, update_norm, 1.0), 1.0)
 
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        stepped = self._stepped()
+        all_params = [p for _, params in stepped for p in params]
+        if all_params:  # under ZeRO every rank steps its partition of every group, so all ranks agree
+            tables, num_tensors, process_group = self._piece_tables(all_params)
+            self._update(stepped, {id(p): t for p, t in zip(all_params, tables)}, num_tensors, process_group)
+        return loss
+
+    def _update(self, stepped: list[tuple[dict, list[torch.Tensor]]], table_of: dict[int, _Pieces],
+                num_tensors: int, process_group: object | None) -> None:
+        """Update the tensors of `stepped` in place; `table_of[id(tensor)]` is its piece table."""
+        raise NotImplementedError
+
     def _stepped(self) -> list[tuple[dict, list[torch.Tensor]]]:
         stepped = []
         for group in self.param_groups:
@@ -229,17 +247,8 @@ class Lamb(_LayerwiseOptimizer):
     ``gradient_clipping`` clips by the global norm before this step, as the recipe does.
     """
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        stepped = self._stepped()
-        all_params = [p for _, params in stepped for p in params]
-        tables, num_tensors, process_group = self._piece_tables(all_params)
-        table_of = {id(p): t for p, t in zip(all_params, tables)}
-
+    def _update(self, stepped: list[tuple[dict, list[torch.Tensor]]], table_of: dict[int, _Pieces],
+                num_tensors: int, process_group: object | None) -> None:
         updates: list[tuple[dict, torch.Tensor, torch.Tensor]] = []
         for group, params in stepped:
             beta1 = group["betas"][0]
@@ -267,7 +276,6 @@ class Lamb(_LayerwiseOptimizer):
             if self._adaptive(group):
                 self._scale_by_piece(update, table_of[id(p)], ratio)
             p.add_(update, alpha=-group["lr"])
-        return loss
 
 
 class Lans(_LayerwiseOptimizer):
@@ -281,18 +289,10 @@ class Lans(_LayerwiseOptimizer):
     norms are needed before the moments, the update norms after them.
     """
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        stepped = self._stepped()
+    def _update(self, stepped: list[tuple[dict, list[torch.Tensor]]], table_of: dict[int, _Pieces],
+                num_tensors: int, process_group: object | None) -> None:
         all_params = [p for _, params in stepped for p in params]
-        if not all_params:
-            return loss
-        tables, num_tensors, process_group = self._piece_tables(all_params)
-        table_of = {id(p): t for p, t in zip(all_params, tables)}
+        tables = [table_of[id(p)] for p in all_params]
         device = all_params[0].device
 
         # Gradient norms of every tensor, and weight norms of the adapted ones, in one all-reduce.
@@ -337,7 +337,6 @@ class Lans(_LayerwiseOptimizer):
                 self._scale_by_piece(update_c, table_of[id(p)], ratio_c)
             p.add_(update_m, alpha=-group["lr"] * beta1)
             p.add_(update_c, alpha=-group["lr"] * (1 - beta1))
-        return loss
 
 
 # ---------------------------------------------------------------------------------------- DeepSpeed
