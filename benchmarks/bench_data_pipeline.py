@@ -21,9 +21,12 @@ the reference alternate, `--repeats` times each, and medians are shown (outside 
    `python -m data.prepare` on the sample's pages repeated `--memory_scales` times, as a
    single-stream and as a multistream dump, with the same part size and the same shard size
    (4x the shards for 4x the data);
-4. extraction of the sample repeated `--extract_scale` times, as a single-stream dump (read by one
-   process, cleaned by the workers) and as a Wikimedia-style multistream dump (read, parsed and
-   cleaned by the workers), with 1 and 2 workers; the text must be identical in all four.
+4. extraction of the sample repeated `--extract_scale` times, as a single-stream dump and as a
+   Wikimedia-style multistream dump, both read, parsed and cleaned by the workers (by bz2 blocks
+   and by bz2 streams), with 1 and 2 workers; the reference is the single-stream dump read by one
+   process (bz2 and XML), its articles cleaned by the workers, as data.extract still reads plain
+   XML. The text must be identical in all six. Then the serial part of each way, which bounds its
+   rate whatever the workers: the one reader's bz2 and XML parsing, and the scan for block starts.
 """
 
 from __future__ import annotations
@@ -50,8 +53,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from data.create import CreateConfig, create  # noqa: E402
-from data.extract import ExtractConfig, extract  # noqa: E402
-from data.multistream import split_pages, write_multistream  # noqa: E402
+from data.extract import ExtractConfig, _extract_serial, extract, iter_articles  # noqa: E402
+from data.multistream import block_offsets, split_pages, write_multistream  # noqa: E402
 from data.segment import SegmentConfig, segment  # noqa: E402
 from data.shard import ShardConfig, shard  # noqa: E402
 from data.tokens import TokenizeConfig, tokenize  # noqa: E402
@@ -313,20 +316,33 @@ def _ours_after_text(text: Path, vocab: Path, out: Path) -> tuple[int, float, fl
 
 
 def _extract_rates(dump: Path, work: Path, scale: int) -> None:
-    """Extraction of the sample repeated `scale` times: the single-stream dump read serially against its
-    multistream form read by 1 and 2 workers."""
+    """Extraction of the sample repeated `scale` times: the single-stream dump read by one process (the
+    reference) against the single-stream dump read by blocks and its multistream form read by streams,
+    by 1 and 2 workers."""
     single, mb = _repeat_dump(dump, scale, work / f"x{scale}-single.xml.bz2", multistream=False)
     multi, _ = _repeat_dump(dump, scale, work / f"x{scale}-multistream.xml.bz2", multistream=True)
-    print(f"\n4. extraction, the sample x{scale} ({mb:.1f} MB of XML; multistream chunks of 1 MiB):")
-    runs = [("single-stream dump, 1 worker", single, 1), ("single-stream dump, 2 workers", single, 2),
-            ("multistream dump, 1 worker", multi, 1), ("multistream dump, 2 workers", multi, 2)]
+    print(f"\n4. extraction, the sample x{scale} ({mb:.1f} MB of XML; chunks of 1 MiB of bz2):")
+    runs = [("single-stream, one reader, 1 worker", single, 1, _extract_serial),
+            ("single-stream, one reader, 2 workers", single, 2, _extract_serial),
+            ("single-stream, by blocks, 1 worker", single, 1, extract),
+            ("single-stream, by blocks, 2 workers", single, 2, extract),
+            ("multistream, by streams, 1 worker", multi, 1, extract),
+            ("multistream, by streams, 2 workers", multi, 2, extract)]
     texts = []
-    for label, path, workers in runs:
-        out = work / f"extract-{path.stem}-{workers}"
-        _, t = _timed(extract, ExtractConfig(path, out, workers, articles_per_part=200, chunk_bytes=1 << 20))
+    for label, path, workers, fn in runs:
+        out = work / f"extract-{path.stem}-{workers}-{fn.__name__}"
+        out.mkdir(parents=True)
+        _, t = _timed(fn, ExtractConfig(path, out, workers, articles_per_part=200, chunk_bytes=1 << 20))
         texts.append([p.read_bytes() for p in sorted(out.glob("part-*.txt"))])
-        print(f"   {label:32s} {t:6.2f} s = {mb / t:5.1f} MB/s of XML")
-    assert all(t == texts[0] for t in texts), "extraction differs between the dump forms or worker counts"
+        print(f"   {label:38s} {t:6.2f} s = {mb / t:5.1f} MB/s of XML")
+    assert all(t == texts[0] for t in texts), "extraction differs between the dump forms, readers or worker counts"
+    # The serial part of each way, which bounds it whatever the workers: the one reader's bz2 and XML
+    # parsing, against the scan for block starts (the rest of the block path runs in the workers).
+    articles, t_read = _timed(lambda: sum(1 for _ in iter_articles(single)))
+    blocks, t_scan = _timed(block_offsets, single)
+    print(f"   serial part, one reader: bz2 + XML parsing {t_read:.2f} s = {mb / t_read:.1f} MB/s of XML")
+    print(f"   serial part, by blocks: finding the {len(blocks) - 1} blocks {t_scan:.2f} s = "
+          f"{single.stat().st_size / 1e6 / t_scan:.0f} MB/s of bz2 = {mb / t_scan:.0f} MB/s of XML")
 
 
 def main() -> None:

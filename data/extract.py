@@ -6,11 +6,12 @@ wikitext is cleaned by wikiextractor 3.1.0 used as a library (`Extractor.clean_t
 tables, references, file links, lists and markup are dropped; section headings are dropped too.
 
 Output: `<output_dir>/part-NNNNN.txt`, `articles_per_part` articles each, one paragraph per line
-and a blank line after each article. A single-stream dump is read by one process and its parts
-are cleaned in parallel worker processes. A multistream dump (`*-multistream.xml.bz2`, the form
-data.download fetches) is cut into chunks of whole bz2 streams that the workers decompress, parse
-and clean in parallel. At most `2 * workers` parts or chunks are in flight, so memory stays
-bounded whatever the dump size; both forms give the same parts.
+and a blank line after each article. A bz2 dump is cut into chunks of whole bz2 units that the
+workers decompress, parse and clean in parallel: the streams of a multistream dump
+(`*-multistream.xml.bz2`, the form data.download fetches), or the blocks of a single-stream one
+(`data/multistream.py`). Plain XML is read by one process and its parts are cleaned in parallel
+worker processes. At most `2 * workers` parts or chunks are in flight, so memory stays bounded
+whatever the dump size; every form of a dump gives the same parts.
 
     python -m data.extract --input enwiki-20261101-pages-articles.xml.bz2 --output_dir text/extracted
 """
@@ -48,7 +49,7 @@ class ExtractConfig:
     output_dir: Path
     workers: int = 1
     articles_per_part: int = 2000
-    # Multistream dumps: compressed bytes one worker task reads (about 4.5x that of XML). Parts do
+    # bz2 dumps: compressed bytes one worker task reads (about 4.5x that of XML). Parts do
     # not depend on it; it only sets the parallel grain.
     chunk_bytes: int = 4 << 20
 
@@ -299,9 +300,9 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
     if done is not None:
         return ExtractResult(**done)
     start = time.perf_counter()
-    offsets = _multistream_offsets(cfg.input)
-    if offsets is not None:
-        articles, parts, text_bytes = _extract_multistream(cfg, offsets)
+    layout = _bz2_units(cfg.input)
+    if layout is not None:
+        articles, parts, text_bytes = _extract_chunks(cfg, *layout)
     else:
         articles, parts, text_bytes = _extract_serial(cfg)
     if articles == 0:
@@ -312,8 +313,8 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
 
 
 def _extract_serial(cfg: ExtractConfig) -> tuple[int, int, int]:
-    """One reader decompresses and parses the dump; workers clean batches of articles into parts.
-    Returns (documents, parts, text bytes)."""
+    """One reader parses the dump (plain XML, or a bz2 dump of a single block); workers clean batches
+    of articles into parts. Returns (documents, parts, text bytes)."""
 
     def batches() -> Iterator[tuple[Path, list[tuple[str, str]]] | Path]:
         batch: list[tuple[str, str]] = []
@@ -345,52 +346,60 @@ def _part_or_count(task: tuple[Path, list[tuple[str, str]]] | Path) -> tuple[int
     return _count_part(task) if isinstance(task, Path) else _write_part(task)
 
 
-# ----------------------------------------------------------------------------- multistream dumps
+# ----------------------------------------------------------------------------- bz2 dumps, in parallel
 
 CHUNK_RECORD = "_chunk_articles.json"
 
 
-def _multistream_offsets(path: Path) -> list[int] | None:
-    """The stream offsets of a bz2 dump of more than one stream, checked to hold MediaWiki XML; else None."""
+def _bz2_units(path: Path) -> tuple[list[int], int | None] | None:
+    """The units a bz2 dump is read in parallel by, checked to hold MediaWiki XML: (byte offsets of
+    its streams, None) for a multistream dump, (bit offsets of its blocks, the block-size digit)
+    for a single-stream dump of several blocks; None for plain XML and a dump of one block."""
     with path.open("rb") as f:
         if f.read(3) != b"BZh":
             return None
     size = path.stat().st_size
     with tqdm(desc="find bz2 streams", total=size, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
         offsets = multistream.stream_offsets(path, bar.update)
+    level = None
     if len(offsets) <= 2:
-        return None
+        level = multistream.stream_level(path)
+        with tqdm(desc="find bz2 blocks", total=size, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
+            offsets = multistream.block_offsets(path, bar.update)
+        if len(offsets) <= 2:
+            return None
+    unit = "stream" if level is None else "block"
     with path.open("rb") as f:
-        head = multistream.decompress_range(f, offsets[0], offsets[1], path)[:1 << 16]
+        head = multistream.decompress_units(f, offsets, 0, 1, level, path)[:1 << 16]
     if b"<mediawiki" not in head:
-        raise PipelineError(f"{path} is not a MediaWiki XML dump: its first bz2 stream does not open <mediawiki>")
-    # A file cut at a stream boundary decompresses without error: only the closing tag tells.
-    if not multistream.tail_xml(path, offsets).rstrip().endswith(b"</mediawiki>"):
+        raise PipelineError(f"{path} is not a MediaWiki XML dump: its first bz2 {unit} does not open <mediawiki>")
+    # A multistream file cut at a stream boundary decompresses without error: only the closing tag tells.
+    if not multistream.tail_xml(path, offsets, level=level).rstrip().endswith(b"</mediawiki>"):
         raise PipelineError(
-            f"{path} is truncated: its last bz2 stream does not end with </mediawiki>, so streams (and the pages in "
+            f"{path} is truncated: its last bz2 {unit} does not end with </mediawiki>, so {unit}s (and the pages in "
             "them) are missing. Download it again (python -m data.download resumes and checks the checksum)."
         )
-    return offsets
+    return offsets, level
 
 
 @dataclass(frozen=True)
 class _Chunk:
     path: Path
-    offsets: tuple[int, ...]  # its streams' starts, then up to MAX_LOOKAHEAD_STREAMS more, then their end
-    own: int  # how many of those streams are its own
+    offsets: tuple[int, ...]  # its units' starts, then up to MAX_LOOKAHEAD_STREAMS more, then their end
+    own: int  # how many of those units are its own
+    level: int | None  # None: units are streams at byte offsets; else blocks at bit offsets, of this size digit
 
 
 def _clean_chunk(chunk: _Chunk) -> list[str]:
     """The document of every article whose page starts in the chunk, in dump order ("" for empty ones)."""
     docs = []
-    for page in multistream.chunk_pages(chunk.path, chunk.offsets, chunk.own):
+    for page in multistream.chunk_pages(chunk.path, chunk.offsets, chunk.own, chunk.level):
         try:
             article = _article(ET.fromstring(page))
         except ET.ParseError as exc:
-            raise PipelineError(
-                f"{chunk.path}: a page in the bz2 streams from byte {chunk.offsets[0]} is not well-formed XML "
-                f"({exc}); the file is damaged or truncated"
-            ) from exc
+            start = chunk.offsets[0] if chunk.level is None else chunk.offsets[0] // 8
+            raise PipelineError(f"{chunk.path}: a page in the bz2 units from byte {start} is not well-formed XML "
+                                f"({exc}); the file is damaged or truncated") from exc
         if article is not None:
             docs.append(_document(*article))
     return docs
@@ -435,16 +444,20 @@ class _PartWriter:
         self.buffer = []
 
 
-def _extract_multistream(cfg: ExtractConfig, offsets: list[int]) -> tuple[int, int, int]:
-    """Workers decompress, parse and clean runs of bz2 streams; the articles are cut into parts in order.
+def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -> tuple[int, int, int]:
+    """Workers decompress, parse and clean runs of bz2 units (`_bz2_units`); the articles are cut into parts
+    in order.
 
     Resuming: `_chunk_articles.json` records how many articles each chunk held; a chunk whose
     articles all lie in parts already on disk is not read again.
     """
-    bounds = multistream.chunk_bounds(offsets, cfg.chunk_bytes)
+    bits = 1 if level is None else 8  # block offsets count bits
+    # A small dump is cut into 2 chunks per worker at least, so that every worker has work.
+    chunk_bytes = min(cfg.chunk_bytes, max(1, offsets[-1] // bits // (2 * cfg.workers)))
+    bounds = multistream.chunk_bounds(offsets, chunk_bytes * bits)
     record_path = cfg.output_dir / CHUNK_RECORD
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
-    known: list[int] = record.get("articles", []) if record.get("chunk_bytes") == cfg.chunk_bytes else []
+    known: list[int] = record.get("articles", []) if record.get("chunk_bytes") == chunk_bytes else []
     counts = list(known)
     writer = _PartWriter(cfg.output_dir, cfg.articles_per_part)
 
@@ -455,11 +468,11 @@ def _extract_multistream(cfg: ExtractConfig, offsets: list[int]) -> tuple[int, i
                 yield known[index]  # nothing to read: only the article count moves on
             else:
                 stop = min(end + multistream.MAX_LOOKAHEAD_STREAMS, len(offsets) - 1)
-                yield _Chunk(cfg.input, tuple(offsets[first:stop + 1]), end - first)
+                yield _Chunk(cfg.input, tuple(offsets[first:stop + 1]), end - first, level)
             if index < len(known):
                 first_article += known[index]
 
-    with tqdm(desc="extract", total=offsets[-1], unit="B", unit_scale=True, dynamic_ncols=True) as bar:
+    with tqdm(desc="extract", total=offsets[-1] // bits, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
         for index, result in enumerate(bounded_map(_clean_chunk_or_skip, tasks(), cfg.workers)):
             if isinstance(result, int):
                 writer.add(None, result)
@@ -472,9 +485,9 @@ def _extract_multistream(cfg: ExtractConfig, offsets: list[int]) -> tuple[int, i
                 writer.add(result, len(result))
                 if index >= len(counts):
                     counts.append(len(result))
-                    stage.write_json_atomic(record_path, {"chunk_bytes": cfg.chunk_bytes, "articles": counts})
+                    stage.write_json_atomic(record_path, {"chunk_bytes": chunk_bytes, "articles": counts})
             first, end = bounds[index]
-            bar.update(offsets[end] - offsets[first])
+            bar.update(offsets[end] // bits - offsets[first] // bits)
     writer.close()
     return writer.documents, writer.parts, writer.text_bytes
 

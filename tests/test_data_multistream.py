@@ -1,4 +1,5 @@
-"""Multistream bz2 dumps are read in parallel and give exactly the text of the single-stream dump."""
+"""bz2 dumps are read in parallel, by streams (multistream) or by blocks (single stream), and give
+exactly the text of the dump's XML read serially."""
 
 from __future__ import annotations
 
@@ -31,9 +32,12 @@ def cut_at_multistream(xml: bytes, out: Path, cuts: list[int]) -> Path:
 
 @pytest.fixture(scope="module")
 def serial_text(sample_dump, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("serial") / "extracted"
-    extract(ExtractConfig(sample_dump, out, workers=1, articles_per_part=40))
-    return out
+    """The sample's plain XML, read by one process (the serial path)."""
+    work = tmp_path_factory.mktemp("serial")
+    xml = work / "sample.xml"
+    xml.write_bytes(_xml(sample_dump))
+    extract(ExtractConfig(xml, work / "extracted", workers=1, articles_per_part=40))
+    return work / "extracted"
 
 
 def _parts(directory: Path) -> list[bytes]:
@@ -94,9 +98,9 @@ def test_resume_reads_only_chunks_whose_parts_are_missing(make_multistream, seri
     read: list[int] = []
     real = multistream.chunk_pages
 
-    def counting(path, offsets, own):
+    def counting(path, offsets, own, level):
         read.append(offsets[0])
-        return real(path, offsets, own)
+        return real(path, offsets, own, level)
 
     monkeypatch.setattr(multistream, "chunk_pages", counting)
     extract(cfg)
@@ -141,3 +145,79 @@ def test_multistream_file_that_is_not_mediawiki_is_refused(tmp_path):
     path.write_bytes(bz2.compress(b"<rss><channel>") + bz2.compress(b"</channel></rss>"))
     with pytest.raises(PipelineError, match="not a MediaWiki XML dump: its first bz2 stream does not open"):
         extract(ExtractConfig(path, tmp_path / "out"))
+
+
+# ----------------------------------------------------------------------------- single-stream dumps, by blocks
+def _block_crcs(path: Path, offsets: list[int]) -> tuple[list[int], int]:
+    """The CRC after each block magic, and the stream CRC after the end-of-stream marker."""
+    data = path.read_bytes()
+    crcs = [multistream._bits(data, bit + 48, 32) for bit in offsets[:-1]]
+    return crcs, multistream._bits(data, offsets[-1] + 48, 32)
+
+
+def test_block_offsets_are_where_each_block_starts(sample_dump):
+    offsets = multistream.block_offsets(sample_dump)
+    # bzip2 -9 cuts the sample's 6.1 MB of XML into blocks of about 900 kB: 7 of them, then the end marker.
+    assert len(offsets) == 8 and offsets[0] == 32 and offsets[-1] < sample_dump.stat().st_size * 8
+    assert sorted(offsets) == offsets and any(bit % 8 for bit in offsets)  # blocks start at any bit
+    with sample_dump.open("rb") as f:
+        pieces = [multistream.decompress_units(f, offsets, k, k + 1, 9, sample_dump) for k in range(7)]
+    assert b"".join(pieces) == _xml(sample_dump)
+    # Reads so small that every magic and its header fields straddle two or more of them.
+    for block_size in (7, 13, 14, 15, 4096 + 3):
+        assert multistream.block_offsets(sample_dump, block_size=block_size) == offsets
+
+
+@pytest.mark.parametrize("workers, chunk_bytes", [(1, 1), (2, 300_000), (2, 4 << 20)])
+def test_single_stream_dump_read_by_blocks_gives_the_serial_text(sample_dump, serial_text, tmp_path, workers,
+                                                                 chunk_bytes):
+    out = tmp_path / "extracted"
+    result = extract(ExtractConfig(sample_dump, out, workers=workers, articles_per_part=40, chunk_bytes=chunk_bytes))
+    assert _parts(out) == _parts(serial_text) and (result.articles, result.parts) == (105, 3)
+    # Every chunk of blocks was read by a worker: the record holds one article count per chunk.
+    counts = json.loads((out / CHUNK_RECORD).read_text())["articles"]
+    assert sum(counts) == 106 and len(counts) == (7 if chunk_bytes == 1 else 4)  # 2 chunks per worker at least
+
+
+def test_a_chance_block_magic_is_found_out_by_the_stream_crc(sample_dump):
+    """The 48-bit block magic occurs inside compressed data once in 2^48 bit positions: the candidate
+    whose removal makes the block CRCs fold into the stream CRC is the false one."""
+    crcs, stream_crc = _block_crcs(sample_dump, multistream.block_offsets(sample_dump))
+    assert multistream._false_block_start(crcs, stream_crc, sample_dump) is None
+    for index in range(1, len(crcs) + 1):
+        with_false = [*crcs[:index], 0x9E3779B9, *crcs[index:]]
+        assert multistream._false_block_start(with_false, stream_crc, sample_dump) == index
+    with pytest.raises(PipelineError, match="block checksums do not add up to the stream's: the file is damaged"):
+        multistream._false_block_start([crcs[0], 1, *crcs[1:], 2], stream_crc, sample_dump)
+
+
+def test_damaged_single_stream_dump_names_the_block(sample_dump, tmp_path):
+    data = bytearray(sample_dump.read_bytes())
+    data[1_000_000] ^= 0xFF
+    damaged = tmp_path / "damaged.xml.bz2"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(PipelineError, match=rf"{re.escape(str(damaged))}: the bz2 block at byte \d+ \(bit \d\) does "
+                                            "not decompress .*damaged or truncated"):
+        extract(ExtractConfig(damaged, tmp_path / "out", workers=2))
+    assert not (tmp_path / "out" / "_COMPLETE.json").exists()
+
+
+def test_single_stream_resume_reads_only_the_blocks_of_missing_parts(sample_dump, serial_text, tmp_path,
+                                                                     monkeypatch):
+    out = tmp_path / "extracted"
+    cfg = ExtractConfig(sample_dump, out, workers=1, articles_per_part=40, chunk_bytes=1)  # a chunk per block
+    extract(cfg)
+    (out / "_COMPLETE.json").unlink()  # as if killed before the last part was written
+    list_parts(out)[-1].unlink()
+    read: list[int] = []
+    real = multistream.chunk_pages
+
+    def counting(path, offsets, own, level):
+        read.append(offsets[0])
+        return real(path, offsets, own, level)
+
+    monkeypatch.setattr(multistream, "chunk_pages", counting)
+    extract(cfg)
+    assert _parts(out) == _parts(serial_text)
+    offsets = multistream.block_offsets(sample_dump)
+    assert read and set(read) < set(offsets[1:-1])  # blocks, not all of them, never the first
