@@ -85,16 +85,10 @@ def test_multistream_dump_gives_the_single_stream_text(sample_dump, multistream_
     assert (result.articles, result.parts) == (105, 3)
 
 
-def test_resume_reads_only_chunks_whose_parts_are_missing(make_multistream, serial_text, tmp_path, monkeypatch):
-    dump = make_multistream(10)
-    out = tmp_path / "extracted"
-    cfg = ExtractConfig(dump, out, workers=1, articles_per_part=40, chunk_bytes=1)  # a chunk per stream
-    extract(cfg)
-    chunk_articles = json.loads((out / CHUNK_RECORD).read_text())["articles"]
-    assert sum(chunk_articles) == 106 and len(chunk_articles) == 23
-    # As if killed before the last part was written.
-    (out / "_COMPLETE.json").unlink()
-    list_parts(out)[-1].unlink()
+def _rerun_without_the_last_part(cfg: ExtractConfig, monkeypatch) -> list[int]:
+    """Extract again as if killed before the last part was written; return where each chunk read starts."""
+    (cfg.output_dir / "_COMPLETE.json").unlink()
+    list_parts(cfg.output_dir)[-1].unlink()
     read: list[int] = []
     real = multistream.chunk_pages
 
@@ -104,6 +98,17 @@ def test_resume_reads_only_chunks_whose_parts_are_missing(make_multistream, seri
 
     monkeypatch.setattr(multistream, "chunk_pages", counting)
     extract(cfg)
+    return read
+
+
+def test_resume_reads_only_chunks_whose_parts_are_missing(make_multistream, serial_text, tmp_path, monkeypatch):
+    dump = make_multistream(10)
+    out = tmp_path / "extracted"
+    cfg = ExtractConfig(dump, out, workers=1, articles_per_part=40, chunk_bytes=1)  # a chunk per stream
+    extract(cfg)
+    chunk_articles = json.loads((out / CHUNK_RECORD).read_text())["articles"]
+    assert sum(chunk_articles) == 106 and len(chunk_articles) == 23
+    read = _rerun_without_the_last_part(cfg, monkeypatch)
     assert _parts(out) == _parts(serial_text)
     # Articles 80..105 are the last part's: only the chunks holding them were read again.
     first_article = [sum(chunk_articles[:k]) for k in range(len(chunk_articles))]
@@ -207,17 +212,7 @@ def test_single_stream_resume_reads_only_the_blocks_of_missing_parts(sample_dump
     out = tmp_path / "extracted"
     cfg = ExtractConfig(sample_dump, out, workers=1, articles_per_part=40, chunk_bytes=1)  # a chunk per block
     extract(cfg)
-    (out / "_COMPLETE.json").unlink()  # as if killed before the last part was written
-    list_parts(out)[-1].unlink()
-    read: list[int] = []
-    real = multistream.chunk_pages
-
-    def counting(path, offsets, own, level):
-        read.append(offsets[0])
-        return real(path, offsets, own, level)
-
-    monkeypatch.setattr(multistream, "chunk_pages", counting)
-    extract(cfg)
+    read = _rerun_without_the_last_part(cfg, monkeypatch)
     assert _parts(out) == _parts(serial_text)
     offsets = multistream.block_offsets(sample_dump)
     assert read and set(read) < set(offsets[1:-1])  # blocks, not all of them, never the first
