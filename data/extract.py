@@ -292,6 +292,8 @@ def list_parts(stage_dir: Path) -> list[Path]:
 def extract(cfg: ExtractConfig) -> ExtractResult:
     if cfg.articles_per_part < 1:
         raise PipelineError(f"articles_per_part must be >= 1, got {cfg.articles_per_part}")
+    if cfg.workers < 1:
+        raise PipelineError(f"workers must be >= 1, got {cfg.workers}")
     _require_file(cfg.input)
     if cfg.chunk_bytes < 1:
         raise PipelineError(f"chunk_bytes must be >= 1, got {cfg.chunk_bytes}")

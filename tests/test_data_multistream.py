@@ -196,6 +196,11 @@ def test_a_chance_block_magic_is_found_out_by_the_stream_crc(sample_dump):
         multistream._false_block_start([crcs[0], 1, *crcs[1:], 2], stream_crc, sample_dump)
 
 
+def test_no_workers_is_refused(sample_dump, tmp_path):
+    with pytest.raises(PipelineError, match="workers must be >= 1, got 0"):
+        extract(ExtractConfig(sample_dump, tmp_path / "out", workers=0))
+
+
 def test_damaged_single_stream_dump_names_the_block(sample_dump, tmp_path):
     data = bytearray(sample_dump.read_bytes())
     data[1_000_000] ^= 0xFF
