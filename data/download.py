@@ -32,7 +32,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, non_negative_int
 from data.stage import PipelineError, cli_call
 
 DEFAULT_DUMP_DATE = "20261101"
@@ -355,13 +355,6 @@ def _exclusive(lock_path: Path, what: str) -> Iterator[None]:
             lock_path.unlink(missing_ok=True)
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 (0: a single attempt), got {value}")
-    return value
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group()
@@ -370,8 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--mirror", default=DEFAULT_MIRROR,
                    help="dump mirror used with --dump_date (default: %(default)s)")
     p.add_argument("--output_dir", type=Path, required=True, help="where the dump is written")
-    p.add_argument("--retries", type=_non_negative_int, default=5,
-                   help="retries after a network error, 408, 429 or 5xx (default: %(default)s)")
+    p.add_argument("--retries", type=non_negative_int, default=5,
+                   help="retries after a network error, 408, 429 or 5xx; 0: a single attempt (default: %(default)s)")
     a = p.parse_args(argv)
     if a.url and a.mirror != DEFAULT_MIRROR:
         p.error("--mirror applies to --dump_date; with --url, put the mirror in the URL")

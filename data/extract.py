@@ -399,7 +399,7 @@ def _clean_chunk(chunk: _Chunk) -> list[str]:
         try:
             article = _article(ET.fromstring(page))
         except ET.ParseError as exc:
-            start = chunk.offsets[0] if chunk.level is None else chunk.offsets[0] // 8
+            start = chunk.offsets[0] // multistream.unit_bits(chunk.level)
             raise PipelineError(f"{chunk.path}: a page in the bz2 units from byte {start} is not well-formed XML "
                                 f"({exc}); the file is damaged or truncated") from exc
         if article is not None:
@@ -453,7 +453,7 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
     Resuming: `_chunk_articles.json` records how many articles each chunk held; a chunk whose
     articles all lie in parts already on disk is not read again.
     """
-    bits = 1 if level is None else 8  # block offsets count bits
+    bits = multistream.unit_bits(level)
     # A small dump is cut into 2 chunks per worker at least, so that every worker has work.
     chunk_bytes = min(cfg.chunk_bytes, max(1, offsets[-1] // bits // (2 * cfg.workers)))
     bounds = multistream.chunk_bounds(offsets, chunk_bytes * bits)

@@ -200,6 +200,11 @@ def decompress_block(f, start: int, end: int, level: int, path: Path) -> bytes:
         ) from exc
 
 
+def unit_bits(level: int | None) -> int:
+    """How many offset units make a byte: stream offsets count bytes (level None), block offsets bits."""
+    return 1 if level is None else 8
+
+
 def decompress_units(f, offsets: Sequence[int], first: int, end: int, level: int | None, path: Path) -> bytes:
     """The XML of units first..end-1: streams at byte `offsets` (level None), or blocks at bit offsets."""
     if level is None:
@@ -275,7 +280,7 @@ def chunk_pages(path: Path, offsets: tuple[int, ...], own: int, level: int | Non
                 if not read_on():
                     raise PipelineError(
                         f"{path}: the page starting in the bz2 {'stream' if level is None else 'block'} at byte "
-                        f"{offsets[0] if level is None else offsets[0] // 8} does not end within "
+                        f"{offsets[0] // unit_bits(level)} does not end within "
                         f"{MAX_LOOKAHEAD_STREAMS} further units; the dump is truncated or not MediaWiki XML"
                     )
                 end = xml.find(_END_PAGE, pos)

@@ -11,6 +11,7 @@ one piece of itself and no communication happens. See docs/LAMB.md.
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -70,7 +71,7 @@ class _Binding:
     process_group: object | None  # data-parallel group to sum partial norms over; None: no all-reduce
 
 
-class _LayerwiseOptimizer(torch.optim.Optimizer):
+class _LayerwiseOptimizer(torch.optim.Optimizer, abc.ABC):
     """Shared machinery: per-tensor squared norms over (possibly partitioned) optimizer tensors."""
 
     def __init__(
@@ -200,10 +201,10 @@ class _LayerwiseOptimizer(torch.optim.Optimizer):
             self._update(stepped, {id(p): t for p, t in zip(all_params, tables)}, num_tensors, process_group)
         return loss
 
+    @abc.abstractmethod
     def _update(self, stepped: list[tuple[dict, list[torch.Tensor]]], table_of: dict[int, _Pieces],
                 num_tensors: int, process_group: object | None) -> None:
         """Update the tensors of `stepped` in place; `table_of[id(tensor)]` is its piece table."""
-        raise NotImplementedError
 
     def _stepped(self) -> list[tuple[dict, list[torch.Tensor]]]:
         stepped = []
