@@ -31,6 +31,7 @@ from training.loader import DataConfigError, RankSampler, make_loader, open_spli
 from training.metrics import MetricsWriter, Throughput, peak_tflops
 from training.planner import training_flops_per_sequence
 from training.schedule import ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay
+from training.weights import load_initial_weights, set_fp32_masters
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_DS_CONFIG = ROOT / "configs" / "deepspeed" / "zero1-bf16.json"
@@ -456,11 +457,17 @@ def train(args: argparse.Namespace) -> dict:
     model = BertForPreTraining(config, checkpointing=checkpointing)
     init_from = None
     if args.phase2 and resume is None:
-        init_from = checkpoint.load_module_weights(model, args.init_checkpoint)
+        init_from = load_initial_weights(model, args.init_checkpoint)
+    # A bf16 engine replaces each parameter's data by a bf16 copy; these references keep the fp32
+    # values (no copy is made) for the fp32 master weights of a run that does not resume.
+    fp32_start = None if resume is not None else {name: p.data for name, p in model.named_parameters()}
     schedule_cfg = schedule_config(args)
     engine, _, _, scheduler = deepspeed.initialize(
         model=model, optimizer=build_optimizer(model, args), config=ds_config,
         lr_scheduler=lambda opt: WarmupConstantDecay(opt, schedule_cfg))
+    if fp32_start is not None and engine.bfloat16_enabled():
+        set_fp32_masters(engine, fp32_start)
+    del fp32_start
     if args.optimizer in ("lamb", "lans"):
         from training.lamb import bind_to_deepspeed
 

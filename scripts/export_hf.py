@@ -17,7 +17,6 @@ and `AutoTokenizer.from_pretrained`.
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +36,7 @@ from training.checkpoint import (
     read_state,
     verify_files,
 )
+from training.weights import read_fp32_weights
 
 
 class ExportError(RuntimeError):
@@ -83,75 +83,12 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
     return CheckpointLocation(run_dir, checkpoints, tag)
 
 
-_PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-
-
-def _partition_files(tag_dir: Path) -> list[Path]:
-    """Every rank's optimizer partition, in rank order; a gap is an incomplete checkpoint."""
-    files = {int(m.group(1)): p for p in tag_dir.iterdir() if (m := _PARTITION.search(p.name))}
-    if files and sorted(files) != list(range(len(files))):
-        raise ExportError(f"{tag_dir}: partitions of ranks {sorted(files)} are present, not 0..{max(files)}; "
-                          "the checkpoint is incomplete")
-    return [files[r] for r in sorted(files)]
-
-
-def _merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, torch.Tensor]:
-    """DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16, which zero_to_fp32 does not read): each rank holds
-    a flat fp32 slice of every parameter group and a map name -> (start, numel) of the fragments in it."""
-    pieces: dict[str, list[torch.Tensor]] = {}
-    for path in files:
-        state = torch.load(path, map_location="cpu", weights_only=False)["optimizer_state_dict"]
-        for flat, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
-            for name, fragment in mapping.items():
-                pieces.setdefault(name, []).append(flat[fragment.start:fragment.start + fragment.numel])
-    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
-    weights = {}
-    for name, shape in shapes.items():
-        if name not in pieces:
-            raise ExportError(f"{files[0].parent}: parameter {name} is in no rank's partition")
-        flat = torch.cat(pieces[name])
-        if flat.numel() != shape.numel():
-            raise ExportError(f"{files[0].parent}: parameter {name} has {flat.numel()} values in the partitions "
-                              f"but shape {tuple(shape)}; the checkpoint is inconsistent")
-        weights[name] = flat.view(shape).clone()
-    return weights
-
-
 def read_weights(loc: CheckpointLocation) -> tuple[dict[str, torch.Tensor], str]:
     """The fp32 weights of a checkpoint and a description of where they came from."""
-    tag_dir = loc.tag_dir
-    if (tag_dir / "zero").is_dir():  # universal checkpoint: zero/<param name>/fp32.pt
-        weights = {}
-        for param_dir in sorted(p for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file()):
-            state = torch.load(param_dir / "fp32.pt", map_location="cpu", weights_only=False)
-            weights[param_dir.name] = (state["param"] if isinstance(state, dict) else state).float()
-        if not weights:
-            raise ExportError(f"{tag_dir / 'zero'}: no <param>/fp32.pt files; the universal checkpoint is incomplete")
-        return weights, f"fp32 weights of the universal checkpoint {tag_dir}"
-    if not (tag_dir / MODEL_STATES).is_file():
-        raise ExportError(f"{tag_dir}: no {MODEL_STATES}; this is not a DeepSpeed checkpoint tag")
-    model_states = torch.load(tag_dir / MODEL_STATES, map_location="cpu", weights_only=False)
-    module = model_states.get("module") if isinstance(model_states, dict) else None
-    if not isinstance(module, dict):
-        raise ExportError(f"{tag_dir / MODEL_STATES}: no 'module' weights in it")
-    files = _partition_files(tag_dir)
-    if files and files[0].name.startswith("bf16_"):
-        weights = _merge_bf16_partitions(files, model_states)
-        source = f"fp32 master weights merged from {len(files)} ZeRO partition(s) (bf16 optimizer)"
-    elif files:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
-        weights = get_fp32_state_dict_from_zero_checkpoint(str(loc.checkpoints_dir), tag=loc.tag)
-        source = f"fp32 master weights merged from {len(files)} ZeRO partition(s)"
-    else:
-        dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in module.values()})
-        return {k: v.float() for k, v in module.items()}, f"module weights ({'/'.join(dtypes)}), no ZeRO partitions"
-    # Tied weights and buffers are not optimizer parameters: take them from the module state.
-    for name, value in module.items():
-        if name not in weights:
-            source_name = model_states.get("shared_params", {}).get(name)
-            weights[name] = weights.get(source_name, value)
-    return {k: v.float() for k, v in weights.items()}, f"{source} of {tag_dir}"
+    try:
+        return read_fp32_weights(loc.tag_dir)
+    except CheckpointError as e:
+        raise ExportError(str(e)) from e
 
 
 def check_complete(loc: CheckpointLocation) -> None:
@@ -187,6 +124,8 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
     check_complete(loc)
     try:
         weights, source = read_weights(loc)
+    except ExportError:
+        raise
     except LOAD_ERRORS as e:
         raise ExportError(f"{loc.tag_dir}: cannot read the checkpoint ({type(e).__name__}: {e}); it is damaged. "
                           f"Export another tag with --tag") from e

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from conftest import free_port
 
-from training import checkpoint
+from training import checkpoint, weights
 from training.checkpoint import (
     COMMIT_PENDING,
     LATEST,
@@ -334,26 +334,26 @@ def test_init_weights_from_a_hugging_face_directory(tmp_path):
     modeling.save_hf(source, tmp_path / "hf")  # as transformers' MegatronBertForPreTraining
     torch.manual_seed(2)
     model = modeling.BertForPreTraining(small_config(pre_layer_norm=True))
-    assert checkpoint.load_module_weights(model, tmp_path / "hf") == f"{tmp_path / 'hf'} (Hugging Face)"
+    assert weights.load_initial_weights(model, tmp_path / "hf") == f"{tmp_path / 'hf'} (Hugging Face)"
     for (name, a), b in zip(source.state_dict().items(), model.state_dict().values()):
         real = a[:1001] if a.shape[0] == 1008 else a  # padded vocab rows are not exported
         assert torch.equal(real, b[:len(real)]), name
     other = modeling.BertForPreTraining(small_config(num_hidden_layers=2))
     with pytest.raises(CheckpointError, match=r"hf/config.json: not the model of --config_file \(num_hidden_layers 3 "
                                               r"there, 2 in --config_file; pre_layer_norm True there, False in"):
-        checkpoint.load_module_weights(other, tmp_path / "hf")
+        weights.load_initial_weights(other, tmp_path / "hf")
     # A checkpoint labelled BertForMaskedLM that has the NSP weights too (as bert-base-uncased is) keeps them.
     nsp_source = modeling.BertForPreTraining(small_config())
     modeling.save_hf(nsp_source, tmp_path / "labelled_mlm")
     hf_config = json.loads((tmp_path / "labelled_mlm" / "config.json").read_text())
     (tmp_path / "labelled_mlm" / "config.json").write_text(json.dumps(hf_config | {"architectures": ["BertForMaskedLM"]}))
     nsp_model = modeling.BertForPreTraining(small_config())
-    checkpoint.load_module_weights(nsp_model, tmp_path / "labelled_mlm")
+    weights.load_initial_weights(nsp_model, tmp_path / "labelled_mlm")
     assert torch.equal(nsp_model.cls.seq_relationship.weight, nsp_source.cls.seq_relationship.weight)
     # A bare encoder has no MLM head: refused, not loaded with random heads.
     modeling.to_hf_model(source).bert.save_pretrained(tmp_path / "encoder_only")
     with pytest.raises(CheckpointError, match=r"encoder_only: the checkpoint has no weights for cls\.predictions"):
-        checkpoint.load_module_weights(model, tmp_path / "encoder_only")
+        weights.load_initial_weights(model, tmp_path / "encoder_only")
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"not weights")
     with pytest.raises(CheckpointError, match="cannot load it as a Hugging Face BERT"):
-        checkpoint.load_module_weights(model, tmp_path / "hf")
+        weights.load_initial_weights(model, tmp_path / "hf")

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import h5py
 import pytest
+import torch
 from conftest import ROOT, free_port
 
+from modeling import BertConfig, BertForPreTraining
 from training.checkpoint import read_latest
 
 TINY = json.loads((ROOT / "configs" / "models" / "bert-tiny.json").read_text())
@@ -217,6 +219,59 @@ def test_phase2_starts_from_phase1_weights_with_fresh_optimizer(bf16_run, dynami
     assert abs(recs[1]["loss"] - phase1[16]["loss"]) < 0.5
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step00000003"]
     assert {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()} == phase1_files
+
+
+def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
+
+
+@pytest.mark.slow
+def test_bf16_runs_start_from_fp32_master_weights(bf16_run, phase1_shards, no_dropout_model, bf16_ds, tmp_path):
+    """DeepSpeed builds a bf16 run's fp32 master weights from the module cast to bf16; the run puts the
+    fp32 values back: a fresh run's initial weights, and phase 1's fp32 masters in phase 2. With a
+    learning rate of 1e-30, one step leaves every nonzero weight unchanged in fp32 (zeros move by
+    about 1e-30), so the masters saved after it are those the run started from."""
+    from scripts.export_hf import locate, read_weights
+
+    fresh = tmp_path / "fresh"
+    ok(run(1, base_args(phase1_shards, fresh, no_dropout_model, bf16_ds, 1, optimizer="lamb", learning_rate=1e-30,
+                        num_eval_samples=0, seed=7)))
+    torch.manual_seed(7)
+    init = BertForPreTraining(BertConfig.from_json_file(no_dropout_model)).state_dict()
+    masters, source = read_weights(locate(fresh))
+    assert "(bf16 optimizer)" in source
+    assert _largest_difference(masters, init) < 1e-20
+    rounded = {name: value.to(torch.bfloat16).float() for name, value in init.items()}
+    assert _largest_difference(rounded, init) > 1e-5  # what the masters were before: the init rounded
+
+    phase2 = tmp_path / "phase2"
+    ok(run(1, base_args(phase1_shards, phase2, bf16_run / "model_config.json", bf16_ds, 1, optimizer="lamb",
+                        learning_rate=1e-30, num_eval_samples=0, phase2=True, init_checkpoint=bf16_run)))
+    phase1_masters, _ = read_weights(locate(bf16_run))
+    phase2_masters, _ = read_weights(locate(phase2))
+    assert _largest_difference(phase2_masters, phase1_masters) < 1e-20
+    phase1_rounded = {name: value.to(torch.bfloat16).float() for name, value in phase1_masters.items()}
+    assert _largest_difference(phase1_rounded, phase1_masters) > 1e-5
+
+
+@pytest.mark.slow
+def test_masters_that_do_not_round_to_the_module_weights_are_refused(bf16_run, tmp_path):
+    from training.checkpoint import CheckpointError
+    from training.weights import read_fp32_weights
+
+    tag = tmp_path / "step00000016"
+    shutil.copytree(bf16_run / "checkpoints" / "step00000016", tag)
+    masters, source = read_fp32_weights(tag)
+    assert source.startswith("fp32 master weights merged from 2 ZeRO partition(s) (bf16 optimizer)")
+    states = torch.load(tag / "mp_rank_00_model_states.pt", map_location="cpu", weights_only=False)
+    name = "bert.encoder.layer.1.attention.output.dense.weight"
+    assert torch.equal(masters[name].to(torch.bfloat16), states["module"][name])
+    states["module"][name][3, 5] += 0.25  # as if the partitions were merged in the wrong order
+    torch.save(states, tag / "mp_rank_00_model_states.pt")
+    with pytest.raises(CheckpointError, match=rf"step00000016: the fp32 master weights of {name} do not round to "
+                                              "the module weights of the same tag; the checkpoint is inconsistent"):
+        read_fp32_weights(tag)
 
 
 @pytest.mark.slow

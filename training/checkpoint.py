@@ -1,4 +1,4 @@
-"""Checkpoints: save, `latest`, keep-K, resume, phase-2 initialisation, change of world size.
+"""Checkpoints: save, `latest`, keep-K, resume, change of world size.
 
 Layout under `<output_dir>/checkpoints/`:
     step00000100/                    one DeepSpeed checkpoint (tag), written by every rank
@@ -34,10 +34,8 @@ import zlib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from modeling import BertForPreTraining, ConfigError, load_hf
 from training.atomic import atomic_write_text, remove_stale_temporaries
 from training.schedule import ScheduleMismatchError
 
@@ -407,56 +405,3 @@ def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
     if failed.is_file():
         raise CheckpointError(failed.read_text())
     return target.name
-
-
-# Fields that make two BERTs the same function of their weights (dropout and init do not).
-_ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pre_layer_norm",
-                 "next_sentence_prediction")
-
-
-def load_module_weights(model: BertForPreTraining, init_dir: Path) -> str:
-    """Phase 2: the weights of `init_dir`'s latest checkpoint, read in place (memory-mapped) into
-    `model` before DeepSpeed wraps it, or those of a Hugging Face BERT directory (config.json and
-    weights: an export of ours, or a published BERT to continue pretraining from). Optimizer state
-    and schedule are not touched."""
-    ckpt_dir = checkpoint_dir(init_dir)
-    if not ckpt_dir.is_dir() and (init_dir / "config.json").is_file():
-        return _load_hf_weights(model, init_dir)
-    found = find_resume(ckpt_dir)
-    if found is None:
-        raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
-                              "the --output_dir of a finished phase-1 run or at a Hugging Face BERT directory")
-    tag, state = found
-    path = ckpt_dir / tag / MODEL_STATES
-    verify_files(ckpt_dir / tag, state, checksum=[MODEL_STATES])
-    try:
-        # Our own file, written by DeepSpeed: it holds non-tensor objects, so weights_only is off.
-        states = torch.load(path, map_location="cpu", mmap=True, weights_only=False)
-        module = states["module"]
-    except LOAD_ERRORS as e:
-        raise CheckpointError(f"{path}: cannot read phase-1 weights ({type(e).__name__}: {e})") from e
-    try:
-        model.load_state_dict({k: v.to(torch.float32) for k, v in module.items()}, strict=True)
-    except RuntimeError as e:
-        raise CheckpointError(f"{path}: the phase-1 weights do not fit --config_file ({e}). Use the phase-1 "
-                              "model config") from e
-    return f"{ckpt_dir / tag}"
-
-
-def _load_hf_weights(model: BertForPreTraining, hf_dir: Path) -> str:
-    from safetensors import SafetensorError
-
-    config_file = hf_dir / "config.json"
-    try:
-        source = load_hf(hf_dir, model.config.pad_vocab_size_multiple)
-    except (ConfigError, OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
-        raise CheckpointError(f"--init_checkpoint {hf_dir}: cannot load it as a Hugging Face BERT "
-                              f"({type(e).__name__}: {e})") from e
-    differ = [f"{k} {getattr(source.config, k)!r} there, {getattr(model.config, k)!r} in --config_file"
-              for k in _ARCHITECTURE if getattr(source.config, k) != getattr(model.config, k)]
-    if differ:
-        raise CheckpointError(f"{config_file}: not the model of --config_file ({'; '.join(differ)}); pass a "
-                              "--config_file with the same architecture")
-    model.load_state_dict(source.state_dict(), strict=True)
-    return f"{hf_dir} (Hugging Face)"

@@ -1,0 +1,174 @@
+"""fp32 master weights: read them from a checkpoint, and give them to a bf16 run that starts.
+
+DeepSpeed's bf16 engine casts the module to bf16 inside `deepspeed.initialize` and builds the
+optimizer's fp32 master weights from that bf16 copy. Left alone, a fresh bf16 run would train from
+its initial weights rounded to bf16, and phase 2 from phase 1's bf16 weights instead of its fp32
+masters. `set_fp32_masters` writes the fp32 values into the masters (each rank its own partition)
+through DeepSpeed's documented `safe_set_full_fp32_param`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from modeling import BertForPreTraining, ConfigError, load_hf
+from training.checkpoint import (
+    LOAD_ERRORS,
+    MODEL_STATES,
+    CheckpointError,
+    checkpoint_dir,
+    find_resume,
+    verify_checksums,
+)
+
+_PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+BF16_PARTITION_PREFIX = "bf16_"  # BF16_Optimizer's files; the ZeRO optimizer's have no prefix
+
+
+def partition_files(tag_dir: Path) -> list[Path]:
+    """Every rank's optimizer partition, in rank order; a gap is an incomplete checkpoint."""
+    files = {int(m.group(1)): p for p in tag_dir.iterdir() if (m := _PARTITION.search(p.name))}
+    if files and sorted(files) != list(range(len(files))):
+        raise CheckpointError(f"{tag_dir}: partitions of ranks {sorted(files)} are present, not 0..{max(files)}; "
+                              "the checkpoint is incomplete")
+    return [files[r] for r in sorted(files)]
+
+
+def merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, torch.Tensor]:
+    """DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16, which zero_to_fp32 does not read): each rank holds
+    a flat fp32 slice of every parameter group and a map name -> (start, numel) of the fragments in it.
+    The files are memory-mapped: of each, only the fp32 slice is read, not the optimizer moments."""
+    pieces: dict[str, list[torch.Tensor]] = {}
+    for path in files:
+        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+        for flat, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+            for name, fragment in mapping.items():
+                pieces.setdefault(name, []).append(flat[fragment.start:fragment.start + fragment.numel])
+    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
+    weights = {}
+    for name, shape in shapes.items():
+        if name not in pieces:
+            raise CheckpointError(f"{files[0].parent}: parameter {name} is in no rank's partition; the "
+                                  "checkpoint is incomplete")
+        flat = torch.cat(pieces.pop(name))
+        if flat.numel() != shape.numel():
+            raise CheckpointError(f"{files[0].parent}: parameter {name} has {flat.numel()} values in the "
+                                  f"partitions but shape {tuple(shape)}; the checkpoint is inconsistent")
+        weights[name] = flat.view(shape)
+    return weights
+
+
+def read_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """The fp32 weights of a checkpoint tag (universal or not) and a description of where they came from:
+    the fp32 masters where the tag has ZeRO partitions, else the module weights."""
+    if (tag_dir / "zero").is_dir():  # universal checkpoint: zero/<param name>/fp32.pt
+        weights = {}
+        for param_dir in sorted(p for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file()):
+            state = torch.load(param_dir / "fp32.pt", map_location="cpu", weights_only=False)
+            weights[param_dir.name] = (state["param"] if isinstance(state, dict) else state).float()
+        if not weights:
+            raise CheckpointError(f"{tag_dir / 'zero'}: no <param>/fp32.pt files; the universal checkpoint is "
+                                  "incomplete")
+        return weights, f"fp32 weights of the universal checkpoint {tag_dir}"
+    if not (tag_dir / MODEL_STATES).is_file():
+        raise CheckpointError(f"{tag_dir}: no {MODEL_STATES}; this is not a DeepSpeed checkpoint tag")
+    model_states = torch.load(tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
+    module = model_states.get("module") if isinstance(model_states, dict) else None
+    if not isinstance(module, dict):
+        raise CheckpointError(f"{tag_dir / MODEL_STATES}: no 'module' weights in it")
+    files = partition_files(tag_dir)
+    if files and files[0].name.startswith(BF16_PARTITION_PREFIX):
+        weights = merge_bf16_partitions(files, model_states)
+        source = f"fp32 master weights merged from {len(files)} ZeRO partition(s) (bf16 optimizer)"
+    elif files:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        source = f"fp32 master weights merged from {len(files)} ZeRO partition(s)"
+    else:
+        dtypes = sorted({str(v.dtype).removeprefix("torch.") for v in module.values()})
+        return {k: v.float() for k, v in module.items()}, f"module weights ({'/'.join(dtypes)}), no ZeRO partitions"
+    # Tied weights and buffers are not optimizer parameters: take them from the module state.
+    for name, value in module.items():
+        if name not in weights:
+            source_name = model_states.get("shared_params", {}).get(name)
+            weights[name] = weights.get(source_name, value)
+    for name, value in module.items():
+        # The module holds the masters rounded to its dtype: anything else is a merge gone wrong.
+        if value.is_floating_point() and not torch.equal(weights[name].to(value.dtype), value):
+            raise CheckpointError(f"{tag_dir}: the fp32 master weights of {name} do not round to the module "
+                                  "weights of the same tag; the checkpoint is inconsistent")
+    return {k: v.float() for k, v in weights.items()}, f"{source} of {tag_dir}"
+
+
+def set_fp32_masters(engine, weights: dict[str, torch.Tensor]) -> None:
+    """Make the fp32 master weights of a bf16 engine `weights` (fp32, by parameter name), on every rank.
+
+    The engine's bf16 parameters must already be `weights` rounded to bf16, as deepspeed.initialize
+    made them: anything else means the values are not the ones the engine was built from."""
+    from deepspeed.utils import safe_set_full_fp32_param
+
+    for name, param in engine.module.named_parameters():
+        value = weights[name]
+        if value.dtype != torch.float32 or value.shape != param.shape:
+            raise ValueError(f"{name}: expected fp32 of shape {tuple(param.shape)}, got {value.dtype} "
+                             f"{tuple(value.shape)}")
+        if not torch.equal(value.to(param.device, param.dtype), param.detach()):
+            raise ValueError(f"{name}: the engine's {param.dtype} weights are not these fp32 weights rounded")
+        safe_set_full_fp32_param(param, value.to(param.device))
+
+
+# Fields that make two BERTs the same function of their weights (dropout and init do not).
+_ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                 "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pre_layer_norm",
+                 "next_sentence_prediction")
+
+
+def load_initial_weights(model: BertForPreTraining, init_dir: Path) -> str:
+    """Phase 2: the fp32 weights of `init_dir`'s latest checkpoint (its fp32 master weights where it has
+    ZeRO partitions), read memory-mapped into `model` before DeepSpeed wraps it, or those of a Hugging
+    Face BERT directory (config.json and weights: an export of ours, or a published BERT to continue
+    pretraining from). Optimizer state and schedule are not touched. Collective for a checkpoint: the
+    ranks share the CRC checks of its files."""
+    ckpt_dir = checkpoint_dir(init_dir)
+    if not ckpt_dir.is_dir() and (init_dir / "config.json").is_file():
+        return _load_hf(model, init_dir)
+    found = find_resume(ckpt_dir)
+    if found is None:
+        raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
+                              "the --output_dir of a finished phase-1 run or at a Hugging Face BERT directory")
+    tag, state = found
+    verify_checksums(ckpt_dir, tag, state)
+    try:
+        weights, _ = read_fp32_weights(ckpt_dir / tag)
+    except CheckpointError:
+        raise
+    except LOAD_ERRORS as e:
+        raise CheckpointError(f"{ckpt_dir / tag}: cannot read phase-1 weights ({type(e).__name__}: {e})") from e
+    try:
+        model.load_state_dict(weights, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"{ckpt_dir / tag}: the phase-1 weights do not fit --config_file ({e}). Use the "
+                              "phase-1 model config") from e
+    return f"{ckpt_dir / tag}"
+
+
+def _load_hf(model: BertForPreTraining, hf_dir: Path) -> str:
+    from safetensors import SafetensorError
+
+    config_file = hf_dir / "config.json"
+    try:
+        source = load_hf(hf_dir, model.config.pad_vocab_size_multiple)
+    except (ConfigError, OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
+        raise CheckpointError(f"--init_checkpoint {hf_dir}: cannot load it as a Hugging Face BERT "
+                              f"({type(e).__name__}: {e})") from e
+    differ = [f"{k} {getattr(source.config, k)!r} there, {getattr(model.config, k)!r} in --config_file"
+              for k in _ARCHITECTURE if getattr(source.config, k) != getattr(model.config, k)]
+    if differ:
+        raise CheckpointError(f"{config_file}: not the model of --config_file ({'; '.join(differ)}); pass a "
+                              "--config_file with the same architecture")
+    model.load_state_dict(source.state_dict(), strict=True)
+    return f"{hf_dir} (Hugging Face)"
