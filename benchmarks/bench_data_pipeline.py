@@ -21,12 +21,13 @@ the reference alternate, `--repeats` times each, and medians are shown (outside 
    `python -m data.prepare` on the sample's pages repeated `--memory_scales` times, as a
    single-stream and as a multistream dump, with the same part size and the same shard size
    (4x the shards for 4x the data);
-4. extraction of the sample repeated `--extract_scale` times, as a single-stream dump and as a
-   Wikimedia-style multistream dump, both read, parsed and cleaned by the workers (by bz2 blocks
-   and by bz2 streams), with 1 and 2 workers; the reference is the single-stream dump read by one
-   process (bz2 and XML), its articles cleaned by the workers, as data.extract still reads plain
-   XML. The text must be identical in all six. Then the serial part of each way, which bounds its
-   rate whatever the workers: the one reader's bz2 and XML parsing, and the scan for block starts.
+4. extraction of the sample repeated `--extract_scale` times, as a single-stream dump, as a
+   Wikimedia-style multistream dump and as plain XML, each read, parsed and cleaned by the workers
+   (by bz2 blocks, bz2 streams and byte ranges), with 1 and 2 workers; the reference is each dump
+   read by one process (bz2 and XML parsing), its articles cleaned by the workers, as data.extract
+   read them before. The text must be identical in all ten. Then the serial part of each way, which
+   bounds its rate whatever the workers: the one reader's bz2 and XML parsing, and the scan for
+   block starts (byte ranges need none).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import bz2
 import collections
 import os
 import random
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -316,18 +318,25 @@ def _ours_after_text(text: Path, vocab: Path, out: Path) -> tuple[int, float, fl
 
 
 def _extract_rates(dump: Path, work: Path, scale: int) -> None:
-    """Extraction of the sample repeated `scale` times: the single-stream dump read by one process (the
-    reference) against the single-stream dump read by blocks and its multistream form read by streams,
-    by 1 and 2 workers."""
+    """Extraction of the sample repeated `scale` times: the single-stream dump and plain XML read by one
+    process (the references) against the single-stream dump read by blocks, its multistream form
+    read by streams and plain XML read by byte ranges, by 1 and 2 workers."""
     single, mb = _repeat_dump(dump, scale, work / f"x{scale}-single.xml.bz2", multistream=False)
     multi, _ = _repeat_dump(dump, scale, work / f"x{scale}-multistream.xml.bz2", multistream=True)
-    print(f"\n4. extraction, the sample x{scale} ({mb:.1f} MB of XML; chunks of 1 MiB of bz2):")
+    plain = work / f"x{scale}-plain.xml"
+    with bz2.open(single) as src, plain.open("wb") as dst:
+        shutil.copyfileobj(src, dst)
+    print(f"\n4. extraction, the sample x{scale} ({mb:.1f} MB of XML; chunks of 1 MiB of the file):")
     runs = [("single-stream, one reader, 1 worker", single, 1, _extract_serial),
             ("single-stream, one reader, 2 workers", single, 2, _extract_serial),
             ("single-stream, by blocks, 1 worker", single, 1, extract),
             ("single-stream, by blocks, 2 workers", single, 2, extract),
             ("multistream, by streams, 1 worker", multi, 1, extract),
-            ("multistream, by streams, 2 workers", multi, 2, extract)]
+            ("multistream, by streams, 2 workers", multi, 2, extract),
+            ("plain XML, one reader, 1 worker", plain, 1, _extract_serial),
+            ("plain XML, one reader, 2 workers", plain, 2, _extract_serial),
+            ("plain XML, by byte ranges, 1 worker", plain, 1, extract),
+            ("plain XML, by byte ranges, 2 workers", plain, 2, extract)]
     texts = []
     for label, path, workers, fn in runs:
         out = work / f"extract-{path.stem}-{workers}-{fn.__name__}"
@@ -339,8 +348,10 @@ def _extract_rates(dump: Path, work: Path, scale: int) -> None:
     # The serial part of each way, which bounds it whatever the workers: the one reader's bz2 and XML
     # parsing, against the scan for block starts (the rest of the block path runs in the workers).
     articles, t_read = _timed(lambda: sum(1 for _ in iter_articles(single)))
+    _, t_parse = _timed(lambda: sum(1 for _ in iter_articles(plain)))
     blocks, t_scan = _timed(block_offsets, single)
     print(f"   serial part, one reader: bz2 + XML parsing {t_read:.2f} s = {mb / t_read:.1f} MB/s of XML")
+    print(f"   serial part, one reader of plain XML: XML parsing {t_parse:.2f} s = {mb / t_parse:.1f} MB/s")
     print(f"   serial part, by blocks: finding the {len(blocks) - 1} blocks {t_scan:.2f} s = "
           f"{single.stat().st_size / 1e6 / t_scan:.0f} MB/s of bz2 = {mb / t_scan:.0f} MB/s of XML")
 

@@ -6,12 +6,13 @@ wikitext is cleaned by wikiextractor 3.1.0 used as a library (`Extractor.clean_t
 tables, references, file links, lists and markup are dropped; section headings are dropped too.
 
 Output: `<output_dir>/part-NNNNN.txt`, `articles_per_part` articles each, one paragraph per line
-and a blank line after each article. A bz2 dump is cut into chunks of whole bz2 units that the
-workers decompress, parse and clean in parallel: the streams of a multistream dump
-(`*-multistream.xml.bz2`, the form data.download fetches), or the blocks of a single-stream one
-(`data/multistream.py`). Plain XML is read by one process and its parts are cleaned in parallel
-worker processes. At most `2 * workers` parts or chunks are in flight, so memory stays bounded
-whatever the dump size; every form of a dump gives the same parts.
+and a blank line after each article. A dump is cut into chunks of whole units that the workers
+read, parse and clean in parallel (`data/multistream.py`): the streams of a multistream dump
+(`*-multistream.xml.bz2`, the form data.download fetches), the blocks of a single-stream one, or
+byte ranges of plain XML. Only a bz2 dump of a single block (under 900 kB of XML) is read by one
+process, whose parts are cleaned in parallel worker processes. At most `2 * workers` parts or
+chunks are in flight, so memory stays bounded whatever the dump size; every form of a dump gives
+the same parts.
 
     python -m data.extract --input enwiki-20261101-pages-articles.xml.bz2 --output_dir text/extracted
 """
@@ -49,7 +50,7 @@ class ExtractConfig:
     output_dir: Path
     workers: int = 1
     articles_per_part: int = 2000
-    # bz2 dumps: compressed bytes one worker task reads (about 4.5x that of XML). Parts do
+    # Bytes of the file one worker task reads (of a bz2 dump, about 4.5x that of XML). Parts do
     # not depend on it; it only sets the parallel grain.
     chunk_bytes: int = 4 << 20
 
@@ -125,19 +126,24 @@ def _require_file(path: Path) -> None:
         raise PipelineError(f"{path}: {what}; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input")
 
 
-def _open_dump(path: Path):
-    """Open a dump for binary reading, checking that it looks like one."""
+def _dump_form(path: Path) -> str:
+    """"bz2" or "xml", from the first bytes; anything else is refused."""
     _require_file(path)
     with path.open("rb") as f:
         head = f.read(3)
     if head == b"BZh":
-        return _Prefetcher(bz2.open(path, "rb"))
+        return "bz2"
     if head[:1] in (b"<", b"\xef", b" ", b"\n", b"\r", b"\t"):
-        return path.open("rb")
+        return "xml"
     raise PipelineError(
         f"{path} is not a MediaWiki XML dump: it is neither bz2-compressed nor XML "
         "(expected e.g. enwiki-<date>-pages-articles.xml.bz2)"
     )
+
+
+def _open_dump(path: Path):
+    """Open a dump for binary reading, checking that it looks like one."""
+    return _Prefetcher(bz2.open(path, "rb")) if _dump_form(path) == "bz2" else path.open("rb")
 
 
 def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
@@ -302,7 +308,7 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
     if done is not None:
         return ExtractResult(**done)
     start = time.perf_counter()
-    layout = _bz2_units(cfg.input)
+    layout = _units(cfg.input)
     if layout is not None:
         articles, parts, text_bytes = _extract_chunks(cfg, *layout)
     else:
@@ -315,8 +321,8 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
 
 
 def _extract_serial(cfg: ExtractConfig) -> tuple[int, int, int]:
-    """One reader parses the dump (plain XML, or a bz2 dump of a single block); workers clean batches
-    of articles into parts. Returns (documents, parts, text bytes)."""
+    """One reader parses the dump (a bz2 dump of a single block; the benchmark's reference for any
+    dump); workers clean batches of articles into parts. Returns (documents, parts, text bytes)."""
 
     def batches() -> Iterator[tuple[Path, list[tuple[str, str]]] | Path]:
         batch: list[tuple[str, str]] = []
@@ -348,40 +354,63 @@ def _part_or_count(task: tuple[Path, list[tuple[str, str]]] | Path) -> tuple[int
     return _count_part(task) if isinstance(task, Path) else _write_part(task)
 
 
-# ----------------------------------------------------------------------------- bz2 dumps, in parallel
+# ----------------------------------------------------------------------------- dumps read in parallel
 
 CHUNK_RECORD = "_chunk_articles.json"
 
 
-def _bz2_units(path: Path) -> tuple[list[int], int | None] | None:
-    """The units a bz2 dump is read in parallel by, checked to hold MediaWiki XML: (byte offsets of
-    its streams, None) for a multistream dump, (bit offsets of its blocks, the block-size digit)
-    for a single-stream dump of several blocks; None for plain XML and a dump of one block."""
-    with path.open("rb") as f:
-        if f.read(3) != b"BZh":
-            return None
-    size = path.stat().st_size
-    with tqdm(desc="find bz2 streams", total=size, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
-        offsets = multistream.stream_offsets(path, bar.update)
-    level = None
-    if len(offsets) <= 2:
-        level = multistream.stream_level(path)
-        with tqdm(desc="find bz2 blocks", total=size, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
-            offsets = multistream.block_offsets(path, bar.update)
+def _units(path: Path) -> tuple[list[int], int | None] | None:
+    """The units a dump is read in parallel by, checked to hold MediaWiki XML, as (offsets, level)
+    (`data/multistream.py`): the streams of a multistream dump, the blocks of a single-stream one,
+    byte ranges of plain XML. None for a bz2 dump of one block, read by one process."""
+    if _dump_form(path) == "xml":
+        offsets, level = multistream.plain_offsets(path.stat().st_size), multistream.PLAIN_XML
+        _check_plain_xml(path)
+    else:
+        offsets, level = _bz2_units(path)
         if len(offsets) <= 2:
             return None
-    unit = "stream" if level is None else "block"
+    unit = multistream.unit_name(level)
     with path.open("rb") as f:
         head = multistream.decompress_units(f, offsets, 0, 1, level, path)[:1 << 16]
     if b"<mediawiki" not in head:
-        raise PipelineError(f"{path} is not a MediaWiki XML dump: its first bz2 {unit} does not open <mediawiki>")
+        raise PipelineError(f"{path} is not a MediaWiki XML dump: its first {unit} does not open <mediawiki>")
     # A multistream file cut at a stream boundary decompresses without error: only the closing tag tells.
     if not multistream.tail_xml(path, offsets, level=level).rstrip().endswith(b"</mediawiki>"):
         raise PipelineError(
-            f"{path} is truncated: its last bz2 {unit} does not end with </mediawiki>, so {unit}s (and the pages in "
-            "them) are missing. Download it again (python -m data.download resumes and checks the checksum)."
+            f"{path} is truncated: its last {unit} does not end with </mediawiki>, so the pages after it are "
+            "missing. Download it again (python -m data.download resumes and checks the checksum)."
         )
     return offsets, level
+
+
+def _bz2_units(path: Path) -> tuple[list[int], int | None]:
+    """Byte offsets of the streams of a multistream dump (level None), else bit offsets of the blocks
+    of its single stream (level: the block-size digit)."""
+    size = path.stat().st_size
+    with tqdm(desc="find bz2 streams", total=size, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
+        offsets = multistream.stream_offsets(path, bar.update)
+    if len(offsets) > 2:
+        return offsets, None
+    level = multistream.stream_level(path)
+    with tqdm(desc="find bz2 blocks", total=size, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
+        return multistream.block_offsets(path, bar.update), level
+
+
+_ROOT_TAG = re.compile(rb"<([A-Za-z_][\w.:-]*)")  # the first element's name, after <?xml ...?> and comments
+
+
+def _check_plain_xml(path: Path) -> None:
+    """Plain XML must open with <mediawiki>: the errors the serial parser gives, before any worker starts."""
+    with path.open("rb") as f:
+        head = f.read(1 << 16)
+    match = _ROOT_TAG.search(re.sub(rb"<!--.*?-->|<\?.*?\?>", b"", head, flags=re.S))
+    if not head.strip():
+        raise PipelineError(f"{path} is empty: no XML in it")
+    if match is None or match[1].rsplit(b":", 1)[-1] != b"mediawiki":
+        name = match[1].decode("utf-8", "replace") if match else "?"
+        raise PipelineError(f"{path} is XML but not a MediaWiki dump: its root element is <{name}>, expected "
+                            "<mediawiki>")
 
 
 @dataclass(frozen=True)
@@ -389,7 +418,7 @@ class _Chunk:
     path: Path
     offsets: tuple[int, ...]  # its units' starts, then up to MAX_LOOKAHEAD_STREAMS more, then their end
     own: int  # how many of those units are its own
-    level: int | None  # None: units are streams at byte offsets; else blocks at bit offsets, of this size digit
+    level: int | None  # the units' layout (data/multistream.py): bz2 streams, bz2 blocks or plain XML
 
 
 def _clean_chunk(chunk: _Chunk) -> list[str]:
@@ -400,8 +429,8 @@ def _clean_chunk(chunk: _Chunk) -> list[str]:
             article = _article(ET.fromstring(page))
         except ET.ParseError as exc:
             start = chunk.offsets[0] // multistream.unit_bits(chunk.level)
-            raise PipelineError(f"{chunk.path}: a page in the bz2 units from byte {start} is not well-formed XML "
-                                f"({exc}); the file is damaged or truncated") from exc
+            raise PipelineError(f"{chunk.path}: a page in the {multistream.unit_name(chunk.level)}s from byte {start} "
+                                f"is not well-formed XML ({exc}); the file is damaged or truncated") from exc
         if article is not None:
             docs.append(_document(*article))
     return docs
@@ -447,7 +476,7 @@ class _PartWriter:
 
 
 def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -> tuple[int, int, int]:
-    """Workers decompress, parse and clean runs of bz2 units (`_bz2_units`); the articles are cut into parts
+    """Workers read, parse and clean runs of units (`_units`); the articles are cut into parts
     in order.
 
     Resuming: `_chunk_articles.json` records how many articles each chunk held; a chunk whose

@@ -1,4 +1,4 @@
-"""Reading a bz2 dump in parallel: where its units start, and the pages of a run of them.
+"""Reading a dump in parallel: where its units start, and the pages of a run of them.
 
 Wikimedia publishes every dump also as `<wiki>-<date>-pages-articles-multistream.xml.bz2`: the same
 XML compressed as many independent bz2 streams (100 pages each). Each stream decompresses on its
@@ -11,8 +11,15 @@ at a byte, and only the stream has a header, so `block_offsets` finds them by th
 number and `decompress_block` gives each a header and an end-of-stream marker of its own: a single-
 stream dump is read in parallel too, block by block.
 
-One rule covers every layout: a chunk of units (streams or blocks) owns the pages whose `<page>`
-tag starts inside it, and reads on into the following units to finish its last page.
+A plain (decompressed) XML dump, as NVIDIA's and Habana's scripts leave it, is read by byte ranges
+(`plain_offsets`).
+
+One rule covers every layout: a chunk of units (streams, blocks or byte ranges) owns the pages
+whose `<page>` tag starts inside it, and reads on into the following units to finish its last page.
+A `<page>` tag never occurs inside a page's text, where XML escapes "<" as "&lt;".
+
+`level` names the layout of a run of offsets: None for bz2 streams at byte offsets, the stream's
+block-size digit (1-9) for bz2 blocks at bit offsets, PLAIN_XML for byte ranges of plain XML.
 """
 
 from __future__ import annotations
@@ -200,15 +207,37 @@ def decompress_block(f, start: int, end: int, level: int, path: Path) -> bytes:
         ) from exc
 
 
+# ----------------------------------------------------------------------------- plain XML
+PLAIN_XML = 0  # the `level` of byte ranges of an uncompressed file (bz2 levels are 1-9)
+PLAIN_UNIT_BYTES = 1 << 18  # fine enough to balance workers; MAX_LOOKAHEAD_STREAMS of them are 16 MiB
+
+
+def plain_offsets(size: int, unit_bytes: int = PLAIN_UNIT_BYTES) -> list[int]:
+    """Byte ranges of `unit_bytes` that a plain XML file of `size` bytes is read by: their starts, then `size`."""
+    return list(range(0, size, unit_bytes)) + [size]
+
+
 def unit_bits(level: int | None) -> int:
-    """How many offset units make a byte: stream offsets count bytes (level None), block offsets bits."""
-    return 1 if level is None else 8
+    """How many offset units make a byte: stream and plain offsets count bytes, block offsets bits."""
+    return 1 if level is None or level == PLAIN_XML else 8
+
+
+def unit_name(level: int | None) -> str:
+    return "bz2 stream" if level is None else "byte range" if level == PLAIN_XML else "bz2 block"
 
 
 def decompress_units(f, offsets: Sequence[int], first: int, end: int, level: int | None, path: Path) -> bytes:
-    """The XML of units first..end-1: streams at byte `offsets` (level None), or blocks at bit offsets."""
+    """The XML of units first..end-1: streams at byte `offsets` (level None), blocks at bit offsets, or byte
+    ranges of plain XML (PLAIN_XML)."""
     if level is None:
         return decompress_range(f, offsets[first], offsets[end], path)
+    if level == PLAIN_XML:
+        f.seek(offsets[first])
+        data = f.read(offsets[end] - offsets[first])
+        if len(data) != offsets[end] - offsets[first]:
+            raise PipelineError(f"{path} ends before byte {offsets[end]}, where it went on when extraction began: "
+                                "it changed since; extract it again")
+        return data
     return b"".join(decompress_block(f, offsets[k], offsets[k + 1], level, path) for k in range(first, end))
 
 
@@ -255,8 +284,7 @@ def chunk_pages(path: Path, offsets: tuple[int, ...], own: int, level: int | Non
     """The `<page>...</page>` elements whose start tag lies in units offsets[0:own].
 
     `offsets` holds the start of each unit of the chunk, then of up to MAX_LOOKAHEAD_STREAMS
-    following units, then the end of the last one. Units are streams at byte offsets, or with
-    `level` (the stream's block-size digit) the blocks of a single stream at bit offsets.
+    following units, then the end of the last one, in the layout `level` names (module docstring).
     """
     n = len(offsets) - 1
     with path.open("rb") as f:
@@ -279,7 +307,7 @@ def chunk_pages(path: Path, offsets: tuple[int, ...], own: int, level: int | Non
             while end == -1:
                 if not read_on():
                     raise PipelineError(
-                        f"{path}: the page starting in the bz2 {'stream' if level is None else 'block'} at byte "
+                        f"{path}: the page starting in the {unit_name(level)} at byte "
                         f"{offsets[0] // unit_bits(level)} does not end within "
                         f"{MAX_LOOKAHEAD_STREAMS} further units; the dump is truncated or not MediaWiki XML"
                     )

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from data import multistream
-from data.extract import CHUNK_RECORD, ExtractConfig, extract, list_parts
+from data.extract import CHUNK_RECORD, ExtractConfig, _extract_serial, extract, list_parts
 from data.stage import PipelineError
 
 
@@ -32,12 +32,19 @@ def cut_at_multistream(xml: bytes, out: Path, cuts: list[int]) -> Path:
 
 @pytest.fixture(scope="module")
 def serial_text(sample_dump, tmp_path_factory) -> Path:
-    """The sample's plain XML, read by one process (the serial path)."""
-    work = tmp_path_factory.mktemp("serial")
-    xml = work / "sample.xml"
-    xml.write_bytes(_xml(sample_dump))
-    extract(ExtractConfig(xml, work / "extracted", workers=1, articles_per_part=40))
-    return work / "extracted"
+    """The reference: the sample read by one process with a streaming XML parser (the serial reader)."""
+    out = tmp_path_factory.mktemp("serial") / "extracted"
+    out.mkdir()
+    _extract_serial(ExtractConfig(sample_dump, out, workers=1, articles_per_part=40))
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain_sample(sample_dump, tmp_path_factory) -> Path:
+    """The sample decompressed, as NVIDIA's and Habana's scripts leave a dump."""
+    path = tmp_path_factory.mktemp("plain") / "enwiki-sample-pages-articles.xml"
+    path.write_bytes(_xml(sample_dump))
+    return path
 
 
 def _parts(directory: Path) -> list[bytes]:
@@ -221,3 +228,62 @@ def test_single_stream_resume_reads_only_the_blocks_of_missing_parts(sample_dump
     assert _parts(out) == _parts(serial_text)
     offsets = multistream.block_offsets(sample_dump)
     assert read and set(read) < set(offsets[1:-1])  # blocks, not all of them, never the first
+
+
+# ----------------------------------------------------------------------------- plain XML, by byte ranges
+@pytest.mark.parametrize("unit_bytes, chunk_bytes", [(16_384, 1), (65_536, 300_000), (1 << 20, 1 << 20)])
+def test_byte_ranges_own_each_page_once(plain_sample, unit_bytes, chunk_bytes):
+    """Ranges cut pages anywhere (tags included); each page comes whole from the chunk its <page> starts in."""
+    xml = plain_sample.read_bytes()
+    offsets = multistream.plain_offsets(len(xml), unit_bytes)
+    assert offsets[0] == 0 and offsets[-1] == len(xml) and len(offsets) == -(-len(xml) // unit_bytes) + 1
+    pages = []
+    for first, end in multistream.chunk_bounds(offsets, chunk_bytes):
+        stop = min(end + multistream.MAX_LOOKAHEAD_STREAMS, len(offsets) - 1)
+        pages += multistream.chunk_pages(plain_sample, tuple(offsets[first:stop + 1]), end - first,
+                                         multistream.PLAIN_XML)
+    expected = [page.strip() for page in multistream.split_pages(xml)[1]]
+    assert pages == expected and len(pages) == 206
+
+
+@pytest.mark.parametrize("workers, chunk_bytes, chunks", [(1, 1, 24), (2, 300_000, 12), (2, 4 << 20, 4)])
+def test_plain_xml_read_by_byte_ranges_gives_the_serial_text(plain_sample, serial_text, tmp_path, workers,
+                                                             chunk_bytes, chunks):
+    out = tmp_path / "extracted"
+    result = extract(ExtractConfig(plain_sample, out, workers=workers, articles_per_part=40, chunk_bytes=chunk_bytes))
+    assert _parts(out) == _parts(serial_text) and (result.articles, result.parts) == (105, 3)
+    counts = json.loads((out / CHUNK_RECORD).read_text())["articles"]
+    # 6.1 MB in 24 ranges of 256 KiB: a chunk per range, chunks of 2 ranges, or 2 chunks per worker
+    assert sum(counts) == 106 and len(counts) == chunks
+
+
+def test_plain_xml_resume_reads_only_the_ranges_of_missing_parts(plain_sample, serial_text, tmp_path, monkeypatch):
+    out = tmp_path / "extracted"
+    cfg = ExtractConfig(plain_sample, out, workers=1, articles_per_part=40, chunk_bytes=1)  # a chunk per range
+    extract(cfg)
+    read = _rerun_without_the_last_part(cfg, monkeypatch)
+    assert _parts(out) == _parts(serial_text)
+    offsets = multistream.plain_offsets(plain_sample.stat().st_size)
+    assert read and set(read) < set(offsets[1:-1])
+
+
+def test_damaged_or_truncated_plain_xml_is_named(plain_sample, tmp_path):
+    xml = plain_sample.read_bytes()
+    truncated = tmp_path / "truncated.xml"
+    truncated.write_bytes(xml[:4_000_000])
+    with pytest.raises(PipelineError, match=f"{re.escape(str(truncated))} is truncated: its last byte range does not "
+                                            "end with </mediawiki>"):
+        extract(ExtractConfig(truncated, tmp_path / "a", workers=2))
+    assert list_parts(tmp_path / "a") == []
+    damaged = tmp_path / "damaged.xml"
+    cut = xml.index(b"</title>", 3_000_000)
+    damaged.write_bytes(xml[:cut] + xml[cut + 3:])
+    with pytest.raises(PipelineError, match=rf"{re.escape(str(damaged))}: a page in the byte ranges from byte \d+ is "
+                                            "not well-formed XML .*damaged or truncated"):
+        extract(ExtractConfig(damaged, tmp_path / "b", workers=2))
+    assert not (tmp_path / "b" / "_COMPLETE.json").exists()
+    commented = tmp_path / "commented.xml"
+    commented.write_bytes(b'<?xml version="1.0"?>\n<!-- <mediawiki> -->\n<feed>' + xml[xml.index(b"<siteinfo>"):])
+    with pytest.raises(PipelineError, match="XML but not a MediaWiki dump: its root element is <feed>"):
+        extract(ExtractConfig(commented, tmp_path / "c"))
+
