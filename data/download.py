@@ -21,6 +21,7 @@ import fcntl
 import glob
 import hashlib
 import http.client
+import os
 import re
 import time
 import urllib.error
@@ -344,15 +345,26 @@ def _verify(cfg: DownloadConfig, part: Path, algorithm: str, expected: str) -> N
 @contextlib.contextmanager
 def _exclusive(lock_path: Path, what: str) -> Iterator[None]:
     """Hold an exclusive lock on `lock_path` (removed afterwards), or fail at once naming `what` runs."""
-    with lock_path.open("w") as lock:
+    while True:
+        lock = lock_path.open("w")
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
+            lock.close()
             raise PipelineError(f"{what} is running; wait for it to finish or stop it") from exc
         try:
-            yield
-        finally:
-            lock_path.unlink(missing_ok=True)
+            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break
+        except FileNotFoundError:
+            pass
+        # The holder removed the file between our open and our lock: a newcomer may already hold
+        # a lock on the new file at that path, so lock that one.
+        lock.close()
+    try:
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)  # before the lock is released: see the check above
+        lock.close()
 
 
 def main(argv: list[str] | None = None) -> None:
