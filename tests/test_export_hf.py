@@ -18,6 +18,7 @@ from modeling import BertConfig, BertForPreTraining
 from scripts.export_hf import ExportError, export, locate, read_weights
 from tests.conftest import free_port
 from tests.test_launch import shared_two_node_run
+from training.weights import read_fp32_weights
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -122,6 +123,11 @@ def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tm
     _, source = export(run, tmp_path / "hf_zero")
     assert "merged from 1 ZeRO partition(s)" in source and "bf16" not in source
     tag_dir = locate(run).tag_dir
+    # Phase 2 takes such a tag's fp32 module weights without reading its partitions: they equal the masters.
+    masters, _ = read_weights(locate(run))
+    module, module_source = read_fp32_weights(tag_dir, fp32_module_suffices=True)
+    assert module_source.startswith("module weights (float32)") and set(module) == set(masters)
+    assert all(torch.equal(module[name], masters[name]) for name in masters)
     plain = tmp_path / "plain" / "checkpoints" / tag_dir.name
     plain.mkdir(parents=True)
     shutil.copy(tag_dir / "mp_rank_00_model_states.pt", plain)

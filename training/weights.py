@@ -1,4 +1,5 @@
-"""fp32 master weights: read them from a checkpoint, and give them to a bf16 run that starts.
+"""The weights a run starts from, and fp32 master weights: read from a checkpoint (phase 2, export),
+from a Hugging Face BERT (phase 2), and given to a bf16 engine that starts.
 
 DeepSpeed's bf16 engine casts the module to bf16 inside `deepspeed.initialize` and builds the
 optimizer's fp32 master weights from that bf16 copy. Left alone, a fresh bf16 run would train from
@@ -61,9 +62,11 @@ def merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, to
     return weights
 
 
-def read_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
+def read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool = False) -> tuple[dict[str, torch.Tensor], str]:
     """The fp32 weights of a checkpoint tag (universal or not) and a description of where they came from:
-    the fp32 masters where the tag has ZeRO partitions, else the module weights."""
+    the fp32 masters where the tag has ZeRO partitions, else the module weights. With
+    `fp32_module_suffices`, fp32 module weights are taken as they are: ZeRO-1/2 without bf16 keeps them
+    equal to its masters, and zero_to_fp32 would read every partition whole, optimizer moments included."""
     if (tag_dir / "zero").is_dir():  # universal checkpoint: zero/<param name>/fp32.pt
         weights = {}
         for param_dir in sorted(p for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file()):
@@ -80,6 +83,8 @@ def read_fp32_weights(tag_dir: Path) -> tuple[dict[str, torch.Tensor], str]:
     if not isinstance(module, dict):
         raise CheckpointError(f"{tag_dir / MODEL_STATES}: no 'module' weights in it")
     files = partition_files(tag_dir)
+    if fp32_module_suffices and all(v.dtype == torch.float32 for v in module.values() if v.is_floating_point()):
+        files = []
     if files and files[0].name.startswith(BF16_PARTITION_PREFIX):
         weights = merge_bf16_partitions(files, model_states)
         source = f"fp32 master weights merged from {len(files)} ZeRO partition(s) (bf16 optimizer)"
@@ -128,8 +133,8 @@ _ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
 
 
 def load_initial_weights(model: BertForPreTraining, init_dir: Path) -> str:
-    """Phase 2: the fp32 weights of `init_dir`'s latest checkpoint (its fp32 master weights where it has
-    ZeRO partitions), read memory-mapped into `model` before DeepSpeed wraps it, or those of a Hugging
+    """Phase 2: the fp32 weights of `init_dir`'s latest checkpoint (its fp32 master weights, merged from
+    its partitions after a bf16 run), read memory-mapped into `model` before DeepSpeed wraps it, or those of a Hugging
     Face BERT directory (config.json and weights: an export of ours, or a published BERT to continue
     pretraining from). Optimizer state and schedule are not touched. Collective for a checkpoint: the
     ranks share the CRC checks of its files."""
@@ -143,7 +148,7 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path) -> str:
     tag, state = found
     verify_checksums(ckpt_dir, tag, state)
     try:
-        weights, _ = read_fp32_weights(ckpt_dir / tag)
+        weights, _ = read_fp32_weights(ckpt_dir / tag, fp32_module_suffices=True)
     except CheckpointError:
         raise
     except LOAD_ERRORS as e:
