@@ -430,6 +430,22 @@ def _worker(out_path: str, ckpt_dir: str) -> None:
             results[f"{label}_error"] = None
         except error_type as error:
             results[f"{label}_error"] = str(error)
+
+    # training/weights.set_fp32_masters on partitions that cut tensors: the fp32 weights the engine was
+    # built from become its masters; weights the bf16 parameters are not a rounding of are refused.
+    from training.weights import set_fp32_masters
+
+    fp32 = {n: p.detach().clone() for n, p in make_model(0).named_parameters()}
+    engine = _engine(1, True, "lamb")
+    results["masters"] = {"fp32": fp32, "before": _fp32_params(engine), "straddlers": _straddlers(engine)}
+    set_fp32_masters(engine, fp32)
+    results["masters"]["after"] = _fp32_params(engine)
+    try:
+        set_fp32_masters(engine, {n: v * 1.01 + 1e-3 for n, v in fp32.items()})
+        results["masters"]["error"] = None
+    except ValueError as error:
+        results["masters"]["error"] = str(error)
+    engine.destroy()
     torch.save(results, f"{out_path}.rank{dist.get_rank()}")
 
 
@@ -493,6 +509,16 @@ def test_zero_partitions_match_unpartitioned_reference(two_rank_results, name):
     ref = run_reference(kind, STEPS, world=2, clip=CLIP)
     assert max_abs_diff(rank0[name]["params"], ref) < 1e-6
     assert max_abs_diff(rank1[name]["params"], ref) < 1e-6
+
+
+@pytest.mark.slow
+def test_fp32_masters_are_set_from_fp32_weights_across_partitions(two_rank_results):
+    rank0, rank1 = (rank["masters"] for rank in two_rank_results)
+    assert rank0["straddlers"] + rank1["straddlers"] >= 2
+    for rank in (rank0, rank1):
+        assert max_abs_diff(rank["before"], rank["fp32"]) > 1e-5  # DeepSpeed's masters: the weights rounded to bf16
+        assert max_abs_diff(rank["after"], rank["fp32"]) == 0
+        assert rank["error"] is not None and rank["error"].endswith("are not these fp32 weights rounded")
 
 
 @pytest.mark.slow
