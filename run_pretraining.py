@@ -449,7 +449,11 @@ def train(args: argparse.Namespace) -> dict:
                              f"--seed {args.seed} would change the data order. Pass --seed {resume[1].seed}")
     if resume is not None:
         check_resume_identity(ckpt_dir / resume[0], resume[1].identity, identity, args.input_dir)
-    if resume is not None and resume[1].world_size != world:
+    # A finished run's rerun trains nothing: on another world size it needs the weights (for a
+    # missing final evaluation), not the optimizer partitions, so no universal conversion.
+    finished = resume is not None and resume[1].step >= args.max_steps
+    module_only = finished and resume[1].world_size != world
+    if resume is not None and resume[1].world_size != world and not finished:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
@@ -479,11 +483,11 @@ def train(args: argparse.Namespace) -> dict:
     if resume is not None:
         tag, state = resume
         checkpoint.verify_checksums(ckpt_dir, tag, state)
-        if state.world_size != world:
+        if state.world_size != world and not module_only:
             tag = checkpoint.universal_tag(ckpt_dir, tag)
-        checkpoint.load(engine, ckpt_dir, tag)
+        checkpoint.load(engine, ckpt_dir, tag, module_only=module_only)
         step, consumed, skipped = state.step, state.consumed_samples, state.skipped_batches
-        if scheduler.step_count != step:
+        if not module_only and scheduler.step_count != step:
             raise CheckpointError(f"{ckpt_dir / tag}: lr schedule is at step {scheduler.step_count} but the run "
                                   f"state says {step}; the checkpoint is inconsistent")
     if rank == 0:

@@ -227,6 +227,29 @@ def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) 
 
 
 @pytest.mark.slow
+def test_a_finished_run_rerun_on_another_world_size_is_not_converted(bf16_run, phase1_shards, no_dropout_model,
+                                                                      bf16_ds, tmp_path):
+    """It trains nothing, so it reads only the module weights (for a final evaluation that went missing):
+    no universal copy of the last checkpoint, which would take minutes and a tag's size on disk."""
+    out = tmp_path / "finished"
+    shutil.copytree(bf16_run, out)
+    evaluations = (out / "eval.jsonl").read_text().splitlines()
+    final = json.loads(evaluations[-1])
+    assert final["step"] == BF16_STEPS
+    (out / "eval.jsonl").write_text("".join(line + "\n" for line in evaluations[:-1]))  # as if killed before it
+    metrics = (out / "metrics.jsonl").read_bytes()
+    result = ok(run(1, bf16_args(phase1_shards, out, no_dropout_model, bf16_ds)))
+    assert f"done: step {BF16_STEPS} of {BF16_STEPS}" in result.stderr
+    assert not list((out / "checkpoints").glob("*_universal"))
+    assert (out / "metrics.jsonl").read_bytes() == metrics
+    again = records(out, "eval.jsonl")[BF16_STEPS]
+    # the same weights and samples on 1 rank instead of 2: only the order of the sums differs
+    for key in ("loss", "mlm_loss", "nsp_loss", "mlm_accuracy"):
+        assert again[key] == pytest.approx(final[key], rel=1e-3), key
+    assert again["samples"] == final["samples"] == 32
+
+
+@pytest.mark.slow
 def test_bf16_runs_start_from_fp32_master_weights(bf16_run, phase1_shards, no_dropout_model, bf16_ds, tmp_path):
     """DeepSpeed builds a bf16 run's fp32 master weights from the module cast to bf16; the run puts the
     fp32 values back: a fresh run's initial weights, and phase 1's fp32 masters in phase 2. With a

@@ -345,10 +345,11 @@ def verify_checksums(ckpt_dir: Path, tag: str, state: RunState) -> None:
 LOAD_ERRORS = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError, ValueError)
 
 
-def load(engine, ckpt_dir: Path, tag: str) -> None:
-    """Restore module, optimizer partitions and lr schedule of `tag` into the engine."""
+def load(engine, ckpt_dir: Path, tag: str, module_only: bool = False) -> None:
+    """Restore module, optimizer partitions and lr schedule of `tag` into the engine (only the module
+    with `module_only`, which any world size can read)."""
     try:
-        path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag)
+        path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_only=module_only)
     except ScheduleMismatchError:
         raise  # flags that differ from the checkpoint's: its message names them; the files are fine
     except LOAD_ERRORS as e:
