@@ -450,8 +450,9 @@ def train(args: argparse.Namespace) -> dict:
     if resume is not None:
         check_resume_identity(ckpt_dir / resume[0], resume[1].identity, identity, args.input_dir)
     # A finished run's rerun trains nothing: on another world size it needs the weights (for a
-    # missing final evaluation), not the optimizer partitions, so no universal conversion.
-    finished = resume is not None and resume[1].step >= args.max_steps
+    # missing final evaluation), not the optimizer partitions, so no universal conversion. (A
+    # --max_steps below the checkpoint's step takes the full load, whose schedule check refuses it.)
+    finished = resume is not None and resume[1].step == args.max_steps
     module_only = finished and resume[1].world_size != world
     if resume is not None and resume[1].world_size != world and not finished:
         ds_config.setdefault("checkpoint", {})["load_universal"] = True
