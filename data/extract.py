@@ -364,17 +364,18 @@ def _units(path: Path) -> tuple[list[int], int | None] | None:
     (`data/multistream.py`): the streams of a multistream dump, the blocks of a single-stream one,
     byte ranges of plain XML. None for a bz2 dump of one block, read by one process."""
     if _dump_form(path) == "xml":
-        offsets, level = multistream.plain_offsets(path.stat().st_size), multistream.PLAIN_XML
         _check_plain_xml(path)
+        offsets, level = multistream.plain_offsets(path.stat().st_size), multistream.PLAIN_XML
     else:
         offsets, level = _bz2_units(path)
         if len(offsets) <= 2:
             return None
+        with path.open("rb") as f:
+            head = multistream.decompress_units(f, offsets, 0, 1, level, path)[:1 << 16]
+        if b"<mediawiki" not in head:
+            raise PipelineError(f"{path} is not a MediaWiki XML dump: its first {multistream.unit_name(level)} "
+                                "does not open <mediawiki>")
     unit = multistream.unit_name(level)
-    with path.open("rb") as f:
-        head = multistream.decompress_units(f, offsets, 0, 1, level, path)[:1 << 16]
-    if b"<mediawiki" not in head:
-        raise PipelineError(f"{path} is not a MediaWiki XML dump: its first {unit} does not open <mediawiki>")
     # A multistream file cut at a stream boundary decompresses without error: only the closing tag tells.
     if not multistream.tail_xml(path, offsets, level=level).rstrip().endswith(b"</mediawiki>"):
         raise PipelineError(

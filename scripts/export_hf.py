@@ -27,7 +27,6 @@ from data.cli import HelpFormatter
 from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
 from training.checkpoint import (
     CHECKPOINTS,
-    LOAD_ERRORS,
     MODEL_STATES,
     RUN_STATE,
     UNIVERSAL_SUFFIX,
@@ -88,7 +87,7 @@ def read_weights(loc: CheckpointLocation) -> tuple[dict[str, torch.Tensor], str]
     try:
         return read_fp32_weights(loc.tag_dir)
     except CheckpointError as e:
-        raise ExportError(str(e)) from e
+        raise ExportError(f"{e}; export another tag with --tag") from e
 
 
 def check_complete(loc: CheckpointLocation) -> None:
@@ -122,13 +121,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
     except ConfigError as e:
         raise ExportError(str(e)) from e
     check_complete(loc)
-    try:
-        weights, source = read_weights(loc)
-    except ExportError:
-        raise
-    except LOAD_ERRORS as e:
-        raise ExportError(f"{loc.tag_dir}: cannot read the checkpoint ({type(e).__name__}: {e}); it is damaged. "
-                          f"Export another tag with --tag") from e
+    weights, source = read_weights(loc)
     model = BertForPreTraining(config)
     try:
         model.load_state_dict(weights, strict=True)

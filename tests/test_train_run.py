@@ -295,6 +295,9 @@ def test_masters_that_do_not_round_to_the_module_weights_are_refused(bf16_run, t
     with pytest.raises(CheckpointError, match=rf"step00000016: the fp32 master weights of {name} do not round to "
                                               "the module weights of the same tag; the checkpoint is inconsistent"):
         read_fp32_weights(tag)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"overwritten")
+    with pytest.raises(CheckpointError, match=r"step00000016: cannot read the checkpoint \(.*\); it is damaged"):
+        read_fp32_weights(tag)
 
 
 @pytest.mark.slow

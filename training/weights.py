@@ -26,10 +26,10 @@ from training.checkpoint import (
 )
 
 _PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
-BF16_PARTITION_PREFIX = "bf16_"  # BF16_Optimizer's files; the ZeRO optimizer's have no prefix
+_BF16_PARTITION_PREFIX = "bf16_"  # BF16_Optimizer's files; the ZeRO optimizer's have no prefix
 
 
-def partition_files(tag_dir: Path) -> list[Path]:
+def _partition_files(tag_dir: Path) -> list[Path]:
     """Every rank's optimizer partition, in rank order; a gap is an incomplete checkpoint."""
     files = {int(m.group(1)): p for p in tag_dir.iterdir() if (m := _PARTITION.search(p.name))}
     if files and sorted(files) != list(range(len(files))):
@@ -38,7 +38,7 @@ def partition_files(tag_dir: Path) -> list[Path]:
     return [files[r] for r in sorted(files)]
 
 
-def merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, torch.Tensor]:
+def _merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, torch.Tensor]:
     """DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16, which zero_to_fp32 does not read): each rank holds
     a flat fp32 slice of every parameter group and a map name -> (start, numel) of the fragments in it.
     The files are memory-mapped: of each, only the fp32 slice is read, not the optimizer moments."""
@@ -67,6 +67,16 @@ def read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool = False) -> tupl
     the fp32 masters where the tag has ZeRO partitions, else the module weights. With
     `fp32_module_suffices`, fp32 module weights are taken as they are: ZeRO-1/2 without bf16 keeps them
     equal to its masters, and zero_to_fp32 would read every partition whole, optimizer moments included."""
+    try:
+        return _read_fp32_weights(tag_dir, fp32_module_suffices)
+    except CheckpointError:
+        raise
+    except LOAD_ERRORS as e:  # torch.load of a truncated or overwritten file
+        raise CheckpointError(f"{tag_dir}: cannot read the checkpoint ({type(e).__name__}: {e}); it is "
+                              "damaged") from e
+
+
+def _read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool) -> tuple[dict[str, torch.Tensor], str]:
     if (tag_dir / "zero").is_dir():  # universal checkpoint: zero/<param name>/fp32.pt
         weights = {}
         for param_dir in sorted(p for p in (tag_dir / "zero").iterdir() if (p / "fp32.pt").is_file()):
@@ -82,11 +92,11 @@ def read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool = False) -> tupl
     module = model_states.get("module") if isinstance(model_states, dict) else None
     if not isinstance(module, dict):
         raise CheckpointError(f"{tag_dir / MODEL_STATES}: no 'module' weights in it")
-    files = partition_files(tag_dir)
+    files = _partition_files(tag_dir)
     if fp32_module_suffices and all(v.dtype == torch.float32 for v in module.values() if v.is_floating_point()):
         files = []
-    if files and files[0].name.startswith(BF16_PARTITION_PREFIX):
-        weights = merge_bf16_partitions(files, model_states)
+    if files and files[0].name.startswith(_BF16_PARTITION_PREFIX):
+        weights = _merge_bf16_partitions(files, model_states)
         source = f"fp32 master weights merged from {len(files)} ZeRO partition(s) (bf16 optimizer)"
     elif files:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -149,12 +159,7 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path) -> str:
                               "the --output_dir of a finished phase-1 run or at a Hugging Face BERT directory")
     tag, state = found
     verify_checksums(ckpt_dir, tag, state)
-    try:
-        weights, _ = read_fp32_weights(ckpt_dir / tag, fp32_module_suffices=True)
-    except CheckpointError:
-        raise
-    except LOAD_ERRORS as e:
-        raise CheckpointError(f"{ckpt_dir / tag}: cannot read phase-1 weights ({type(e).__name__}: {e})") from e
+    weights, _ = read_fp32_weights(ckpt_dir / tag, fp32_module_suffices=True)
     try:
         model.load_state_dict(weights, strict=True)
     except RuntimeError as e:
