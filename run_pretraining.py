@@ -41,8 +41,8 @@ class RunConfigError(ValueError):
     """Flags or a DeepSpeed JSON that cannot run; the message names the flag/field and the fix."""
 
 
-class NonFiniteLossError(RuntimeError):
-    """Too many consecutive micro batches with a non-finite loss."""
+class DivergedError(RuntimeError):
+    """Too many consecutive micro batches with a non-finite loss, or optimizer steps with non-finite gradients."""
 
 
 # ----------------------------------------------------------------------------- command line
@@ -77,7 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--checkpoint_activations_interval", type=int, default=1,
                    help="encoder layers per checkpointed segment, whose input alone is kept (with --checkpoint_activations)")
     g.add_argument("--max_nonfinite_steps", type=int, default=10,
-                   help="stop after this many consecutive micro batches with a non-finite loss")
+                   help="stop after this many consecutive micro batches with a non-finite loss, or this many "
+                        "consecutive optimizer steps with non-finite gradients")
     g = p.add_argument_group("phases and checkpoints")
     g.add_argument("--phase2", action="store_true", help="start from --init_checkpoint's weights with a fresh optimizer and schedule (NVIDIA's flag; "
                         "required with --init_checkpoint)")
@@ -199,6 +200,10 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
     if stage not in (1, 2):
         raise RunConfigError(f"{path}: zero_optimization.stage {stage} is not supported; use \"zero_optimization\": "
                              "{\"stage\": 1} (bf16 or fp32) or stage 2 (fp32)")
+    if isinstance(zero, dict) and zero.get("compute_grad_norm") is False:
+        raise RunConfigError(f"{path}: zero_optimization.compute_grad_norm false turns off DeepSpeed's check for "
+                             "non-finite gradients in fp32, which would then reach the weights, and the logged "
+                             "grad_norm; remove it")
     bf16 = config.get("bf16", {}).get("enabled")
     if bf16 and stage != 1:
         raise RunConfigError(f"{path}: bf16 needs zero_optimization.stage 1, got {stage}: only there does "
@@ -300,22 +305,40 @@ class StopRequest:
 
 
 class NonFiniteGuard:
-    """Counts micro batches whose loss is non-finite; `limit` in a row stops the run."""
+    """Counts what non-finite values cost the run: micro batches whose loss is non-finite (dropped
+    before backward) and optimizer steps whose gradients are (DeepSpeed skips the update). `limit`
+    of either in a row stops the run."""
 
-    def __init__(self, limit: int, skipped: int = 0):
-        self.limit, self.skipped, self.in_a_row = limit, skipped, 0
+    _advice = "Resume from an earlier checkpoint with a lower --learning_rate or a longer --warmup_proportion"
 
-    def update(self, finite: bool, step: int) -> None:
+    def __init__(self, limit: int, skipped_batches: int = 0, skipped_steps: int = 0):
+        self.limit, self.skipped_batches, self.skipped_steps = limit, skipped_batches, skipped_steps
+        self.batches_in_a_row, self.steps_in_a_row = 0, 0
+
+    def batch_loss(self, finite: bool, step: int) -> None:
+        """A micro batch of the step after `step` computed its loss."""
         if finite:
-            self.in_a_row = 0
+            self.batches_in_a_row = 0
             return
-        self.skipped += 1
-        self.in_a_row += 1
-        if self.in_a_row >= self.limit:
-            raise NonFiniteLossError(
-                f"{self.in_a_row} micro batches in a row had a non-finite loss at step {step} "
-                f"({self.skipped} in total); the run has diverged. Resume from an earlier checkpoint with a "
-                "lower --learning_rate or a longer --warmup_proportion")
+        self.skipped_batches += 1
+        self.batches_in_a_row += 1
+        if self.batches_in_a_row >= self.limit:
+            raise DivergedError(
+                f"{self.batches_in_a_row} micro batches in a row had a non-finite loss at step {step} "
+                f"({self.skipped_batches} in total); the run has diverged. {self._advice}")
+
+    def step_update(self, applied: bool, step: int) -> None:
+        """The accumulation window after step `step` reached DeepSpeed's optimizer step."""
+        if applied:
+            self.steps_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.steps_in_a_row += 1
+        if self.steps_in_a_row >= self.limit:
+            raise DivergedError(
+                f"{self.steps_in_a_row} optimizer steps in a row had non-finite gradients after step {step} "
+                f"({self.skipped_steps} in total); DeepSpeed skipped their updates and the run has diverged. "
+                f"{self._advice}")
 
 
 def _model_inputs(batch: dict, device: torch.device, nsp: bool) -> dict:
@@ -333,6 +356,7 @@ def _losses(out) -> torch.Tensor:
 @dataclass
 class StepResult:
     complete: bool  # False when a stop request ended the accumulation window early
+    applied: bool  # DeepSpeed applied the update: False for an incomplete window or non-finite gradients
     stopped: bool
     consumed: int  # stream position after the micro batches read
     totals: torch.Tensor  # [loss, mlm_loss, nsp_loss, mlm_accuracy] summed over micro batches and ranks
@@ -343,7 +367,9 @@ def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, gua
     """One optimizer step: `grad_accum` accepted micro batches, then DeepSpeed's update.
 
     One all-reduce per micro batch carries a non-finite flag, the stop request and the four
-    metrics. A micro batch that is non-finite on any rank is dropped on every rank before backward."""
+    metrics. A micro batch that is non-finite on any rank is dropped on every rank before backward.
+    DeepSpeed itself skips the update when the gradients' global norm is non-finite (every rank sees
+    the same all-reduced norm): weights, optimizer state and lr schedule stay as they were."""
     rank, world = dist.get_rank(), dist.get_world_size()
     totals = torch.zeros(4, dtype=torch.float64)
     accepted, stopped = 0, False
@@ -362,16 +388,17 @@ def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, gua
         flags = flags.cpu().double()
         stopped = flags[1].item() > 0
         if flags[0].item() > 0:
-            guard.update(False, step)
+            guard.batch_loss(False, step)
             continue
-        guard.update(True, step)
+        guard.batch_loss(True, step)
         engine.backward(out.loss)
         acc.mark_step()
         engine.step()  # DeepSpeed applies the update at the accumulation boundary
         acc.mark_step()
         totals += flags[2:]
         accepted += 1
-    return StepResult(accepted == sizes.grad_accum, stopped, consumed, totals)
+    complete = accepted == sizes.grad_accum
+    return StepResult(complete, complete and engine.was_step_applied(), stopped, consumed, totals)
 
 
 def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -> dict:
@@ -480,14 +507,15 @@ def train(args: argparse.Namespace) -> dict:
     accum_dtype = check_fp32_accumulation(engine)
     compiled = acc.compile_engine(engine)
 
-    step, consumed, skipped = 0, 0, 0
+    step, consumed, skipped_batches, skipped_steps = 0, 0, 0, 0
     if resume is not None:
         tag, state = resume
         checkpoint.verify_checksums(ckpt_dir, tag, state)
         if state.world_size != world and not module_only:
             tag = checkpoint.universal_tag(ckpt_dir, tag)
         checkpoint.load(engine, ckpt_dir, tag, module_only=module_only)
-        step, consumed, skipped = state.step, state.consumed_samples, state.skipped_batches
+        step, consumed = state.step, state.consumed_samples
+        skipped_batches, skipped_steps = state.skipped_batches, state.skipped_steps
         if not module_only and scheduler.step_count != step:
             raise CheckpointError(f"{ckpt_dir / tag}: lr schedule is at step {scheduler.step_count} but the run "
                                   f"state says {step}; the checkpoint is inconsistent")
@@ -510,14 +538,14 @@ def train(args: argparse.Namespace) -> dict:
         atomic_write_text(args.output_dir / "run_info.json", json.dumps(info, indent=1) + "\n")
 
     stop = StopRequest()
-    guard = NonFiniteGuard(args.max_nonfinite_steps, skipped)
+    guard = NonFiniteGuard(args.max_nonfinite_steps, skipped_batches, skipped_steps)
     flops_per_seq = training_flops_per_sequence(config, args.max_seq_length, args.max_predictions_per_seq)
     peak = peak_tflops(acc.device_name, "bf16" if engine.bfloat16_enabled() else "fp32")
     writer = MetricsWriter(args.output_dir, args.max_steps, step, enabled=rank == 0)
     meter = Throughput(warmup=2)
     last_saved = step
-    consumed_at_step = consumed  # stream position at the end of the last complete step
-    skipped_at_step = skipped  # and the non-finite micro batches dropped up to it
+    consumed_at_step = consumed  # stream position at the end of the last complete window
+    skipped_at_step = skipped_batches, skipped_steps  # and the guard's counts up to it
     start_step = step
     stopped = False
 
@@ -532,9 +560,19 @@ def train(args: argparse.Namespace) -> dict:
             consumed, stopped = result.consumed, result.stopped
             if not result.complete:  # stopped mid-window: the partial gradients are never applied
                 break
-            step += 1
-            consumed_at_step, skipped_at_step = consumed, guard.skipped
             meter.update(sizes.train_batch_size)
+            guard.step_update(result.applied, step)
+            consumed_at_step, skipped_at_step = consumed, (guard.skipped_batches, guard.skipped_steps)
+            if not result.applied:
+                # Non-finite gradients: DeepSpeed left weights and schedule as they were, so the
+                # next window takes this step again; its samples stay consumed.
+                writer.note(f"step {step + 1}: the gradient norm is not finite, so DeepSpeed skipped the update "
+                            f"on every rank; the next {sizes.train_batch_size} samples take the step again "
+                            f"({guard.steps_in_a_row} in a row, {guard.skipped_steps} in total)")
+                if stopped:
+                    break
+                continue
+            step += 1
             writer.advance(step)
             if step % args.log_freq == 0 or step == args.max_steps:
                 mean = (result.totals / (sizes.grad_accum * world)).tolist()
@@ -550,7 +588,8 @@ def train(args: argparse.Namespace) -> dict:
                     "tflops_per_device": tflops,
                     "mfu": None if tflops is None or peak is None else tflops / peak,
                     "peak_memory_bytes": acc.max_memory_bytes(),
-                    "consumed_samples": consumed, "skipped_batches": guard.skipped,
+                    "consumed_samples": consumed, "skipped_batches": guard.skipped_batches,
+                    "skipped_steps": guard.skipped_steps,
                 })
             # Evaluation and checkpoints stay out of the throughput window: it measures training.
             if eval_set is not None and args.eval_freq and step % args.eval_freq == 0 and step < args.max_steps:
@@ -558,8 +597,8 @@ def train(args: argparse.Namespace) -> dict:
                     writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
             if step % args.num_steps_per_checkpoint == 0 or step == args.max_steps:
                 with meter.excluded():
-                    checkpoint.save(engine, ckpt_dir, step, consumed, args.seed, guard.skipped, identity,
-                                    args.keep_checkpoints)
+                    checkpoint.save(engine, ckpt_dir, step, consumed, args.seed,
+                                    (guard.skipped_batches, guard.skipped_steps), identity, args.keep_checkpoints)
                 last_saved = step
             if stopped:
                 break
@@ -578,7 +617,8 @@ def train(args: argparse.Namespace) -> dict:
             writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
     finally:
         writer.close()
-    return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped, "skipped_batches": guard.skipped}
+    return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped,
+            "skipped_batches": guard.skipped_batches, "skipped_steps": guard.skipped_steps}
 
 
 def final_evaluation_missing(writer: MetricsWriter, step: int) -> bool:
@@ -590,7 +630,7 @@ def final_evaluation_missing(writer: MetricsWriter, step: int) -> bool:
 
 
 USER_ERRORS = (RunConfigError, DataConfigError, CheckpointError, ConfigError, ScheduleMismatchError,
-               NonFiniteLossError)
+               DivergedError)
 
 
 def main(argv: list[str] | None = None) -> int:

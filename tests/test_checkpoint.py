@@ -302,7 +302,7 @@ def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_p
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         with pytest.raises(CheckpointError, match=r"rank 0 could not read back .*step00000020: .*Input/output error"):
-            checkpoint.save(Engine(), tmp_path, 20, 320, 1, 0, _state(20)["identity"], keep=2)
+            checkpoint.save(Engine(), tmp_path, 20, 320, 1, (0, 0), _state(20)["identity"], keep=2)
     finally:
         dist.destroy_process_group()
     assert read_latest(tmp_path) == "step00000010"

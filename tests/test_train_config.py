@@ -13,8 +13,8 @@ import torch
 from run_pretraining import (
     DEFAULT_DS_CONFIG,
     BatchSizes,
+    DivergedError,
     NonFiniteGuard,
-    NonFiniteLossError,
     RunConfigError,
     check_resume_identity,
     load_ds_config,
@@ -69,6 +69,8 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping():
     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage 0 is not supported; use"),
     ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage 3 is not supported"),
     ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
+    ({"zero_optimization": {"stage": 1, "compute_grad_norm": False}},
+     "compute_grad_norm false turns off DeepSpeed's check for non-finite gradients"),
     ({"zero_allow_untested_optimizer": False}, r"--optimizer lamb .*\"zero_allow_untested_optimizer\": true; add it"),
 ])
 def test_deepspeed_json_errors(tmp_path, change, message):
@@ -160,14 +162,25 @@ def test_deepspeed_flag_is_required(capsys):
     assert "--deepspeed" in capsys.readouterr().err
 
 
-def test_nonfinite_guard_counts_and_stops_after_n_in_a_row():
+def test_nonfinite_guard_counts_batches_and_stops_after_n_in_a_row():
     guard = NonFiniteGuard(limit=3)
     for finite in (False, False, True, False, False):
-        guard.update(finite, step=7)
-    assert guard.skipped == 4 and guard.in_a_row == 2
-    with pytest.raises(NonFiniteLossError, match="3 micro batches in a row had a non-finite loss at step 7 "
-                                                 r"\(5 in total\)"):
-        guard.update(False, step=7)
+        guard.batch_loss(finite, step=7)
+    assert guard.skipped_batches == 4 and guard.batches_in_a_row == 2 and guard.skipped_steps == 0
+    with pytest.raises(DivergedError, match="3 micro batches in a row had a non-finite loss at step 7 "
+                                            r"\(5 in total\)"):
+        guard.batch_loss(False, step=7)
+
+
+def test_nonfinite_guard_counts_skipped_steps_apart_from_batches():
+    guard = NonFiniteGuard(limit=3, skipped_batches=5, skipped_steps=1)  # counts resumed from a checkpoint
+    for applied in (False, False, True, False, False):
+        guard.step_update(applied, step=7)
+        guard.batch_loss(True, step=7)  # finite losses do not reset the steps in a row
+    assert guard.skipped_steps == 5 and guard.steps_in_a_row == 2 and guard.skipped_batches == 5
+    with pytest.raises(DivergedError, match="3 optimizer steps in a row had non-finite gradients after step 7 "
+                                            r"\(6 in total\); DeepSpeed skipped their updates"):
+        guard.step_update(False, step=7)
 
 
 def test_models_without_nsp_head_train_on_shards_with_nsp_labels():

@@ -8,6 +8,7 @@ The fp32 runs check bitwise-equal losses after SIGKILL and SIGTERM."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import signal
@@ -570,3 +571,106 @@ def test_diverged_run_drops_nonfinite_batches_and_stops_clearly(fp32_setup, phas
     recs = records(out)
     assert list(recs) == [1] and recs[1]["skipped_batches"] == 0
     assert not (out / "checkpoints").exists()  # nothing diverged is saved
+
+
+# ----------------------------------------------------------------------------- non-finite gradients
+
+OVERFLOW_BATCH = 4  # train_batch_size of the runs below: each optimizer step reads 4 stream positions
+OVERFLOW_SEED = 7
+
+
+def labels_per_step(shards: Path, steps: int) -> list[tuple[set[int], set[int]]]:
+    """(masked-LM labels, input ids) of each of the first `steps` windows of OVERFLOW_BATCH stream
+    positions, in the order a run with --seed OVERFLOW_SEED reads them."""
+    from training.loader import open_split
+
+    dataset = open_split(shards, "training", 128, 20, TINY["vocab_size"], OVERFLOW_SEED, shuffle=True)
+    windows = []
+    for k in range(steps):
+        samples = [dataset[i] for i in range(k * OVERFLOW_BATCH, (k + 1) * OVERFLOW_BATCH)]
+        labels = {int(t) for s in samples for t in s["masked_lm_labels"] if t > 0}
+        windows.append((labels, {int(t) for s in samples for t in s["input_ids"]}))
+    return windows
+
+
+def overflow_on_label(directory: Path, token: int) -> Path:
+    """A Hugging Face BERT (tiny) whose loss is finite on every batch and whose gradients overflow
+    exactly in the steps where `token` is a masked-LM label.
+
+    The MLM transform's dense layer is zero, so its LayerNorm sees a constant input and outputs its
+    bias (1, -1, 0, ...), orthogonal to `token`'s embedding row (1e12, 1e12, 0, ...), which the decoder
+    shares; a decoder bias of -1e4 keeps `token`'s probability at 0. A `token` label sends that row
+    back through the LayerNorm (gain 1e6, 1/sigma = 1e6 at a constant input): gradients near 1e22,
+    whose squared norm overflows. Other labels give gradients below 1e12. Trained at a learning rate
+    of 1e-40, the weights stay as they are."""
+    from modeling import save_hf
+
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(**TINY))
+    with torch.no_grad():
+        head = model.cls.predictions
+        head.transform.dense.weight.zero_()
+        head.transform.dense.bias.zero_()
+        head.transform.LayerNorm.weight.fill_(1e6)
+        head.transform.LayerNorm.bias.zero_()
+        head.transform.LayerNorm.bias[:2] = torch.tensor([1.0, -1.0])
+        row = model.bert.embeddings.word_embeddings.weight[token]
+        row.zero_()
+        row[:2] = 1e12
+        head.bias[token] = -1e4
+    save_hf(model, directory)
+    return directory
+
+
+def overflow_args(shards: Path, out: Path, init: Path, ds: Path, steps: int, **extra) -> list[str]:
+    return base_args(shards, out, ROOT / "configs/models/bert-tiny.json", ds, steps, learning_rate=1e-40,
+                     num_eval_samples=0, phase2=True, init_checkpoint=init, seed=OVERFLOW_SEED, **extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks, bf16", [(1, False), (2, True)], ids=["fp32-1rank", "bf16-2ranks"])
+def test_a_step_with_nonfinite_gradients_is_skipped_and_taken_again(phase1_shards, tmp_path, ranks, bf16):
+    """DeepSpeed skips an update whose gradient norm is not finite, and leaves the lr schedule where it
+    was. The run takes that step again on the next window, keeps the schedule, counts the skip and
+    stays resumable (a skip counted as a step made every later checkpoint fail the schedule check)."""
+    from run_pretraining import parse_args, schedule_config
+    from training.schedule import lr_at
+
+    windows = labels_per_step(phase1_shards, 5)
+    # a label of the second window only, and no input elsewhere: steps 1, 2, 3, 4 read windows 0, 2, 3, 4
+    token = next(t for t in sorted(windows[1][0]) if t > 999 and all(
+        t not in labels and t not in inputs for k, (labels, inputs) in enumerate(windows) if k != 1))
+    init = overflow_on_label(tmp_path / "init", token)
+    ds = ds_config(tmp_path / "ds.json", bf16=bf16, train_batch_size=OVERFLOW_BATCH,
+                   train_micro_batch_size_per_gpu=2)
+    out = tmp_path / "run"
+    cli = overflow_args(phase1_shards, out, init, ds, 4, num_steps_per_checkpoint=2)
+    result = ok(run(ranks, cli))
+    assert ("step 2: the gradient norm is not finite, so DeepSpeed skipped the update on every rank; the next 4 "
+            "samples take the step again (1 in a row, 1 in total)") in result.stdout
+    recs = records(out)
+    assert [recs[s]["consumed_samples"] for s in (1, 2, 3, 4)] == [4, 12, 16, 20]
+    assert [recs[s]["skipped_steps"] for s in (1, 2, 3, 4)] == [0, 1, 1, 1]
+    assert all(math.isfinite(recs[s]["grad_norm"]) for s in (1, 2, 3, 4))
+    schedule = schedule_config(parse_args(cli))
+    assert [recs[s]["lr"] for s in (1, 2, 3, 4)] == pytest.approx([lr_at(schedule, s) for s in (0, 1, 2, 3)],
+                                                                  rel=1e-12)
+    state = json.loads((out / "checkpoints" / "step00000004" / "run_state.json").read_text())
+    assert (state["consumed_samples"], state["skipped_steps"]) == (20, 1)
+    rerun = ok(run(ranks, cli))  # loads the final checkpoint, schedule check included
+    assert "done: step 4 of 4" in rerun.stderr
+
+
+@pytest.mark.slow
+def test_steps_with_nonfinite_gradients_in_a_row_stop_the_run(phase1_shards, tmp_path):
+    windows = labels_per_step(phase1_shards, 3)
+    token = next(t for t in sorted(windows[0][0]) if t > 999 and all(t in labels for labels, _ in windows))
+    init = overflow_on_label(tmp_path / "init", token)
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=OVERFLOW_BATCH,
+                   train_micro_batch_size_per_gpu=4)
+    out = tmp_path / "run"
+    result = run(1, overflow_args(phase1_shards, out, init, ds, 4, max_nonfinite_steps=3))
+    assert result.returncode == 1
+    assert ("error: 3 optimizer steps in a row had non-finite gradients after step 0 (3 in total); DeepSpeed "
+            "skipped their updates and the run has diverged") in result.stderr
+    assert records(out) == {} and not (out / "checkpoints").exists()

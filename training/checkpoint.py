@@ -64,6 +64,9 @@ class RunState:
     identity: dict  # what a resume must not change: optimizer, weight decay, training shards
     files: dict[str, dict]  # relative path -> {"size": bytes, "crc32": checksum}, every file of the tag
     previous: str | None = None  # the tag `latest` named when this one was saved
+    # optimizer steps whose non-finite gradients DeepSpeed skipped. Absent before it was counted: a
+    # checkpoint of those versions that passes the resume's schedule check had none.
+    skipped_steps: int = 0
 
 
 def tag_for(step: int) -> str:
@@ -251,9 +254,9 @@ def make_room(ckpt_dir: Path, tag: str) -> None:
         shutil.rmtree(ckpt_dir / tag)
 
 
-def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, skipped_batches: int,
+def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, skipped: tuple[int, int],
          identity: dict, keep: int) -> str:
-    """Collective: every rank calls it. Returns the tag."""
+    """Collective: every rank calls it. `skipped`: the run's (skipped_batches, skipped_steps). Returns the tag."""
     tag = tag_for(step)
     rank = dist.get_rank()
     if rank == 0:
@@ -277,7 +280,8 @@ def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, sk
         try:
             files = {k: v for part in described for k, v in part.items()}
             commit(ckpt_dir, tag, {"step": step, "consumed_samples": consumed_samples, "world_size": world,
-                                   "seed": seed, "skipped_batches": skipped_batches, "identity": identity},
+                                   "seed": seed, "skipped_batches": skipped[0], "skipped_steps": skipped[1],
+                                   "identity": identity},
                    keep, dict(sorted(files.items())))
         except (CheckpointError, OSError) as e:
             error = str(e)

@@ -156,6 +156,11 @@ class MetricsWriter:
                 self.tb.add_scalar(f"{prefix}/{key}", value, step)
         self.bar.write(self.progress_line(record, prefix))
 
+    def note(self, message: str) -> None:
+        """A line on the console, above the progress bar."""
+        if self.enabled:
+            self.bar.write(message)
+
     def progress_line(self, record: dict, prefix: str) -> str:
         step = record["step"]
         parts = [f"{prefix} step {step}/{self.total_steps}", f"loss {record['loss']:.4f}"]
