@@ -108,6 +108,14 @@ def _rerun_without_the_last_part(cfg: ExtractConfig, monkeypatch) -> list[int]:
     return read
 
 
+def _units_holding_articles_from(out: Path, offsets: list[int], article: int) -> list[int]:
+    """The first offsets of the chunks (one unit each) that hold articles from `article` on, by the
+    chunk record of the run that wrote `out`."""
+    counts = json.loads((out / CHUNK_RECORD).read_text())["articles"]
+    first = [sum(counts[:k]) for k in range(len(counts))]
+    return [offsets[k] for k, (a, n) in enumerate(zip(first, counts)) if n and a + n > article]
+
+
 def test_resume_reads_only_chunks_whose_parts_are_missing(make_multistream, serial_text, tmp_path, monkeypatch):
     dump = make_multistream(10)
     out = tmp_path / "extracted"
@@ -115,13 +123,11 @@ def test_resume_reads_only_chunks_whose_parts_are_missing(make_multistream, seri
     extract(cfg)
     chunk_articles = json.loads((out / CHUNK_RECORD).read_text())["articles"]
     assert sum(chunk_articles) == 106 and len(chunk_articles) == 23
+    # Articles 80..105 are the last part's: only the chunks holding them are read again.
+    needed = _units_holding_articles_from(out, multistream.stream_offsets(dump), 80)
     read = _rerun_without_the_last_part(cfg, monkeypatch)
     assert _parts(out) == _parts(serial_text)
-    # Articles 80..105 are the last part's: only the chunks holding them were read again.
-    first_article = [sum(chunk_articles[:k]) for k in range(len(chunk_articles))]
-    needed = [k for k, (a, n) in enumerate(zip(first_article, chunk_articles)) if n and a + n > 80]
-    offsets = multistream.stream_offsets(dump)
-    assert read == [offsets[k] for k in needed] and 0 < len(read) < 10
+    assert read == needed and 0 < len(read) < 10
 
 
 def test_truncated_multistream_dump_is_named(multistream_sample, tmp_path):
@@ -224,10 +230,10 @@ def test_single_stream_resume_reads_only_the_blocks_of_missing_parts(sample_dump
     out = tmp_path / "extracted"
     cfg = ExtractConfig(sample_dump, out, workers=1, articles_per_part=40, chunk_bytes=1)  # a chunk per block
     extract(cfg)
+    needed = _units_holding_articles_from(out, multistream.block_offsets(sample_dump), 80)
     read = _rerun_without_the_last_part(cfg, monkeypatch)
     assert _parts(out) == _parts(serial_text)
-    offsets = multistream.block_offsets(sample_dump)
-    assert read and set(read) < set(offsets[1:-1])  # blocks, not all of them, never the first
+    assert read == needed and 0 < len(read) < 7  # the sample's 7 blocks hold 8, 20, 11, 22, 22, 14, 9 articles
 
 
 # ----------------------------------------------------------------------------- plain XML, by byte ranges
@@ -261,10 +267,10 @@ def test_plain_xml_resume_reads_only_the_ranges_of_missing_parts(plain_sample, s
     out = tmp_path / "extracted"
     cfg = ExtractConfig(plain_sample, out, workers=1, articles_per_part=40, chunk_bytes=1)  # a chunk per range
     extract(cfg)
+    needed = _units_holding_articles_from(out, multistream.plain_offsets(plain_sample.stat().st_size), 80)
     read = _rerun_without_the_last_part(cfg, monkeypatch)
     assert _parts(out) == _parts(serial_text)
-    offsets = multistream.plain_offsets(plain_sample.stat().st_size)
-    assert read and set(read) < set(offsets[1:-1])
+    assert read == needed and 0 < len(read) < 24
 
 
 def test_damaged_or_truncated_plain_xml_is_named(plain_sample, tmp_path):

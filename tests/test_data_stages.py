@@ -27,16 +27,24 @@ def test_shard_cli_reshards_the_same_instances(phase1_shards, tmp_path, capsys):
     shard_stage.main(["--instances_dir", str(phase1_shards / "instances"), "--output_dir", str(tmp_path / "hdf5"),
                       "--num_shards", "3", "--num_test_shards", "1", "--name", "wiki", "--workers", "1"])
     assert "shard:" in capsys.readouterr().out
-    sizes, labels = [], []
+    keys = ("input_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
+    shards = []
     for i in range(3):
         with h5py.File(tmp_path / "hdf5" / "training" / f"wiki_training_{i}.hdf5", "r") as f:
-            sizes.append(len(f["input_ids"]))
-            labels.append(f["next_sentence_labels"][:].sum())
-    original = 0
-    for path in (phase1_shards / "hdf5" / "training").glob("*.hdf5"):
-        with h5py.File(path, "r") as f:
-            original += len(f["input_ids"])
-    assert sum(sizes) == original and max(sizes) - min(sizes) <= 1
+            shards.append({key: f[key][:] for key in keys})
+    sizes = [len(shard["input_ids"]) for shard in shards]
+    assert max(sizes) - min(sizes) <= 1
+
+    def rows(columns: list[dict]) -> list[bytes]:  # each instance as the bytes of its columns
+        return sorted(b"".join(np.ascontiguousarray(c[key][i]).tobytes() for key in keys)
+                      for c in columns for i in range(len(c["input_ids"])))
+
+    # the instances the create stage wrote, each exactly once
+    parts = sorted((phase1_shards / "instances" / "training").glob("part-*"))
+    assert rows(shards) == rows([{key: np.load(part / f"{key}.npy") for key in keys} for part in parts])
+    # and each shard takes a slice of every part
+    source = {bytes(row): i for i, part in enumerate(parts) for row in np.load(part / "input_ids.npy")}
+    assert all({source[bytes(row)] for row in shard["input_ids"]} == {0, 1, 2} for shard in shards)
     with pytest.raises(PipelineError, match="too few for 10000000 training shards; use fewer training shards"):
         shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "other", 10**7, 1))
     # a seed that held no document out: the advice is a larger --test_fraction, not "fewer shards"

@@ -28,7 +28,20 @@ def test_sample_corpus_equals_the_rust_tokenizer_sentence_by_sentence(phase1_sha
     assert len(ids) > 500_000
     np.testing.assert_array_equal(part.ids, ids)
     np.testing.assert_array_equal(part.sentence_lengths, lengths[lengths > 0])
-    assert part.doc_sentences.sum() == len(part.sentence_lengths) and len(part.doc_sentences) == 105
+    # each document's count of sentences that tokenize to something
+    bounds = np.cumsum([0] + [len(d.split("\n")) for d in text.split("\n\n") if d.strip()])
+    per_doc = [int(np.count_nonzero(lengths[a:b])) for a, b in zip(bounds[:-1], bounds[1:])]
+    np.testing.assert_array_equal(part.doc_sentences, [n for n in per_doc if n])
+    assert len(part.doc_sentences) == 105
+
+
+def test_sentences_and_documents_that_tokenize_to_nothing_are_dropped(bert_vocab):
+    # control characters and an empty line tokenize to nothing; the second document has nothing else
+    text = "alpha beta\n\x01\ngamma\n\n\x01\n\x02\n\ndelta\n"
+    part = tokenize_text(text, WordPieceTokenizer(bert_vocab, True))
+    tokenizer = make_tokenizer(bert_vocab, True)
+    assert part.ids.tolist() == [tokenizer.token_to_id(w) for w in ("alpha", "beta", "gamma", "delta")]
+    assert part.sentence_lengths.tolist() == [2, 1, 1] and part.doc_sentences.tolist() == [2, 1]
 
 
 def test_tokenize_stage_counts_unknown_tokens(phase1_shards, bert_vocab, tmp_path):

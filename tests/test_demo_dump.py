@@ -30,9 +30,10 @@ def test_is_a_mediawiki_export_with_markup_redirects_and_other_namespaces(dump: 
     assert len(articles) == 60 and len(redirects) > 10 and len(others) >= 4
     titles = [p.findtext(f"{NS}title") for p in pages]
     assert len(titles) == len(set(titles)), "page titles must be unique, as in a real dump"
+    article_titles = {p.findtext(f"{NS}title") for p in articles}
     for page in redirects:  # every redirect points to an article that exists
         target = page.find(f"{NS}redirect").get("title")
-        assert target in titles
+        assert target in article_titles and target != page.findtext(f"{NS}title")
         assert page.findtext(f"{NS}revision/{NS}text").startswith(f"#REDIRECT [[{target}]]")
     wikitext = "\n".join(p.findtext(f"{NS}revision/{NS}text") for p in articles)
     for markup in ("{{Infobox", "{| class=\"wikitable\"", "<ref>", "{{cite book", "[[Category:", "[[File:",

@@ -159,7 +159,7 @@ def test_resume_refuses_another_optimizer_weight_decay_or_data(now, message):
 def test_deepspeed_flag_is_required(capsys):
     with pytest.raises(SystemExit):
         parse_args(REQUIRED[1:])
-    assert "--deepspeed" in capsys.readouterr().err
+    assert "the following arguments are required: --deepspeed" in capsys.readouterr().err
 
 
 def test_nonfinite_guard_counts_batches_and_stops_after_n_in_a_row():
