@@ -5,12 +5,14 @@ tests/test_train_run.py."""
 
 import json
 import os
+import re
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from conftest import free_port
 
 from training import checkpoint, weights
@@ -289,22 +291,58 @@ def test_run_state_is_plain_json(tmp_path):
     assert data["consumed_samples"] == 160 and data["world_size"] == 2
 
 
-def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_path, monkeypatch):
-    class Engine:  # writes the files DeepSpeed writes for one rank
-        def save_checkpoint(self, save_dir, tag, client_state, save_latest):
-            _fake_deepspeed_tag(Path(save_dir), int(tag.removeprefix("step")), world_size=1)
+SAVE_ON_A_RANK = """
+import sys
+from pathlib import Path
 
-    def unreadable(tag_dir, names):
-        raise OSError(5, "Input/output error")
+import torch.distributed as dist
 
+from training import checkpoint
+
+rank, ckpt_dir, port, identity = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+
+
+class Engine:  # writes the files DeepSpeed writes for this rank
+    def save_checkpoint(self, save_dir, tag, client_state, save_latest):
+        tag_dir = Path(save_dir) / tag
+        tag_dir.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"m" * 120)
+        (tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"o" * 50)
+
+
+def unreadable(tag_dir, names):
+    raise OSError(5, "Input/output error")
+
+
+if rank == 1:  # only rank 1 cannot read its share of the files back
+    checkpoint.describe_files = unreadable
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+try:
+    checkpoint.save(Engine(), ckpt_dir, 20, 320, 1, (0, 0), eval(identity), keep=2)
+    print("saved")
+except checkpoint.CheckpointError as e:
+    print(f"CheckpointError: {e}")
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_path):
+    """Rank 1's read-back error travels to rank 0, which keeps 'latest' and raises it on both ranks
+    (raised on rank 1 alone, it would leave rank 0 waiting in the gather)."""
     _save(tmp_path, 10)
-    monkeypatch.setattr(checkpoint, "describe_files", unreadable)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
-    try:
-        with pytest.raises(CheckpointError, match=r"rank 0 could not read back .*step00000020: .*Input/output error"):
-            checkpoint.save(Engine(), tmp_path, 20, 320, 1, (0, 0), _state(20)["identity"], keep=2)
-    finally:
-        dist.destroy_process_group()
+    port = str(free_port())
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", SAVE_ON_A_RANK, str(rank), str(tmp_path), port,
+                               repr(_state(20)["identity"])], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+        assert re.fullmatch(r"CheckpointError: rank 1 could not read back .*step00000020: \[Errno 5\] Input/output "
+                            r"error; 'latest' was left at the previous checkpoint\n", out), out
     assert read_latest(tmp_path) == "step00000010"
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from modeling import BertConfig, BertForPreTraining
 from scripts.export_hf import ExportError, export, locate, read_weights
@@ -38,6 +39,14 @@ def zero_export(zero_run: Path, tmp_path_factory) -> tuple[Path, dict[str, torch
     return hf, weights
 
 
+def assert_exported(hf: Path, weights: dict[str, torch.Tensor]) -> None:
+    """The export's model.safetensors holds exactly `weights` (vocabulary rows past the padding cut)."""
+    exported = load_file(hf / "model.safetensors")
+    assert set(exported) == set(weights)
+    for name, value in exported.items():
+        assert value.dtype == torch.float32 and torch.equal(value, weights[name][: len(value)]), name
+
+
 def _real_batch(shards: Path, n: int = 4) -> dict[str, torch.Tensor]:
     path = next((shards / "hdf5" / "test").glob("*.hdf5"))
     with h5py.File(path) as f:
@@ -60,6 +69,7 @@ def test_zero_export_is_the_fp32_master_weights(zero_run: Path, zero_export):
         # the bf16 weights DeepSpeed trains with are the fp32 masters rounded: equal only if merged in order
         assert torch.equal(weights[name].to(torch.bfloat16), bf16), name
     assert any(not torch.equal(w, w.to(torch.bfloat16).float()) for w in weights.values()), "fp32, not bf16 copies"
+    assert_exported(zero_export[0], weights)
 
 
 def test_transformers_loads_the_export_and_agrees(zero_export, phase1_shards: Path):
@@ -102,7 +112,8 @@ def test_universal_checkpoint_exports_the_same_weights(zero_run: Path, zero_expo
     exported, _ = read_weights(locate(universal))
     for name, value in exported.items():
         assert torch.equal(value, weights[name]), name
-    assert (hf / "model.safetensors").is_file() and (hf / "tokenizer.json").is_file()
+    assert_exported(hf, weights)
+    assert (hf / "tokenizer.json").is_file()
 
 
 def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tmp_path: Path):
@@ -134,13 +145,8 @@ def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tm
     _, source = export(plain, tmp_path / "hf_plain", config_file=run / "model_config.json",
                        vocab_file=run / "vocab.txt")
     assert "module weights (float32), no ZeRO partitions" in source
-    from safetensors.torch import load_file
-
-    zero, plain_weights = load_file(tmp_path / "hf_zero" / "model.safetensors"), load_file(tmp_path / "hf_plain" /
-                                                                                           "model.safetensors")
-    assert zero.keys() == plain_weights.keys()
-    for name in zero:  # fp32 training: the module weights are the master weights
-        assert torch.equal(zero[name], plain_weights[name]), name
+    assert_exported(tmp_path / "hf_zero", masters)
+    assert_exported(tmp_path / "hf_plain", masters)  # fp32 training: the module weights are the masters
 
 
 def test_clear_errors(zero_run: Path, tmp_path: Path):

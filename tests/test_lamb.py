@@ -180,6 +180,19 @@ def test_param_groups_split_bias_and_layernorm_on_bert():
         build_param_groups(model, weight_decay=-1.0)
 
 
+def test_param_groups_list_a_shared_parameter_once_and_leave_frozen_ones_out():
+    shared = nn.Linear(4, 4)
+    model = nn.Sequential(shared, nn.LayerNorm(4), nn.Linear(4, 4), nn.Linear(4, 4))
+    model[2].weight = shared.weight  # registered under two modules
+    model[3].requires_grad_(False)
+    groups = build_param_groups(model, weight_decay=0.01)
+    listed = [p for g in groups for p in g["params"]]
+    assert sum(p is shared.weight for p in listed) == 1
+    assert not any(p is model[3].weight or p is model[3].bias for p in listed)
+    assert [len(g["params"]) for g in groups] == [1, 4]  # the shared weight; 3 biases and the LayerNorm weight
+    torch.optim.AdamW(groups, lr=1e-3)  # refuses a parameter listed twice
+
+
 @pytest.mark.parametrize("kind, cls", [("lamb", Lamb), ("lans", Lans)])
 def test_matches_reference_unpartitioned(kind, cls):
     steps = 6

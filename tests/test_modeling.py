@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from safetensors.torch import load_file
 
 import modeling
 from modeling import ActivationCheckpointing, BertConfig, BertForPreTraining, ConfigError
@@ -148,12 +149,18 @@ def test_save_hf_replaces_only_an_earlier_export_and_honours_the_umask(tmp_path,
     with pytest.raises(ValueError, match=r"run: holds checkpoints, metrics.jsonl, which no export writes"):
         modeling.save_hf(model, run, vocab_file=bert_vocab)
     assert (run / "checkpoints" / "step00000010").is_dir() and (run / "metrics.jsonl").is_file()
+    torch.manual_seed(1)
+    second = BertForPreTraining(BertConfig.from_json_file(MODEL_CONFIGS / "bert-tiny.json")).eval()
     umask = os.umask(0o022)
     try:
-        for _ in range(2):  # the second export replaces the first
-            out = modeling.save_hf(model, tmp_path / "hf", vocab_file=bert_vocab)
+        for m in (model, second):  # the second export replaces the first
+            out = modeling.save_hf(m, tmp_path / "hf", vocab_file=bert_vocab)
     finally:
         os.umask(umask)
+    name = "bert.embeddings.word_embeddings.weight"
+    exported = load_file(out / "model.safetensors")[name]
+    assert torch.equal(exported, second.state_dict()[name][: len(exported)])
+    assert not torch.equal(exported, model.state_dict()[name][: len(exported)])
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
         "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.json": 0o644, "tokenizer_config.json": 0o644}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]

@@ -14,12 +14,15 @@ def test_throughput_skips_warmup_steps_and_restarts_each_window():
     assert meter.take() is None
     meter.update(8)  # end of warm-up: the clock starts here
     assert meter.take() is None
-    time.sleep(0.05)
+    time.sleep(0.3)
     meter.update(8)
     meter.update(8)
     rate = meter.take()
-    assert 16 / 0.5 < rate <= 16 / 0.05
+    assert 16 / 1.0 < rate <= 16 / 0.3
     assert meter.take() is None  # nothing since the last take
+    time.sleep(0.02)  # the next window starts at the take, not at the end of warm-up
+    meter.update(8)
+    assert meter.take() > 8 / 0.15  # about 8 / 0.02; 8 / 0.32 or less if the clock had not restarted
     with pytest.raises(ValueError):
         Throughput(warmup=0)
 
