@@ -338,12 +338,18 @@ def _extract_rates(dump: Path, work: Path, scale: int) -> None:
             ("plain XML, by byte ranges, 1 worker", plain, 1, extract),
             ("plain XML, by byte ranges, 2 workers", plain, 2, extract)]
     texts = []
+    one_reader: dict[tuple[bool, int], float] = {}  # (plain XML, workers) -> the one reader's seconds
     for label, path, workers, fn in runs:
         out = work / f"extract-{path.stem}-{workers}-{fn.__name__}"
         out.mkdir(parents=True)
         _, t = _timed(fn, ExtractConfig(path, out, workers, articles_per_part=200, chunk_bytes=1 << 20))
         texts.append([p.read_bytes() for p in sorted(out.glob("part-*.txt"))])
-        print(f"   {label:38s} {t:6.2f} s = {mb / t:5.1f} MB/s of XML")
+        key = (path == plain, workers)
+        if fn is _extract_serial:
+            one_reader[key], ratio = t, "reference"
+        else:
+            ratio = f"{one_reader[key] / t:.2f}x the one reader"
+        print(f"   {label:38s} {t:6.2f} s = {mb / t:5.1f} MB/s of XML  ({ratio})")
     assert all(t == texts[0] for t in texts), "extraction differs between the dump forms, readers or worker counts"
     # The serial part of each way, which bounds it whatever the workers: the one reader's bz2 and XML
     # parsing, against the scan for block starts (the rest of the block path runs in the workers).
@@ -414,6 +420,7 @@ def main() -> None:
         if scales:
             print("\n3. peak memory (PSS) of python -m data.prepare (process + workers), 2 workers, "
                   "50 articles per part, shards of the same size (4 per copy of the sample):")
+        first_peak: dict[str, float] = {}  # per dump form: the peak at the first scale, the reference
         for scale in scales:
             for form in ("single-stream", "multistream"):
                 label, shards = f"{scale}x {form}", 4 * scale
@@ -424,8 +431,9 @@ def main() -> None:
                                            "--num_shards", str(shards), "--test_fraction", "0.1"],
                                           work / f"mem-{scale}-{form}.log")
                 size = sum(f.stat().st_size for f in (out / "hdf5").rglob("*.hdf5")) / 1e6
+                base = first_peak.setdefault(form, peak)
                 print(f"   {label}: dump {dump.stat().st_size / 1e6:.1f} MB, {size:.0f} MB of shards, "
-                      f"peak memory {peak:.0f} MiB, {secs:.1f} s")
+                      f"peak memory {peak:.0f} MiB ({peak / base:.2f}x the {scales[0]}x peak), {secs:.1f} s")
         if a.extract_scale:
             _extract_rates(a.dump, work, a.extract_scale)
 

@@ -66,7 +66,12 @@ def test_check_learning_fails_loudly_when_nothing_is_learned():
         check_learning(_records([6.0, 7.0, 7.5, 8.0], [0.1] * 4))
     with pytest.raises(DemoError, match="MLM accuracy did not rise"):
         check_learning(_records([8.0, 7.5, 7.0, 6.0], [0.1, 0.1, 0.1, 0.1]))
-    with pytest.raises(DemoError, match="only 2 logged steps"):
-        check_learning(good[:2])
+    with pytest.raises(DemoError, match="only 3 logged steps; need at least 4"):
+        check_learning(good[:3])
+    # eight records: means over the first and the last two, not the end records alone
+    eight = _records([8.0, 7.5, 7.4, 7.0, 6.9, 6.6, 6.5, 6.0], [0.0, 0.02, 0.03, 0.05, 0.06, 0.08, 0.09, 0.13])
+    assert check_learning(eight) == pytest.approx((7.75, 6.25, 0.01, 0.11), abs=1e-12)
+    with pytest.raises(DemoError, match=r"the loss did not fall: 7.000 over the first 2 logged steps, 7.000 over"):
+        check_learning(_records([8.0, 6.0, 7.0, 7.0, 7.0, 7.0, 6.0, 8.0], [0.1] * 8))
     table = progress_table(good, rows=2).splitlines()
     assert len(table) == 3 and table[1].split()[:2] == ["1", "8.000"] and table[2].split()[:2] == ["4", "6.000"]

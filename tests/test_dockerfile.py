@@ -61,7 +61,10 @@ def test_base_image_arg_and_multinode_setup():
     ssh_port = re.search(r"^ARG SSH_PORT=(\d+)$", text, re.M).group(1)
     launch_default = re.search(r'SSH_PORT="\$\{SSH_PORT:-(\d+)\}"', (ROOT / "scripts/launch.sh").read_text()).group(1)
     assert ssh_port == launch_default == "3022"
-    assert "openssh-server" in text and "pdsh" in text and "/usr/sbin/sshd" in text
+    installed = _the_run("openssh-server").split()  # the apt-get install step, not the comments
+    assert {"openssh-server", "openssh-client", "pdsh"} <= set(installed)
+    entrypoint = re.search(r"^ENTRYPOINT (.+)$", text, re.M).group(1)
+    assert "/usr/sbin/sshd &&" in entrypoint  # other nodes' pdsh connects to it
     assert 'VOLUME ["/data", "/results"]' in text
 
 

@@ -197,3 +197,16 @@ def test_models_without_nsp_head_train_on_shards_with_nsp_labels():
     losses = _losses(model(**inputs))
     assert losses[2] == 0 and losses[0] == losses[1] > 0
     assert "next_sentence_labels" in _model_inputs(batch, torch.device("cpu"), nsp=True)
+
+
+@pytest.mark.parametrize("flag, kind", [("lamb", "Lamb"), ("lans", "Lans"), ("adamw", "AdamW")])
+def test_optimizer_flag_builds_that_optimizer_with_the_recipe_settings(flag, kind):
+    from modeling import BertConfig, BertForPreTraining
+    from run_pretraining import build_optimizer
+
+    model = BertForPreTraining(BertConfig.from_json_file("configs/models/bert-tiny.json"))
+    args = parse_args(REQUIRED + ["--optimizer", flag, "--learning_rate", "3e-3", "--weight_decay", "0.02"])
+    optimizer = build_optimizer(model, args)
+    assert type(optimizer).__name__ == kind
+    assert [(g["lr"], g["weight_decay"], g["betas"], g["eps"]) for g in optimizer.param_groups] == [
+        (3e-3, 0.02, (0.9, 0.999), 1e-6), (3e-3, 0.0, (0.9, 0.999), 1e-6)]
