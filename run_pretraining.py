@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shutil
 import signal
 import sys
@@ -114,6 +115,8 @@ def check_args(args: argparse.Namespace) -> None:
                  "max_seq_length", "max_predictions_per_seq", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise RunConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
+        raise RunConfigError(f"--weight_decay must be a finite number >= 0, got {args.weight_decay}")
     for name in ("eval_freq", "num_eval_samples", "num_workers", "seed"):
         if getattr(args, name) < 0:
             raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
@@ -269,7 +272,8 @@ def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path
         raise RunConfigError(
             f"{tag_dir} was trained with a global batch (train_batch_size) of {saved['train_batch_size']} sequences; "
             f"this launch makes {now['train_batch_size']}. Set \"train_batch_size\": {saved['train_batch_size']} in "
-            "the DeepSpeed JSON: the accumulation steps then adapt to the number of ranks")
+            "the DeepSpeed JSON, without gradient_accumulation_steps: the accumulation steps then adapt to the "
+            "number of ranks")
     for flag in ("optimizer", "weight_decay"):
         if saved[flag] != now[flag]:
             raise RunConfigError(f"{tag_dir} was trained with --{flag} {saved[flag]}; resuming with --{flag} "

@@ -369,6 +369,15 @@ def test_cli_refuses_a_checkpoint_interval_without_checkpointing(capsys):
     assert planner.main([*args, "--checkpoint_activations"]) == 0
 
 
+def test_cli_refuses_an_mfu_without_sequences(capsys):
+    args = ["--config_file", str(ROOT / "configs/models/bert-large.json"), "--micro_batch", "64", "--mfu", "0.9"]
+    assert planner.main(args) == 2
+    assert capsys.readouterr().err == ("error: --mfu 0.9 applies to --sequences (the time to train them); add "
+                                       "--sequences or drop --mfu\n")
+    assert planner.main([*args, "--sequences", "4.6e8"]) == 0
+    assert "MFU 90%" in capsys.readouterr().out
+
+
 if __name__ == "__main__":  # a rank of test_bf16_zero1_memory_matches_a_real_deepspeed_engine
     import torch.distributed
 

@@ -53,11 +53,15 @@ def test_batch_sizes_that_do_not_divide_name_the_file_and_fields(config, world, 
         resolve_batch_sizes(config, world, "ds.json")
 
 
-def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping():
+def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_path):
     config, sizes = load_ds_config(DEFAULT_DS_CONFIG, world_size=2, optimizer="lamb")
     assert config["zero_optimization"]["stage"] == 1 and config["bf16"]["enabled"]
     assert config["data_types"]["grad_accum_dtype"] == "fp32" and config["gradient_clipping"] == 1.0
     assert sizes == BatchSizes(16, 8, 1) and config["train_batch_size"] == 16
+    # what TRAINING.md advises for a recipe's global batch: add train_batch_size, the accumulation follows
+    recipe = tmp_path / "recipe.json"
+    recipe.write_text(json.dumps(json.loads(DEFAULT_DS_CONFIG.read_text()) | {"train_batch_size": 256}))
+    assert load_ds_config(recipe, world_size=8, optimizer="lamb")[1] == BatchSizes(256, 8, 4)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -123,6 +127,8 @@ def test_flags_parse_with_reference_names():
     (["--num_workers", "-1"], "--num_workers must be >= 0"),
     (["--seed", "-1"], "--seed must be >= 0"),  # numpy's seed sequences take no negative numbers
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
+    (["--weight_decay", "-0.5"], r"--weight_decay must be a finite number >= 0, got -0.5"),
+    (["--weight_decay", "nan"], r"--weight_decay must be a finite number >= 0, got nan"),
     (["--warmup_proportion", "1.5"], r"--warmup_proportion must be in \[0, 1\]"),
     (["--eval_freq", "2", "--num_eval_samples", "0"], "evaluates nothing"),
     (["--checkpoint_activations_interval", "2"], "does nothing without --checkpoint_activations"),

@@ -480,7 +480,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "under ZeRO-1/2; bf16 ZeRO-1 runs BF16_Optimizer, which does not use it)")
     p.add_argument("--sequences", type=float, default=None,
                    help="sequences to train (e.g. 7038 steps x 65536 = 4.6e8); prints the time it takes")
-    p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed for --sequences")
+    p.add_argument("--mfu", type=float, default=None,
+                   help="model FLOPs utilisation assumed for --sequences (default 0.4)")
     p.add_argument("--throughput", type=float, default=None,
                    help="measured sequences/s per device: prints the MFU it implies")
     return p
@@ -494,6 +495,10 @@ def report(args: argparse.Namespace) -> str:
         raise ValueError(f"device {device.name!r} has no memory figure; pass --device_memory (e.g. 24GiB)")
     if not 0 <= args.headroom < 1:
         raise ValueError(f"--headroom must be in [0, 1), got {args.headroom}")
+    if args.mfu is not None and args.sequences is None:
+        raise ValueError(f"--mfu {args.mfu} applies to --sequences (the time to train them); add --sequences or "
+                         "drop --mfu")
+    mfu = 0.4 if args.mfu is None else args.mfu
     if args.checkpoint_interval != 1 and not args.checkpoint_activations:
         raise ValueError(f"--checkpoint_interval {args.checkpoint_interval} applies to --checkpoint_activations; "
                          "add --checkpoint_activations or drop --checkpoint_interval")
@@ -540,9 +545,9 @@ def report(args: argparse.Namespace) -> str:
         lines.append(f"time         no {args.precision} peak known for {device.name}; time and MFU not computed")
     else:
         if args.sequences is not None:
-            seconds = training_seconds(int(args.sequences), model_flops, args.devices, peak, args.mfu)
-            rate = args.devices * peak * 1e12 * args.mfu / model_flops
-            lines.append(f"time         {args.sequences:.3g} sequences at {peak:g} TFLOP/s peak, MFU {args.mfu:.0%}: "
+            seconds = training_seconds(int(args.sequences), model_flops, args.devices, peak, mfu)
+            rate = args.devices * peak * 1e12 * mfu / model_flops
+            lines.append(f"time         {args.sequences:.3g} sequences at {peak:g} TFLOP/s peak, MFU {mfu:.0%}: "
                          f"{_duration(seconds)} ({rate:,.0f} seq/s in total)")
         if args.throughput is not None:
             lines.append(f"MFU          {args.throughput:g} seq/s per device implies "
