@@ -256,15 +256,17 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
                              weight_decay=args.weight_decay)
 
 
-def run_identity(args: argparse.Namespace, train_set, sizes: BatchSizes) -> dict:
+def run_identity(args: argparse.Namespace, train_set, sizes: BatchSizes, config: BertConfig, bf16: bool) -> dict:
     """What a resumed run must share with its checkpoint, or it would not continue the same run:
     the optimizer (its state is loaded as is), the weight decay (the checkpoint's param groups
     keep theirs), the global batch (the schedule and learning rate were set for it; the
-    accumulation steps adapt to the world size) and the training shards (consumed_samples
-    indexes their sample stream)."""
+    accumulation steps adapt to the world size), the training shards (consumed_samples indexes
+    their sample stream), the model config (initializer_range aside: the weights are loaded) and
+    the precision (bf16 and fp32 checkpoints hold other optimizer partitions)."""
     return {"optimizer": args.optimizer, "weight_decay": args.weight_decay, "train_batch_size": sizes.train_batch_size,
             "training_shards": [[Path(s.path).relative_to(args.input_dir).as_posix(), s.num_samples]
-                                for s in train_set.shards]}
+                                for s in train_set.shards],
+            "model": {k: v for k, v in config.to_dict().items() if k != "initializer_range"}, "bf16": bf16}
 
 
 def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path) -> None:
@@ -279,6 +281,18 @@ def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path
             raise RunConfigError(f"{tag_dir} was trained with --{flag} {saved[flag]}; resuming with --{flag} "
                                  f"{now[flag]} would not continue that run. Pass --{flag} {saved[flag]}, or use a "
                                  "new --output_dir (--phase2 --init_checkpoint starts from this run's weights)")
+    # Checkpoints saved before the model config and precision were recorded lack them.
+    new_phase = "or start a new phase in another --output_dir with --phase2 --init_checkpoint"
+    if "bf16" in saved and saved["bf16"] != now["bf16"]:
+        then, this = ("bf16", "fp32") if saved["bf16"] else ("fp32", "bf16")
+        raise RunConfigError(f"{tag_dir} was trained in {then}; this DeepSpeed JSON trains in {this}, whose optimizer "
+                             f"partitions are laid out otherwise. Resume with a {then} DeepSpeed JSON (bf16.enabled "
+                             f"{str(saved['bf16']).lower()}), {new_phase}")
+    if "model" in saved and saved["model"] != now["model"]:
+        differ = [f"{k} {saved['model'].get(k)!r} there, {now['model'].get(k)!r} in --config_file"
+                  for k in sorted(set(saved["model"]) | set(now["model"])) if saved["model"].get(k) != now["model"].get(k)]
+        raise RunConfigError(f"{tag_dir} was trained with another model config ({'; '.join(differ)}). Resume with "
+                             f"the run's config ({tag_dir.parent.parent / 'model_config.json'}), {new_phase}")
     old, new = saved["training_shards"], now["training_shards"]
     if old != new:
         first = next((f"{a[0]} ({a[1]} samples) is now {b[0]} ({b[1]} samples)" for a, b in zip(old, new) if a != b),
@@ -470,7 +484,7 @@ def train(args: argparse.Namespace) -> dict:
                               f"shards under --input_dir {args.input_dir} (.hdf5 files in a test/ directory or "
                               "named like wikicorpus_en_test_0.hdf5); add them, or pass --num_eval_samples 0 "
                               "to train without evaluation")
-    identity = run_identity(args, train_set, sizes)
+    identity = run_identity(args, train_set, sizes, config, bool(ds_config.get("bf16", {}).get("enabled")))
 
     ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
     checkpoint.finish_interrupted_commit(ckpt_dir, args.keep_checkpoints)

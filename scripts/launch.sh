@@ -3,6 +3,9 @@
 #
 #   scripts/launch.sh --preset NAME --nodes N --input_dir DIR --output_dir DIR [options] [-- extra run_pretraining flags]
 #
+# Relative paths, in the options and in run_pretraining.py's path flags after '--', are relative to the
+# directory launch.sh is called from.
+#
 # Launchers (--launcher):
 #   deepspeed  (default) Run once, on the first node. DeepSpeed's launcher starts every node over pdsh/ssh
 #              (ssh port 3022 as in Habana's containers). Needs --hostfile, or --hosts to build one.
@@ -144,6 +147,17 @@ if [[ -z "$MASTER_ADDR_ARG" ]]; then
   [[ "$NODES" == 1 ]] || die "$NODES nodes need --master_addr, --hosts or --hostfile"
   MASTER_ADDR_ARG="127.0.0.1"
 fi
+
+# run_pretraining.py's path flags after '--' are relative to where launch.sh was called, like its own
+# path options: made absolute before the cd below.
+for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+  case "${EXTRA[i]}" in
+    --config_file|--deepspeed_config|--init_checkpoint|--input_dir|--output_dir)
+      if ((i + 1 < ${#EXTRA[@]})); then EXTRA[i + 1]="$(abspath "${EXTRA[i + 1]}")"; i=$((i + 1)); fi ;;
+    --config_file=*|--deepspeed_config=*|--init_checkpoint=*|--input_dir=*|--output_dir=*)
+      EXTRA[i]="${EXTRA[i]%%=*}=$(abspath "${EXTRA[i]#*=}")" ;;
+  esac
+done
 
 cd "$ROOT"  # the deepspeed launcher starts remote ranks in the same directory, so it must be the project root
 

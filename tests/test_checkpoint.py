@@ -273,9 +273,24 @@ def test_latest_pointing_at_incomplete_tag_is_a_loud_error(tmp_path):
 
 def test_garbled_run_state_is_a_loud_error(tmp_path):
     _save(tmp_path, 10)
-    (tmp_path / "step00000010" / RUN_STATE).write_text("{not json")
+    state_file = tmp_path / "step00000010" / RUN_STATE
+    saved = json.loads(state_file.read_text())
+    state_file.write_text("{not json")
     with pytest.raises(CheckpointError, match="run_state.json is corrupt"):
         find_resume(tmp_path)
+    state_file.write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match=r"run_state.json is corrupt \(a JSON list, not an object\)"):
+        find_resume(tmp_path)
+    # another version's fields: not "corrupt", whose advice (an older tag) cannot help
+    del saved["identity"]
+    state_file.write_text(json.dumps(saved | {"format": 3}))
+    with pytest.raises(CheckpointError, match=r"run_state.json was written by another version of run_pretraining.py "
+                                              r"\(fields missing: identity; unknown: format\); resume the run with "
+                                              "the version that wrote it"):
+        find_resume(tmp_path)
+    del saved["skipped_steps"]  # absent before it was counted: still readable
+    state_file.write_text(json.dumps(saved | {"identity": {}}))
+    assert checkpoint.read_state(tmp_path / "step00000010").skipped_steps == 0
 
 
 def test_checkpoints_without_latest_are_not_silently_ignored(tmp_path):

@@ -121,6 +121,21 @@ def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     assert ds["gradient_accumulation_steps"] == 24  # 12288 / (32 x 16 devices)
 
 
+def test_path_flags_after_the_separator_are_relative_to_the_callers_directory(tmp_path: Path):
+    """launch.sh changes to the project root before it starts anything; run_pretraining.py's path flags
+    given after '--' are made absolute first, as its own --input_dir and --output_dir are."""
+    caller = tmp_path / "caller"
+    (caller / "shards").mkdir(parents=True)
+    proc = subprocess.run(["bash", str(LAUNCH), "--preset", "demo", "--nodes", "1", "--input_dir", "shards",
+                           "--output_dir", "run", "--dry_run", "--", "--config_file", "model.json",
+                           "--deepspeed_config=ds.json", "--log_freq", "5"],
+                          capture_output=True, text=True, env=_env(), cwd=caller, timeout=120)
+    run_args = _command(proc)
+    assert _flag(run_args, "--input_dir") == str(caller / "shards")
+    assert run_args[-5:-3] == ["--config_file", str(caller / "model.json")]  # after the preset's: it wins
+    assert f"--deepspeed_config={caller / 'ds.json'}" in run_args and run_args[-2:] == ["--log_freq", "5"]
+
+
 def test_default_interpreter_is_the_checkouts_venv(tmp_path: Path):
     """Without PYTHON, launch.sh runs the venv `make venv` made (as prepare_wikicorpus.sh does), not
     whatever python3 comes first on PATH, which need not have torch."""

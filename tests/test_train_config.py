@@ -139,9 +139,13 @@ def test_bad_flag_combinations(extra, message):
         parse_args(REQUIRED + extra)
 
 
-def _identity(optimizer="lamb", weight_decay=0.01, batch=64, shards=(("training/w_training_0.hdf5", 40),)):
+TINY_MODEL = json.loads(Path("configs/models/bert-tiny.json").read_text())
+
+
+def _identity(optimizer="lamb", weight_decay=0.01, batch=64, shards=(("training/w_training_0.hdf5", 40),),
+              bf16=True, **model):
     return {"optimizer": optimizer, "weight_decay": weight_decay, "train_batch_size": batch,
-            "training_shards": [list(s) for s in shards]}
+            "training_shards": [list(s) for s in shards], "model": TINY_MODEL | model, "bf16": bf16}
 
 
 @pytest.mark.parametrize("now, message", [
@@ -155,8 +159,15 @@ def _identity(optimizer="lamb", weight_decay=0.01, batch=64, shards=(("training/
      r"\(40 samples\) is now training/w_training_0.hdf5 \(37 samples\)\)"),
     (_identity(shards=(("training/w_training_0.hdf5", 40), ("training/w_training_1.hdf5", 9))),
      r"now holds 49 in 2 \(1 shards then, 2 now\)"),
+    (_identity(hidden_act="relu", hidden_dropout_prob=0.0),
+     r"step00000008 was trained with another model config \(hidden_act 'gelu' there, 'relu' in --config_file; "
+     r"hidden_dropout_prob 0.1 there, 0.0 in --config_file\). Resume with the run's config "
+     r"\(out/model_config.json\), or start a new phase in another --output_dir with --phase2 --init_checkpoint"),
+    (_identity(bf16=False), r"step00000008 was trained in bf16; this DeepSpeed JSON trains in fp32, whose optimizer "
+                            r"partitions are laid out otherwise. Resume with a bf16 DeepSpeed JSON \(bf16.enabled "
+                            r"true\), or start a new phase"),
 ])
-def test_resume_refuses_another_optimizer_weight_decay_or_data(now, message):
+def test_resume_refuses_another_optimizer_weight_decay_data_model_or_precision(now, message):
     check_resume_identity(Path("out/checkpoints/step00000008"), _identity(), _identity(), Path("in"))
     with pytest.raises(RunConfigError, match=message):
         check_resume_identity(Path("out/checkpoints/step00000008"), _identity(), now, Path("in"))

@@ -446,6 +446,14 @@ def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shard
     next((fewer / "training").glob("*_1.hdf5")).unlink()
     result = run(1, args(fewer, out))
     assert result.returncode == 1 and "consumed_samples would index another sample stream" in result.stderr
+    relu = write_json(tmp_path / "relu.json", TINY | {"hidden_act": "relu"})
+    result = run(1, with_flag(args(phase1_shards, out), "--config_file", str(relu)))
+    assert result.returncode == 1
+    assert "step00000012 was trained with another model config (hidden_act 'gelu' there, 'relu' in" in result.stderr
+    bf16 = ds_config(tmp_path / "bf16.json", bf16=True, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+    result = run(1, with_flag(args(phase1_shards, out), "--deepspeed_config", str(bf16)))
+    assert result.returncode == 1 and "step00000012 was trained in fp32; this DeepSpeed JSON trains in bf16" in result.stderr
+    assert json.loads((out / "model_config.json").read_text())["hidden_act"] == "gelu"  # not overwritten
     # A longer schedule is refused by the schedule, not reported as a corrupt checkpoint.
     result = run(1, with_flag(args(phase1_shards, out), "--max_steps", "16"))
     assert result.returncode == 1 and "corrupt" not in result.stderr

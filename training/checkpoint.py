@@ -21,6 +21,7 @@ back to a fresh start.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -310,10 +311,23 @@ def find_resume(ckpt_dir: Path) -> tuple[str, RunState] | None:
 def read_state(tag_dir: Path) -> RunState:
     state_file = tag_dir / RUN_STATE
     try:
-        return RunState(**json.loads(state_file.read_text()))
-    except (json.JSONDecodeError, TypeError) as e:
-        raise CheckpointError(f"{state_file} is corrupt ({e}); point {tag_dir.parent / LATEST} at an older "
-                              "tag") from e
+        data = json.loads(state_file.read_text())
+    except json.JSONDecodeError as e:
+        data, error = None, str(e)
+    else:
+        error = None if isinstance(data, dict) else f"a JSON {type(data).__name__}, not an object"
+    if error is not None:
+        raise CheckpointError(f"{state_file} is corrupt ({error}); point {tag_dir.parent / LATEST} at an older tag")
+    fields = {f.name for f in dataclasses.fields(RunState)}
+    required = {f.name for f in dataclasses.fields(RunState)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    missing, unknown = sorted(required - set(data)), sorted(set(data) - fields)
+    if missing or unknown:
+        # Every tag of a run is written by the same code: an older tag would not help.
+        raise CheckpointError(f"{state_file} was written by another version of run_pretraining.py (fields missing: "
+                              f"{', '.join(missing) or 'none'}; unknown: {', '.join(unknown) or 'none'}); resume the "
+                              "run with the version that wrote it")
+    return RunState(**data)
 
 
 def verify_files(tag_dir: Path, state: RunState, checksum: list[str] | None = None) -> None:
@@ -357,8 +371,12 @@ def load(engine, ckpt_dir: Path, tag: str, module_only: bool = False) -> None:
     except ScheduleMismatchError:
         raise  # flags that differ from the checkpoint's: its message names them; the files are fine
     except LOAD_ERRORS as e:
-        raise CheckpointError(f"{ckpt_dir / tag}: cannot load the checkpoint ({type(e).__name__}: {e}). "
-                              "It is corrupt; point 'latest' at an older tag") from e
+        # The resume checked every file's size and CRC-32 first (and the model config and precision):
+        # what fails here is rarely damage.
+        raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed cannot load the checkpoint ({type(e).__name__}: {e}). "
+                              "Its files passed their size and CRC-32 checks, so this is rarely damage: resume with "
+                              "the DeepSpeed version, DeepSpeed JSON and model config it was saved with, or point "
+                              "'latest' at another tag") from e
     if path is None:
         raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed found no checkpoint to load")
 
