@@ -418,3 +418,30 @@ def test_unreadable_config_files(tmp_path):
     bad.write_text('{"vocab_size": 10,')
     with pytest.raises(ConfigError, match=r"bad.json: not valid JSON \(line 1"):
         BertConfig.from_json_file(bad)
+
+
+@pytest.mark.parametrize("text, lower_case", [
+    ("कुछ लोग यहाँ रहते हैं। वे हिंदी बोलते हैं और किताबें पढ़ते हैं।\n", False),  # no capitals, but marks
+    ("Café owners in Zürich read Books. The NAÏVE reader smiles.\n", False),
+    ("Café owners in Zürich read Books. The NAÏVE reader smiles.\n", True),
+])
+def test_the_exported_tokenizer_tokenizes_as_the_shards_were(tmp_path, text, lower_case):
+    """The export infers lower-casing from the vocab alone; for vocabs data.vocab trains, with or
+    without --no_lower_case, it must give the ids data.tokens gave the shards."""
+    from transformers import AutoTokenizer
+
+    from data import stage
+    from data.tokens import WordPieceTokenizer
+    from data.vocab import VocabConfig, build_vocab
+
+    corpus = tmp_path / "sentences"
+    corpus.mkdir()
+    (corpus / "part-00000.txt").write_text(text * 20, encoding="utf-8")
+    stage.finish(corpus, {"test": True}, {})
+    vocab = build_vocab(VocabConfig(tmp_path / "vocab", corpus_dir=corpus, vocab_size=120, lower_case=lower_case,
+                                    min_frequency=1))
+    modeling.save_tokenizer(vocab.path, tmp_path / "hf", 128)
+    ids, _ = WordPieceTokenizer(vocab.path, lower_case).tokenize_sentences([text.strip()])
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported(text.strip(), add_special_tokens=False)["input_ids"] == ids.tolist()
+    assert exported.unk_token_id not in ids.tolist()
