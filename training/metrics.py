@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -108,6 +110,42 @@ def drop_records_after(path: Path, step: int) -> set[int]:
     return steps
 
 
+def _add_scalars(tb, prefix: str, record: dict) -> None:
+    for key, value in record.items():
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            tb.add_scalar(f"{prefix}/{key}", value, record["step"])
+
+
+def rebuild_tensorboard(tb_dir: Path, logs: dict[str, Path]) -> None:
+    """Write `tb_dir` anew from the records of the JSON-lines logs (prefix -> path), which hold exactly
+    the steps a resumed run keeps. Event files cannot drop the steps logged past the checkpoint:
+    SummaryWriter's purge_step hides them only from TensorBoard's Python loader, not from its
+    default (Rust) one. The files are written beside `tb_dir` and swapped in; a kill in between
+    leaves leftovers that the next start removes, and it rebuilds from the logs again."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    staging, old = tb_dir.with_name(f".{tb_dir.name}.tmp"), tb_dir.with_name(f".{tb_dir.name}.old")
+    for leftover in (staging, old):
+        if leftover.exists():
+            shutil.rmtree(leftover)
+    tb = SummaryWriter(log_dir=str(staging))
+    for prefix, path in logs.items():
+        lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # drop_records_after keeps such lines as they are
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                _add_scalars(tb, prefix, record)
+    tb.close()
+    if tb_dir.exists():
+        os.replace(tb_dir, old)
+    os.replace(staging, tb_dir)
+    if old.exists():
+        shutil.rmtree(old)
+
+
 class MetricsWriter:
     """Rank 0's sinks: `<output_dir>/metrics.jsonl` (one object per logged step), `eval.jsonl`,
     TensorBoard under `<output_dir>/tensorboard`, and a tqdm progress bar."""
@@ -131,8 +169,9 @@ class MetricsWriter:
             remove_stale_temporaries(path)
         _, self.eval_steps = (drop_records_after(path, start_step) for path in paths)
         self.jsonl, self.eval_jsonl = (open(path, "a") for path in paths)  # noqa: SIM115
-        # purge_step: TensorBoard hides the events of steps >= it written before this run.
-        self.tb = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1)
+        tb_dir = Path(output_dir) / "tensorboard"
+        rebuild_tensorboard(tb_dir, {"train": paths[0], "eval": paths[1]})
+        self.tb = SummaryWriter(log_dir=str(tb_dir))
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
     def evaluated(self, step: int) -> bool:
@@ -150,10 +189,7 @@ class MetricsWriter:
         sink = self.jsonl if prefix == "train" else self.eval_jsonl
         sink.write(json.dumps(record) + "\n")
         sink.flush()
-        step = record["step"]
-        for key, value in record.items():
-            if key != "step" and isinstance(value, (int, float)) and math.isfinite(value):
-                self.tb.add_scalar(f"{prefix}/{key}", value, step)
+        _add_scalars(self.tb, prefix, record)
         self.bar.write(self.progress_line(record, prefix))
 
     def note(self, message: str) -> None:
