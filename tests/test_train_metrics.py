@@ -114,12 +114,25 @@ def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     assert scalars == {"train/loss": [(step, 10.0 - step) for step in range(1, 5)] +
                                      [(step, 20.0 - step) for step in range(5, 11)]}
     assert not list(tmp_path.glob(".tensorboard.*"))
+    # A start killed after it dropped records, before its rebuild: the staging directory, made before
+    # the logs were touched, marks the rebuild for the next start (here: a stale event of step 12).
+    from torch.utils.tensorboard import SummaryWriter
+
+    with SummaryWriter(log_dir=str(tmp_path / "tensorboard")) as stale:
+        stale.add_scalar("train/loss", 1.0, 12)
+    (tmp_path / ".tensorboard.tmp").mkdir()
+    MetricsWriter(tmp_path, total_steps=10, start_step=10, enabled=True).close()
+    assert tensorboard_scalars(tmp_path / "tensorboard") == scalars
     # killed between the two renames of the swap: the next start rebuilds from the logs again
     (tmp_path / "tensorboard").rename(tmp_path / ".tensorboard.old")
     (tmp_path / ".tensorboard.tmp").mkdir()
     MetricsWriter(tmp_path, total_steps=10, start_step=10, enabled=True).close()
     assert tensorboard_scalars(tmp_path / "tensorboard") == scalars
     assert not list(tmp_path.glob(".tensorboard.*"))
+    # nothing dropped, no leftovers: the event files are kept, not rewritten
+    before = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
+    MetricsWriter(tmp_path, total_steps=10, start_step=10, enabled=True).close()
+    assert set(before) < {p.name for p in (tmp_path / "tensorboard").iterdir()}
 
 
 def test_a_rerun_killed_while_dropping_records_keeps_them_aside_once(tmp_path):

@@ -77,11 +77,12 @@ class Throughput:
         return rate
 
 
-def drop_records_after(path: Path, step: int) -> set[int]:
+def drop_records_after(path: Path, step: int, before_dropping=None) -> set[int]:
     """Keep the records of steps <= `step` in a JSON-lines log (and lines that are not records);
     a last line cut short by a kill is dropped. The dropped lines are appended to
     `<name>.dropped.jsonl` first (a rewound run's records are not lost), then the log is rewritten
-    atomically, only when something goes. Returns the steps of the records kept."""
+    atomically, only when something goes; `before_dropping()` is called first then. Returns the steps
+    of the records kept."""
     if not path.is_file():
         return set()
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -101,6 +102,8 @@ def drop_records_after(path: Path, step: int) -> set[int]:
             if isinstance(logged, int):
                 steps.add(logged)
     if len(kept) != len(lines):
+        if before_dropping is not None:
+            before_dropping()
         side, text = path.with_name(f"{path.stem}.dropped.jsonl"), "".join(line + "\n" for line in dropped)
         # Already there when a rerun was killed between this append and the rewrite below.
         if text and not (side.is_file() and side.read_text(encoding="utf-8").endswith(text)):
@@ -167,10 +170,16 @@ class MetricsWriter:
         paths = [Path(output_dir) / name for name in ("metrics.jsonl", "eval.jsonl")]
         for path in paths:
             remove_stale_temporaries(path)
-        _, self.eval_steps = (drop_records_after(path, start_step) for path in paths)
-        self.jsonl, self.eval_jsonl = (open(path, "a") for path in paths)  # noqa: SIM115
+        # TensorBoard gets a step's events after its records, so its files hold steps past the
+        # checkpoint only if the logs do. Its staging directory, made before any record is dropped,
+        # marks a rebuild to do, also for a start killed before the rebuild was done.
         tb_dir = Path(output_dir) / "tensorboard"
-        rebuild_tensorboard(tb_dir, {"train": paths[0], "eval": paths[1]})
+        staging = tb_dir.with_name(f".{tb_dir.name}.tmp")
+        _, self.eval_steps = (drop_records_after(path, start_step, lambda: staging.mkdir(exist_ok=True))
+                              for path in paths)
+        self.jsonl, self.eval_jsonl = (open(path, "a") for path in paths)  # noqa: SIM115
+        if any(tb_dir.parent.glob(f".{tb_dir.name}.*")):
+            rebuild_tensorboard(tb_dir, {"train": paths[0], "eval": paths[1]})
         self.tb = SummaryWriter(log_dir=str(tb_dir))
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
 
