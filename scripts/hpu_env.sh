@@ -14,8 +14,9 @@ export PT_HPU_LAZY_MODE="${PT_HPU_LAZY_MODE:-1}"
 
 # Cache compiled graph recipes on local disk so that the 8 ranks of a node compile each graph once
 # instead of 8 times. Format: <path>,<delete at start>,<max size MB>. Keep it on a local disk, never
-# on NFS (Habana: the cache relies on file locks).
-export PT_HPU_RECIPE_CACHE_CONFIG="${PT_HPU_RECIPE_CACHE_CONFIG:-/tmp/bert_pretraining_recipe_cache,false,8192}"
+# on NFS (Habana: the cache relies on file locks), hence /tmp rather than the home directory; one
+# directory per user id, so that another user's cache on a shared node is neither unwritable nor reused.
+export PT_HPU_RECIPE_CACHE_CONFIG="${PT_HPU_RECIPE_CACHE_CONFIG:-/tmp/bert_pretraining_recipe_cache_$(id -u),false,8192}"
 
 # Not set here because they are site specific; export them yourself when they apply:
 #   HCCL_SOCKET_IFNAME=<nic>   the host interface HCCL uses for its control plane (e.g. eth0)

@@ -113,6 +113,8 @@ def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     assert (out / "launch" / "hostfile").read_text() == "gaudi-a slots=8\ngaudi-b slots=8\n"
     env_file = (out / "launch" / "deepspeed_env").read_text().splitlines()
     assert "PT_HPU_LAZY_MODE=1" in env_file
+    # the recipe cache: on local disk, one directory per user (another user's would not be writable)
+    assert f"PT_HPU_RECIPE_CACHE_CONFIG=/tmp/bert_pretraining_recipe_cache_{os.getuid()},false,8192" in env_file
     script = cmd.index(str(ROOT / "run_pretraining.py"))
     run_args = cmd[script + 1:]
     assert _flag(run_args, "--input_dir") == str(tmp_path) and run_args[-2:] == ["--log_freq", "50"]
