@@ -410,3 +410,16 @@ def test_init_weights_from_a_hugging_face_directory(tmp_path):
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"not weights")
     with pytest.raises(CheckpointError, match="cannot load it as a Hugging Face BERT"):
         weights.load_initial_weights(model, tmp_path / "hf")
+
+
+def test_a_load_that_fails_after_the_checksums_passed_is_not_called_corrupt(tmp_path):
+    class Engine:  # DeepSpeed refusing weights of another shape, as after a model config change
+        def load_checkpoint(self, load_dir, tag, load_module_only):
+            raise RuntimeError("Error(s) in loading state_dict: size mismatch for bert.pooler.dense.weight")
+
+    with pytest.raises(CheckpointError) as error:
+        checkpoint.load(Engine(), tmp_path, "step00000010")
+    message = str(error.value)
+    assert message.startswith(f"{tmp_path / 'step00000010'}: DeepSpeed cannot load the checkpoint (RuntimeError: ")
+    assert "passed their size and CRC-32 checks, so this is rarely damage: resume with the DeepSpeed version, " \
+           "DeepSpeed JSON and model config it was saved with" in message and "corrupt" not in message
