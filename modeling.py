@@ -21,6 +21,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -628,6 +629,11 @@ def load_hf(directory: str | os.PathLike, pad_vocab_size_multiple: int = 8) -> B
                           f"{', ...' if len(missing) > 4 else ''}; a BERT pretraining checkpoint (with its MLM head) "
                           "is needed, not a bare encoder or a fine-tuned model")
     return from_hf_model(hf_model, pad_vocab_size_multiple)
+
+
+def config_differences(then: dict, now: dict, fields: Iterable[str]) -> list[str]:
+    """'<field> <then's value> there, <now's value> in --config_file' for each of `fields` that differs."""
+    return [f"{k} {then.get(k)!r} there, {now.get(k)!r} in --config_file" for k in fields if then.get(k) != now.get(k)]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -23,7 +23,14 @@ import torch
 import torch.distributed as dist
 
 from data.cli import HelpFormatter
-from modeling import ActivationCheckpointing, BertConfig, BertForPreTraining, ConfigError, count_parameters
+from modeling import (
+    ActivationCheckpointing,
+    BertConfig,
+    BertForPreTraining,
+    ConfigError,
+    config_differences,
+    count_parameters,
+)
 from training import accelerator as accel
 from training import checkpoint
 from training.atomic import atomic_write_text, remove_stale_temporaries
@@ -289,8 +296,7 @@ def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path
                              f"partitions are laid out otherwise. Resume with a {then} DeepSpeed JSON (bf16.enabled "
                              f"{str(saved['bf16']).lower()}), {new_phase}")
     if "model" in saved and saved["model"] != now["model"]:
-        differ = [f"{k} {saved['model'].get(k)!r} there, {now['model'].get(k)!r} in --config_file"
-                  for k in sorted(set(saved["model"]) | set(now["model"])) if saved["model"].get(k) != now["model"].get(k)]
+        differ = config_differences(saved["model"], now["model"], sorted(set(saved["model"]) | set(now["model"])))
         raise RunConfigError(f"{tag_dir} was trained with another model config ({'; '.join(differ)}). Resume with "
                              f"the run's config ({tag_dir.parent.parent / 'model_config.json'}), {new_phase}")
     old, new = saved["training_shards"], now["training_shards"]
@@ -344,6 +350,10 @@ class NonFiniteGuard:
             raise DivergedError(
                 f"{self.batches_in_a_row} micro batches in a row had a non-finite loss at step {step} "
                 f"({self.skipped_batches} in total); the run has diverged. {self._advice}")
+
+    def counts(self) -> tuple[int, int]:
+        """(skipped_batches, skipped_steps), as a checkpoint records them."""
+        return self.skipped_batches, self.skipped_steps
 
     def step_update(self, applied: bool, step: int) -> None:
         """The accumulation window after step `step` reached DeepSpeed's optimizer step."""
@@ -563,7 +573,7 @@ def train(args: argparse.Namespace) -> dict:
     meter = Throughput(warmup=2)
     last_saved = step
     consumed_at_step = consumed  # stream position at the end of the last complete window
-    skipped_at_step = skipped_batches, skipped_steps  # and the guard's counts up to it
+    skipped_at_step = guard.counts()  # and the guard's counts up to it
     start_step = step
     stopped = False
 
@@ -580,7 +590,7 @@ def train(args: argparse.Namespace) -> dict:
                 break
             meter.update(sizes.train_batch_size)
             guard.step_update(result.applied, step)
-            consumed_at_step, skipped_at_step = consumed, (guard.skipped_batches, guard.skipped_steps)
+            consumed_at_step, skipped_at_step = consumed, guard.counts()
             if not result.applied:
                 # Non-finite gradients: DeepSpeed left weights and schedule as they were, so the
                 # next window takes this step again; its samples stay consumed.
@@ -615,8 +625,8 @@ def train(args: argparse.Namespace) -> dict:
                     writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
             if step % args.num_steps_per_checkpoint == 0 or step == args.max_steps:
                 with meter.excluded():
-                    checkpoint.save(engine, ckpt_dir, step, consumed, args.seed,
-                                    (guard.skipped_batches, guard.skipped_steps), identity, args.keep_checkpoints)
+                    checkpoint.save(engine, ckpt_dir, step, consumed, args.seed, guard.counts(), identity,
+                                    args.keep_checkpoints)
                 last_saved = step
             if stopped:
                 break

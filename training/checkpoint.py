@@ -312,10 +312,9 @@ def read_state(tag_dir: Path) -> RunState:
     state_file = tag_dir / RUN_STATE
     try:
         data = json.loads(state_file.read_text())
-    except json.JSONDecodeError as e:
-        data, error = None, str(e)
-    else:
         error = None if isinstance(data, dict) else f"a JSON {type(data).__name__}, not an object"
+    except json.JSONDecodeError as e:
+        error = str(e)
     if error is not None:
         raise CheckpointError(f"{state_file} is corrupt ({error}); point {tag_dir.parent / LATEST} at an older tag")
     fields = {f.name for f in dataclasses.fields(RunState)}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from modeling import BertForPreTraining, ConfigError, load_hf
+from modeling import BertForPreTraining, ConfigError, config_differences, load_hf
 from training.checkpoint import (
     LOAD_ERRORS,
     MODEL_STATES,
@@ -177,8 +177,7 @@ def _load_hf(model: BertForPreTraining, hf_dir: Path) -> str:
     except (ConfigError, OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise CheckpointError(f"--init_checkpoint {hf_dir}: cannot load it as a Hugging Face BERT "
                               f"({type(e).__name__}: {e})") from e
-    differ = [f"{k} {getattr(source.config, k)!r} there, {getattr(model.config, k)!r} in --config_file"
-              for k in _ARCHITECTURE if getattr(source.config, k) != getattr(model.config, k)]
+    differ = config_differences(source.config.to_dict(), model.config.to_dict(), _ARCHITECTURE)
     if differ:
         raise CheckpointError(f"{config_file}: not the model of --config_file ({'; '.join(differ)}); pass a "
                               "--config_file with the same architecture")
