@@ -103,18 +103,26 @@ def _check_lines(path: Path, lines: list[str], tokens: list[str]) -> None:
 def check_case(vocab: Vocab, lower_case: bool) -> None:
     """Refuse a vocab whose case contradicts the tokenization's (Google's validate_case_matches_checkpoint).
 
-    Cased text against an uncased vocab turns every capitalised word into [UNK]; lower-cased text against
-    a cased vocab can never produce its capitalised tokens. A few stray capitals in a custom vocab pass.
+    BERT's uncased normalisation lower-cases and strips accents and combining marks, so an uncased vocab
+    holds no token it would change, and a cased one does: capitals, or marks in a script without capitals
+    (the export infers the case the same way, `modeling.save_tokenizer`). Cased text against an uncased
+    vocab turns every capitalised or accented word into [UNK]; uncased text against a cased vocab can never
+    produce its cased tokens. A few stray cased tokens in a custom vocab pass. A vocab with neither (Han
+    alone, say) counts as uncased: lower-casing then changes nothing the vocab could tell apart.
     """
-    cased = [t for t in vocab.tokens if t not in SPECIAL_TOKENS and t != t.lower()]
+    uncased = BertNormalizer(clean_text=False, handle_chinese_chars=False, strip_accents=True, lowercase=True)
+    words = [t for t in vocab.tokens if t not in SPECIAL_TOKENS]
+    cased = [t for t in words if uncased.normalize_str(t) != t]
     if not lower_case and not cased:
         raise PipelineError(
-            f"{vocab.path} is an uncased vocab (no token has a capital letter), but lower-casing is off: every "
-            "capitalised word would become [UNK]. Drop --no_lower_case, or pass a cased vocab.txt")
+            f"{vocab.path} is an uncased vocab (no token has a capital letter, an accent or a combining mark), but "
+            "lower-casing is off: every capitalised or accented word would become [UNK]. Drop --no_lower_case, "
+            "or pass a cased vocab.txt")
     if lower_case and len(cased) > 0.01 * len(vocab.tokens):
         raise PipelineError(
-            f"{vocab.path} is a cased vocab ({len(cased)} tokens such as {cased[0]!r} have capitals), but the text "
-            "is lower-cased, so those tokens could never occur. Pass --no_lower_case, or an uncased vocab.txt")
+            f"{vocab.path} is a cased vocab ({len(cased)} tokens such as {cased[0]!r} have capitals, accents or "
+            "combining marks), but the text is lower-cased and stripped of accents, so those tokens could never "
+            "occur. Pass --no_lower_case, or an uncased vocab.txt")
 
 
 def make_tokenizer(vocab_path: Path, lower_case: bool) -> Tokenizer:

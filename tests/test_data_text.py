@@ -126,6 +126,40 @@ def test_cased_text_with_the_uncased_vocab_is_refused_before_any_work(sample_dum
     assert not out.exists()
 
 
+def _sentences(directory, text):
+    from data import stage
+
+    directory.mkdir()
+    (directory / "part-00000.txt").write_text(text * 20, encoding="utf-8")
+    stage.finish(directory, {"test": True}, {})
+    return directory
+
+
+def test_case_check_knows_scripts_without_capitals(tmp_path):
+    """Devanagari has no capitals: its cased vocab differs from the uncased one by the vowel signs and
+    viramas that BERT's uncased normalisation strips."""
+    hindi = _sentences(tmp_path / "hindi", "कुछ लोग यहाँ रहते हैं। वे हिंदी बोलते हैं और किताबें पढ़ते हैं।\n")
+    vocabs = {lower: build_vocab(VocabConfig(tmp_path / f"hindi-{lower}", corpus_dir=hindi, vocab_size=120,
+                                             lower_case=lower, min_frequency=1)) for lower in (True, False)}
+    for lower, vocab in vocabs.items():
+        check_case(vocab, lower_case=lower)
+    with pytest.raises(PipelineError, match=f"{re.escape(str(vocabs[False].path))} is a cased vocab .* such as "):
+        check_case(vocabs[False], lower_case=True)
+    with pytest.raises(PipelineError, match=f"{re.escape(str(vocabs[True].path))} is an uncased vocab"):
+        check_case(vocabs[True], lower_case=False)
+    # The whole stage with the cased vocab, as data.prepare --vocab_file ... --no_lower_case runs it.
+    tokens = tokenize_with_given_vocab(TokenizeConfig(hindi, vocabs[False].path, tmp_path / "tokens",
+                                                      lower_case=False))
+    assert tokens.tokens > 200 and tokens.unknown_tokens == 0
+
+    # Han has neither case nor marks: such a vocab counts as uncased (docs/DATA.md).
+    han = build_vocab(VocabConfig(tmp_path / "han", corpus_dir=_sentences(tmp_path / "zh", "我们在这里读书。他们说中文。\n"),
+                                  vocab_size=40, min_frequency=1))
+    check_case(han, lower_case=True)
+    with pytest.raises(PipelineError, match="is an uncased vocab"):
+        check_case(han, lower_case=False)
+
+
 def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_path):
     with pytest.raises(PipelineError, match=f"{re.escape(str(tmp_path / 'missing.xml.bz2'))}: no such file"):
         extract(ExtractConfig(tmp_path / "missing.xml.bz2", tmp_path / "m"))
