@@ -21,10 +21,13 @@ import fcntl
 import glob
 import hashlib
 import http.client
+import json
 import os
 import re
+import ssl
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -54,11 +57,14 @@ class DownloadConfig:
     verify: bool = True
     # The longest wait a server's Retry-After (on 408, 429 or 5xx) may impose before the next attempt.
     max_retry_after_s: float = 300.0
+    # The longest back-off between two attempts: doubling from backoff_s would reach hours by the 12th.
+    max_backoff_s: float = 300.0
 
 
 # 408 Request Timeout and 429 Too Many Requests are worth retrying, as are 5xx server errors.
 _TRANSIENT_HTTP = (408, 429)
-_NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError)
+# ssl.SSLError: a TLS record broken mid-body (a dropped https connection), as ConnectionError is for http.
+_NETWORK_ERRORS = (urllib.error.URLError, http.client.HTTPException, ConnectionError, TimeoutError, ssl.SSLError)
 
 
 class _RangeMismatch(Exception):
@@ -73,13 +79,32 @@ def dump_url(mirror: str, date: str, wiki: str = "enwiki") -> str:
     return f"{mirror.rstrip('/')}/{wiki}/{date}/{wiki}-{date}-pages-articles-multistream.xml.bz2"
 
 
+def file_name(url: str) -> str:
+    """The file a URL names: the last segment of its path, without query or fragment, unquoted."""
+    return urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
+
+
+def dump_source(text: str | Path) -> str | Path:
+    """What `--input` names: an http(s) URL to download (the scheme in any case), or a local file, given
+    as a path or a file:// URL."""
+    if isinstance(text, Path):
+        return text
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme.lower() in ("http", "https"):
+        return text
+    if parts.scheme.lower() == "file":
+        return Path(urllib.request.url2pathname(parts.path))
+    return Path(text)
+
+
 def _checksum_urls(url: str) -> list[tuple[str, str]]:
-    base, name = url.rsplit("/", 1)
-    m = _DUMP_NAME.match(name)
+    parts = urllib.parse.urlsplit(url)
+    m = _DUMP_NAME.match(file_name(url))
     if not m:
         return []
-    prefix = f"{base}/{m['wiki']}-{m['date']}"
-    return [(f"{prefix}-{algorithm}sums.txt", algorithm) for algorithm in _ALGORITHMS]
+    directory = parts.path.rsplit("/", 1)[0]
+    return [(urllib.parse.urlunsplit((parts.scheme, parts.netloc, f"{directory}/{m['wiki']}-{m['date']}-"
+                                      f"{algorithm}sums.txt", "", "")), algorithm) for algorithm in _ALGORITHMS]
 
 
 def _is_transient(exc: Exception) -> bool:
@@ -111,8 +136,9 @@ def _retry_after_s(exc: Exception) -> float | None:
 
 
 def _wait_s(cfg: DownloadConfig, attempt: int, exc: Exception) -> float:
-    """Exponential back-off, or the server's Retry-After when longer (up to cfg.max_retry_after_s)."""
-    wait = cfg.backoff_s * 2 ** attempt
+    """Exponential back-off (up to cfg.max_backoff_s), or the server's Retry-After when longer (up to
+    cfg.max_retry_after_s)."""
+    wait = min(cfg.backoff_s * 2 ** attempt, cfg.max_backoff_s)
     retry_after = _retry_after_s(exc)
     return wait if retry_after is None else max(wait, min(retry_after, cfg.max_retry_after_s))
 
@@ -120,19 +146,21 @@ def _wait_s(cfg: DownloadConfig, attempt: int, exc: Exception) -> float:
 def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint: Callable[[], str],
               progress: Callable[[], int] = lambda: 0) -> T:
     """fetch(), tried again after a transient failure (network error, 408, 429, 5xx, a range mismatch) up
-    to cfg.retries times in a row without progress: an attempt that grew `progress()` (the bytes on disk)
-    starts the count and the back-off afresh, so a long transfer survives any number of spread-out drops.
-    Any other error is raised as it is; running out of retries is a PipelineError."""
+    to cfg.retries times in a row without progress: an attempt that took `progress()` (the bytes on disk)
+    past the most it ever was starts the count and the back-off afresh, so a long transfer survives any
+    number of spread-out drops, while a server that makes every resume start again from byte 0 does not
+    keep the download going forever. Any other error is raised as it is; running out of retries is a
+    PipelineError."""
     attempt = 0
+    most = progress()
     while True:
-        before = progress()
         try:
             return fetch()
         except (*_NETWORK_ERRORS, _RangeMismatch) as exc:
             if not _is_transient(exc):
                 raise
-            if progress() > before:
-                attempt = 0
+            if progress() > most:
+                most, attempt = progress(), 0
             if attempt >= cfg.retries:
                 raise PipelineError(
                     f"{url}: failed after {attempt + 1} attempts in a row without progress (last: "
@@ -150,7 +178,8 @@ def _read_text(url: str, timeout_s: float) -> str:
 def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
     """(algorithm, hex digest) of cfg.url from the dump's checksum file, or None when none is published.
     The checksum file is fetched with the same retries as the dump."""
-    name = cfg.url.rsplit("/", 1)[1]
+    name = file_name(cfg.url)
+    unlisted = []
     for sums_url, algorithm in _checksum_urls(cfg.url):
         try:
             text = _retrying(cfg, sums_url, lambda u=sums_url: _read_text(u, cfg.timeout_s),
@@ -163,7 +192,10 @@ def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
             parts = line.split()
             if len(parts) == 2 and parts[1].lstrip("*") == name:
                 return algorithm, parts[0].lower()
-        raise PipelineError(f"{sums_url} does not list {name}; check the dump date and file name")
+        unlisted.append(sums_url)
+    if unlisted:
+        raise PipelineError(f"{' and '.join(unlisted)} {'do' if len(unlisted) > 1 else 'does'} not list {name}; "
+                            "check the dump date and file name")
     return None
 
 
@@ -176,47 +208,115 @@ def _content_range(header: str | None) -> tuple[int | None, int | None]:
     return (int(m[1]) if m[1] else None), (int(m[2]) if m[2] != "*" else None)
 
 
+def _validator_path(part: Path) -> Path:
+    return part.with_name(f".{part.name}.validators")
+
+
 def _restart(part: Path, why: str) -> _RangeMismatch:
     part.unlink(missing_ok=True)
+    _validator_path(part).unlink(missing_ok=True)
     return _RangeMismatch(f"{why}; {part} was emptied to download from byte 0")
+
+
+def _content_length(headers) -> int | None:
+    """Content-Length, or None when missing or malformed (the body then ends when the connection closes)."""
+    value = (headers.get("Content-Length") or "").strip()
+    return int(value) if value.isdigit() else None
+
+
+def _validators(headers, total: int | None) -> dict:
+    """What identifies the version of the file a response comes from: its ETag, Last-Modified and size."""
+    return {"etag": headers.get("ETag"), "last_modified": headers.get("Last-Modified"), "total": total}
+
+
+def _changed(recorded: dict, now: dict) -> str | None:
+    """How the file on the server differs from the one the part file's bytes came from, if it does."""
+    for key in ("etag", "last_modified", "total"):
+        if recorded.get(key) is not None and now.get(key) is not None and recorded[key] != now[key]:
+            return f"{key.replace('_', '-')} was {recorded[key]!r} when the part file was begun, now {now[key]!r}"
+    return None
+
+
+def _read_validators(part: Path) -> dict:
+    """The validators recorded for the part file's bytes; {} for none (a part file of an older version)."""
+    try:
+        recorded = json.loads(_validator_path(part).read_text(encoding="utf-8"))
+    except (FileNotFoundError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def _write_validators(part: Path, validators: dict) -> None:
+    path = _validator_path(part)
+    tmp = path.with_name(f"{path.name}.tmp")
+    tmp.write_text(json.dumps(validators), encoding="utf-8")
+    tmp.replace(path)
+
+
+def _if_range(recorded: dict) -> dict[str, str]:
+    """An If-Range header, so that a server whose file changed sends it whole (200) instead of its tail.
+    A weak ETag is not allowed there; Last-Modified then stands in."""
+    etag = recorded.get("etag")
+    if etag and not etag.startswith("W/"):
+        return {"If-Range": etag}
+    return {"If-Range": recorded["last_modified"]} if recorded.get("last_modified") else {}
 
 
 # What a transfer tells of the part file: it holds the whole file (the length was known, or a Range
 # request for the bytes after it found none); the body ended but no length was given; or the end
-# cannot be confirmed (the server ignores Range requests).
+# cannot be confirmed (the server ignores Range requests, or answers 416 without the size).
 COMPLETE, LENGTH_UNKNOWN, UNCONFIRMED = "complete", "length unknown", "unconfirmed"
+MORE = "more"  # the answer was whole but for a part of the file only: ask for the rest
 
 
-def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end: bool = False) -> str:
+def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end: bool = False,
+           checksum_known: bool = False) -> str:
     """Append the rest of `url` to `part` (Range from its current size) and say what is known of the
     result. `after_unknown_end`: the previous transfer ended without a length, and this request only
-    asks whether bytes follow. Raises on any failure."""
+    asks whether bytes follow. `checksum_known`: a published digest will judge an unconfirmed end.
+    The part file's validators (ETag, Last-Modified, size) are kept beside it: a resume never appends
+    the bytes of a changed file to those of the old one. Raises on any failure."""
     have = part.stat().st_size if part.exists() else 0
-    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    recorded = _read_validators(part) if have else {}
+    request = urllib.request.Request(url, headers={"Range": f"bytes={have}-", **_if_range(recorded)} if have else {})
     try:
         response = urllib.request.urlopen(request, timeout=timeout_s)
     except urllib.error.HTTPError as exc:
         if exc.code != 416 or not have:
             raise
         _, total = _content_range(exc.headers.get("Content-Range"))
-        if total == have or (total is None and after_unknown_end):
-            return COMPLETE  # nothing lies past the bytes the part file holds
+        if total == have or (total is None and (after_unknown_end or checksum_known)):
+            # Nothing lies past the bytes the part file holds; without the size, the checksum decides.
+            return COMPLETE if total == have or after_unknown_end else UNCONFIRMED
         raise _restart(part, f"HTTP 416 with Content-Range {exc.headers.get('Content-Range')!r} while the part "
                              f"file holds {have} bytes") from exc
     with response:
-        total = None
-        if have and response.status == 206:
+        total = None  # the whole file's size, when the response states it
+        if response.status == 206:
             header = response.headers.get("Content-Range")
             first, total = _content_range(header)
             if first != have:
-                raise _restart(part, f"HTTP 206 with Content-Range {header!r} in answer to Range: bytes={have}-")
+                raise _restart(part, f"HTTP 206 with Content-Range {header!r} in answer to "
+                                     f"{f'Range: bytes={have}-' if have else 'a request without Range'}")
         elif have and after_unknown_end:
             return UNCONFIRMED  # it would send the whole file again, which says nothing of the end
         elif have:
-            have = 0  # the server ignored Range and sends the whole file: start again
-        length = response.headers.get("Content-Length")
-        if total is None and length is not None:
-            total = have + int(length)
+            # The whole file (200): the server ignores Range, or If-Range found that the file changed.
+            change = _changed(recorded, _validators(response.headers, _content_length(response.headers)))
+            if change:
+                bar.write(f"download: {url} changed on the server ({change}); downloading it again from byte 0")
+            have = 0
+        length = _content_length(response.headers)
+        end = None if length is None else have + length  # where this body ends
+        if response.status == 200:
+            total = end
+        now = _validators(response.headers, total)
+        if have:
+            change = _changed(recorded, now)
+            if change:
+                raise _restart(part, f"the file on the server changed ({change})")
+        if not have or not recorded:
+            _write_validators(part, now)
         bar.total = total
         bar.n = have
         bar.refresh()
@@ -227,6 +327,10 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end:
                 f.write(chunk)
                 bar.update(len(chunk))
             size = f.tell()
+    if end is not None and size != end:
+        raise http.client.IncompleteRead(b"", end - size)
+    if total is not None and size < total and end is not None and size > have:
+        return MORE  # a whole answer for part of the file: some servers cap each answer
     if total is None:
         # A body without a length ends when the connection closes, which a dropped connection does too.
         return UNCONFIRMED if after_unknown_end and size == have else LENGTH_UNKNOWN
@@ -253,7 +357,7 @@ def _check_config(cfg: DownloadConfig) -> None:
         raise PipelineError(f"timeout_s must be > 0, got {cfg.timeout_s}")
 
 
-def _download_part(cfg: DownloadConfig, part: Path) -> bool:
+def _download_part(cfg: DownloadConfig, part: Path, checksum_known: bool) -> bool:
     """Fetch cfg.url into `part`, resuming and retrying; a 404 or 410 is a PipelineError at once.
     Returns whether `part` is known to hold the whole file (False: only a checksum can tell)."""
 
@@ -261,16 +365,17 @@ def _download_part(cfg: DownloadConfig, part: Path) -> bool:
         return part.stat().st_size if part.exists() else 0
 
     def resume_hint() -> str:
-        return f"rerun to resume from the {size()} bytes in {part}"
+        return f"rerun to resume from the {size()} bytes in {part}" if size() else "rerun to try again"
 
-    name = cfg.url.rsplit("/", 1)[1]
+    name = file_name(cfg.url)
     with tqdm(desc=f"download {name}", unit="B", unit_scale=True, dynamic_ncols=True) as bar:
         try:
             state = None  # a part file left by an earlier run is resumed, never taken as ended
             while state != COMPLETE:
                 after_unknown_end = state == LENGTH_UNKNOWN
                 state = _retrying(cfg, cfg.url,
-                                  lambda end=after_unknown_end: _fetch(cfg.url, part, cfg.timeout_s, bar, end),
+                                  lambda end=after_unknown_end: _fetch(cfg.url, part, cfg.timeout_s, bar, end,
+                                                                       checksum_known),
                                   resume_hint, size)
                 if state == UNCONFIRMED:
                     return False
@@ -287,34 +392,52 @@ def _download_part(cfg: DownloadConfig, part: Path) -> bool:
 def download(cfg: DownloadConfig) -> Path:
     """Download cfg.url into cfg.output_dir and return the final path (skipped if already done)."""
     _check_config(cfg)
-    name = cfg.url.rsplit("/", 1)[1]
+    name = file_name(cfg.url)
     if not name:
         raise PipelineError(f"{cfg.url} does not name a file")
     final = cfg.output_dir / name
-    if final.is_file():
-        return final
-    cfg.output_dir.mkdir(parents=True, exist_ok=True)
-    with _exclusive(cfg.output_dir / f".{name}.lock", f"another download of {name} into {cfg.output_dir}"):
-        if final.is_file():  # finished by the run that held the lock
-            return final
-        part = cfg.output_dir / f"{name}.part"
-        checksum = published_checksum(cfg) if cfg.verify else None
-        whole = _download_part(cfg, part)
-        if checksum is None:
-            if not whole:
-                raise PipelineError(
-                    f"{cfg.url}: the server sent no length and ignores Range requests, and no checksum file is "
-                    f"published, so the {part.stat().st_size} bytes in {part} may be a cut-off transfer. Fetch "
-                    "the file another way (or from another --mirror) and pass its path to --input")
-            if cfg.verify:
-                print(f"download: no checksum file published beside {cfg.url}; the file is not verified")
-        else:
-            _verify(cfg, part, *checksum)
-        part.replace(final)
-        for algorithm in _ALGORITHMS:  # copies kept by earlier mismatches: this download replaces them
+    part = cfg.output_dir / f"{name}.part"
+    try:
+        if not final.is_file():
+            cfg.output_dir.mkdir(parents=True, exist_ok=True)
+            with _exclusive(cfg.output_dir / f".{name}.lock", f"another download of {name} into {cfg.output_dir}"):
+                if not final.is_file():  # else finished by the run that held the lock
+                    _download_verified(cfg, part, final)
+        for algorithm in _ALGORITHMS:  # copies kept by earlier mismatches: the verified file replaces them
             for old in cfg.output_dir.glob(f"{glob.escape(name)}.{algorithm}-*"):
-                old.unlink()
+                old.unlink(missing_ok=True)
+    except OSError as exc:
+        if isinstance(exc, urllib.error.URLError):
+            raise
+        # The network's OSErrors are retried or worded where they occur; this is the disk's.
+        where = exc.filename or part
+        raise PipelineError(f"{where}: {exc.strerror or exc} while downloading {name}; fix it (free space, "
+                            f"permissions, the path) and rerun: the bytes already in {part} are resumed") from exc
     return final
+
+
+def _download_verified(cfg: DownloadConfig, part: Path, final: Path) -> None:
+    checksum = published_checksum(cfg) if cfg.verify else None
+    whole = _download_part(cfg, part, checksum is not None)
+    if checksum is None:
+        if not whole:
+            raise PipelineError(
+                f"{cfg.url}: the server sent no length and ignores Range requests, and no checksum file is "
+                f"published, so the {part.stat().st_size} bytes in {part} may be a cut-off transfer. Fetch "
+                "the file another way (or from another --mirror) and pass its path to --input")
+        if cfg.verify:
+            print(f"download: no checksum file published beside {cfg.url}; the file is not verified")
+    else:
+        _verify(cfg, part, *checksum)
+    with part.open("rb") as f:
+        os.fsync(f.fileno())  # the bytes are on disk before the name says the file is whole
+    part.replace(final)
+    _validator_path(part).unlink(missing_ok=True)
+    directory = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 def _verify(cfg: DownloadConfig, part: Path, algorithm: str, expected: str) -> None:
@@ -322,7 +445,7 @@ def _verify(cfg: DownloadConfig, part: Path, algorithm: str, expected: str) -> N
     digest, not deleted: a second download with the same digest shows that the mirror's file or its
     checksum file is wrong, not the transfer."""
     actual = _digest(part, algorithm)
-    name = cfg.url.rsplit("/", 1)[1]
+    name = file_name(cfg.url)
     aside = part.with_name(f"{name}.{algorithm}-{actual}")
     if actual == expected:
         return
@@ -331,6 +454,7 @@ def _verify(cfg: DownloadConfig, part: Path, algorithm: str, expected: str) -> N
         if old != aside:
             old.unlink()  # an earlier mismatching copy: only the newest is kept
     part.replace(aside)
+    _validator_path(part).unlink(missing_ok=True)
     if again:
         raise PipelineError(
             f"{cfg.url}: {algorithm} checksum mismatch again, with the same bytes as the previous download "

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from data.cli import HelpFormatter, add_workers_argument
 from data.create import CreateConfig, add_masking_arguments, create, held_out_documents, validate
-from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_url
+from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_source, dump_url
 from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
@@ -133,10 +133,9 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         seconds[name] = round(time.perf_counter() - t, 3)
         return out
 
-    dump = cfg.input
-    if isinstance(dump, str) and dump.startswith(("http://", "https://")):
+    dump = dump_source(cfg.input)
+    if isinstance(dump, str):
         dump = timed("download", download, DownloadConfig(url=dump, output_dir=text_dir / "download"))
-    dump = Path(dump)
     ex = timed("extract", extract, ExtractConfig(dump, text_dir / "extracted", cfg.workers, cfg.articles_per_part))
     seg = timed("segment", segment, SegmentConfig(text_dir / "extracted", text_dir / "sentences", cfg.workers))
     vocab = timed("vocab", build_vocab, VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences",
@@ -160,9 +159,7 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
 
 def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
     seq, pred = PHASES[a.phase]
-    source: Path | str = a.input if a.input else dump_url(a.mirror, a.dump_date)
-    if isinstance(source, str) and not source.startswith(("http://", "https://")):
-        source = Path(source)
+    source = dump_source(a.input if a.input else dump_url(a.mirror, a.dump_date))
     return prepare(PrepareConfig(
         input=source, output_dir=a.output_dir, vocab_file=a.vocab_file,
         max_seq_length=seq if a.max_seq_length is None else a.max_seq_length,
@@ -178,7 +175,7 @@ def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--input", help="a MediaWiki dump (.xml.bz2 or .xml) path, or an http(s) URL to download")
+    src.add_argument("--input", help="a MediaWiki dump (.xml.bz2 or .xml): a path or file:// URL, or an http(s) URL to download")
     src.add_argument("--dump_date",
                      help=f"download enwiki-<date>-pages-articles-multistream.xml.bz2, e.g. {DEFAULT_DUMP_DATE}")
     p.add_argument("--mirror", default=DEFAULT_MIRROR, help="dump mirror used with --dump_date")

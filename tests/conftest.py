@@ -90,7 +90,13 @@ class MirrorSite:
     range_starts: list[int] = field(default_factory=list)  # the next ranged answers start here, not where asked
     no_length: bool = False  # send no Content-Length: a body ends when the connection closes (HTTP/1.0)
     ignore_range: bool = False  # answer every request with 200 and the whole file
+    validators: bool = False  # send ETag (the body's sha1) and Last-Modified, and honour If-Range
+    honour_if_range: bool = True
+    cap: int = 0  # answer every request for a .bz2 file, ranged or not, with a 206 of at most this many bytes
+    bad_length: bool = False  # send "Content-Length: abc" (and end the body by closing the connection)
+    bare_416: bool = False  # a 416 without Content-Range (which RFC 9110 only recommends)
     requests: list[tuple[str, str | None]] = field(default_factory=list)
+    if_ranges: list[str | None] = field(default_factory=list)  # the If-Range header of each request
 
 
 def _mirror_handler(site: MirrorSite):
@@ -101,12 +107,17 @@ def _mirror_handler(site: MirrorSite):
         def do_GET(self) -> None:
             rng = self.headers.get("Range")
             site.requests.append((self.path, rng))
-            body = site.files.get(self.path)
+            site.if_ranges.append(self.headers.get("If-Range"))
+            path = self.path.split("?")[0]  # a query does not name another file
+            body = site.files.get(path)
             if body is None:
                 self.send_error(404)
                 return
-            if site.statuses.get(self.path):
-                self.send_response(site.statuses[self.path].pop(0))
+            etag = f'"{hashlib.sha1(body).hexdigest()}"'
+            if rng and site.validators and site.honour_if_range and self.headers.get("If-Range") not in (None, etag):
+                rng = None  # the file changed since the client's bytes: it gets the whole file
+            if site.statuses.get(path):
+                self.send_response(site.statuses[path].pop(0))
                 if site.retry_after is not None:
                     self.send_header("Retry-After", site.retry_after)
                 self.send_header("Content-Length", "0")
@@ -119,17 +130,25 @@ def _mirror_handler(site: MirrorSite):
                 start = site.range_starts.pop(0)
             if start >= len(body):
                 self.send_response(416)
-                self.send_header("Content-Range", f"bytes */{len(body)}")
+                if not site.bare_416:
+                    self.send_header("Content-Range", f"bytes */{len(body)}")
                 self.end_headers()
                 return
-            self.send_response(206 if rng else 200)
-            if rng:
-                self.send_header("Content-Range", f"bytes {start}-{len(body) - 1}/{len(body)}")
-            if not site.no_length:
-                self.send_header("Content-Length", str(len(body) - start))
+            stop = min(len(body), start + site.cap) if site.cap and path.endswith(".bz2") else len(body)
+            self.send_response(206 if rng or stop < len(body) else 200)
+            if rng or stop < len(body):
+                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(body)}")
+            if site.validators:
+                self.send_header("ETag", etag)
+                self.send_header("Last-Modified", "Sun, 01 Dec 2024 00:00:00 GMT")
+            if site.bad_length:
+                self.send_header("Content-Length", "abc")
+                self.close_connection = True
+            elif not site.no_length:
+                self.send_header("Content-Length", str(stop - start))
             self.end_headers()
-            payload = body[start:]
-            if site.cuts and self.path.endswith(".bz2"):
+            payload = body[start:stop]
+            if site.cuts and path.endswith(".bz2"):
                 site.cuts -= 1
                 payload = payload[:site.cut_after]
                 self.close_connection = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import time
 from pathlib import Path
@@ -156,7 +157,8 @@ def test_an_unconfirmable_end_without_a_checksum_is_an_error(wiki_mirror, multis
     with pytest.raises(PipelineError, match=r"no length and ignores Range requests, and no checksum file is "
                                             r"published, so the 400000 bytes in .* may be a cut-off transfer"):
         download(_cfg(mirror, tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{NAME}.part"]
+    # The part file, and the validators of the server's file its bytes came from (none were sent here).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".{NAME}.part.validators", f"{NAME}.part"]
     site.files[_sums_path()] = sums  # with a checksum, the digest decides
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
 
@@ -235,7 +237,7 @@ def test_retry_after_is_bounded_and_retries_run_out(wiki_mirror, tmp_path):
     mirror, site = wiki_mirror
     site.statuses[_dump_path()], site.retry_after = [429, 429, 429], "3600"
     start = time.monotonic()
-    with pytest.raises(PipelineError, match=r"failed after 3 attempts in a row without progress \(last: HTTP 429 .*rerun to resume from the 0"):
+    with pytest.raises(PipelineError, match=r"failed after 3 attempts in a row without progress \(last: HTTP 429 .*; rerun to try again$"):
         download(_cfg(mirror, tmp_path, retries=2, max_retry_after_s=0.2))
     assert 0.4 <= time.monotonic() - start < 10
 
@@ -279,3 +281,204 @@ def test_a_malformed_dump_date_is_a_one_line_error(cli, tmp_path):
         main(["--dump_date", "2026-11-01", "--output_dir", str(tmp_path / "out"), *extra])
     assert exc.value.code == "error: dump date '2026-11-01' is not YYYYMMDD, e.g. 20261101"
     assert not (tmp_path / "out").exists()
+
+
+def test_a_server_that_restarts_every_resume_runs_out_of_retries(wiki_mirror, multistream_sample, tmp_path):
+    """Each resume answered from byte 0 empties the part file, which the next attempt refills to where it
+    was: that is no progress, so the retries run out (the download used to go on forever)."""
+    mirror, site = wiki_mirror
+    site.cut_after, site.cuts, site.range_starts = 100_000, 1000, [0] * 1000
+    with pytest.raises(PipelineError, match="failed after 3 attempts in a row without progress"):
+        download(_cfg(mirror, tmp_path, retries=2))
+    # 100,000 bytes, then two retries that bring no byte past them: a resume answered from 0, a refill
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=100000-", None]
+    assert not (tmp_path / NAME).exists()
+
+
+@pytest.mark.parametrize("honour_if_range", [True, False])
+@pytest.mark.parametrize("published", [True, False])
+def test_a_file_that_changed_on_the_server_is_downloaded_again_not_spliced(wiki_mirror, multistream_sample, tmp_path,
+                                                                          honour_if_range, published):
+    """A part file's bytes come from one version of the file: a resume after the file changed (another
+    ETag, another size) starts again from byte 0, whether the server honours If-Range (a 200 with the new
+    file) or not (a 206 whose validators differ). Without a published checksum nothing else would notice."""
+    mirror, site = wiki_mirror
+    site.validators, site.honour_if_range = True, honour_if_range
+    old = multistream_sample.read_bytes()
+    new = old[:250_000] + b"an edit" + old[250_000:]  # the same first 400,000 bytes would splice cleanly
+    sums = _sums_path()
+    if not published:
+        del site.files[sums]
+    site.cut_after, site.cuts = 400_000, 1
+    with pytest.raises(PipelineError, match="rerun to resume from the 400000 bytes"):
+        download(_cfg(mirror, tmp_path, retries=0))
+    site.files[_dump_path()] = new
+    if published:
+        site.files[sums] = f"{hashlib.sha1(new).hexdigest()}  {NAME}\n".encode()
+    site.requests.clear()
+    site.if_ranges.clear()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == new
+    dump = [(r, i) for (p, r), i in zip(site.requests, site.if_ranges) if p == _dump_path()]
+    etag = f'"{hashlib.sha1(old).hexdigest()}"'
+    assert dump == ([("bytes=400000-", etag)] if honour_if_range else [("bytes=400000-", etag), (None, None)])
+    assert list(tmp_path.iterdir()) == [tmp_path / NAME]
+
+
+def test_a_206_to_a_request_without_range_is_followed_to_the_end(wiki_mirror, multistream_sample, tmp_path):
+    """A server that answers every request with a 206 of at most 300,000 bytes, the first one too: the
+    Content-Range total, not the Content-Length, is the file's size (it was taken as the whole file)."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    del site.files[_sums_path()]
+    site.cap = 300_000
+    assert download(_cfg(mirror, tmp_path, retries=0)).read_bytes() == data
+    assert [r for p, r in site.requests if p == _dump_path()] == [
+        None, *(f"bytes={n}-" for n in range(300_000, len(data), 300_000))]
+
+
+def test_a_416_without_content_range_lets_the_checksum_judge_a_whole_part_file(wiki_mirror, multistream_sample,
+                                                                               tmp_path):
+    """A run killed after the last byte (during the checksum pass) leaves a whole part file; a 416 that
+    does not state the size must not throw it away (22 GB to fetch again) when a checksum can judge it."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    site.bare_416 = True
+    (tmp_path / f"{NAME}.part").write_bytes(data)
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert [r for p, r in site.requests if p == _dump_path()] == [f"bytes={len(data)}-"]
+    # Without a checksum, only a fresh download can tell.
+    (tmp_path / NAME).rename(tmp_path / f"{NAME}.part")
+    del site.files[_sums_path()]
+    site.requests.clear()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert [r for p, r in site.requests if p == _dump_path()] == [f"bytes={len(data)}-", None]
+
+
+def test_a_malformed_content_length_is_read_as_no_length(wiki_mirror, multistream_sample, tmp_path):
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    site.bad_length = True
+    assert download(_cfg(mirror, tmp_path, retries=0)).read_bytes() == data
+    # The body ended without a length, so a Range request for what follows confirms the end (a 416).
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, f"bytes={len(data)}-"]
+
+
+def test_the_back_off_is_capped(wiki_mirror, tmp_path):
+    mirror, site = wiki_mirror
+    site.statuses[_dump_path()] = [500] * 4
+    start = time.monotonic()
+    with pytest.raises(PipelineError, match=r"failed after 4 attempts.*HTTP 500"):
+        download(DownloadConfig(dump_url(mirror, DATE), tmp_path, retries=3, backoff_s=0.2, max_backoff_s=0.3))
+    assert 0.2 + 0.3 + 0.3 <= time.monotonic() - start < 3  # uncapped: 0.2 + 0.4 + 0.8
+
+
+def test_disk_errors_are_one_line_errors_naming_the_path(wiki_mirror, tmp_path):
+    mirror, site = wiki_mirror
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(blocker / 'out'))}: Not a directory while "
+                                            rf"downloading {NAME}; fix it"):
+        download(_cfg(mirror, blocker / "out"))
+    assert site.requests == []
+
+
+def test_a_checksum_list_that_omits_the_file_falls_back_to_the_other_list(wiki_mirror, multistream_sample,
+                                                                          tmp_path):
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    md5s = f"/enwiki/{DATE}/enwiki-{DATE}-md5sums.txt"
+    site.files[_sums_path()] = f"{'0' * 40}  enwiki-{DATE}-stub-articles.xml.gz\n".encode()
+    site.files[md5s] = f"{'0' * 32}  {NAME}\n".encode()
+    with pytest.raises(PipelineError, match="md5 checksum mismatch"):
+        download(_cfg(mirror, tmp_path))
+    del site.files[md5s]
+    with pytest.raises(PipelineError, match=rf"{re.escape(mirror + _sums_path())} does not list {NAME}"):
+        download(_cfg(mirror, tmp_path))
+    site.files[md5s] = f"{hashlib.md5(data).hexdigest()}  {NAME}\n".encode()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+
+
+def test_a_url_with_a_query_names_its_file_by_the_path(wiki_mirror, multistream_sample, tmp_path):
+    mirror, site = wiki_mirror
+    cfg = DownloadConfig(f"{dump_url(mirror, DATE)}?download=1#top", tmp_path, backoff_s=0.01)
+    assert download(cfg) == tmp_path / NAME
+    assert (tmp_path / NAME).read_bytes() == multistream_sample.read_bytes()
+    assert [p for p, _ in site.requests] == [_sums_path(), f"{_dump_path()}?download=1"]  # verified by its sha1
+
+
+def test_a_tls_error_mid_body_is_retried(multistream_sample, tmp_path, monkeypatch):
+    """The default mirror is https: a TLS record broken in the middle of the body (ssl.SSLError, 'bad
+    record mac') is a dropped connection like any other, and the download resumes after it."""
+    import contextlib
+    import shutil
+    import socket
+    import ssl
+    import subprocess
+    import threading
+
+    openssl = shutil.which("openssl")
+    assert openssl, "this test makes its certificate with the openssl command"
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run([openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))  # the client trusts it
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    data, ranges = multistream_sample.read_bytes(), []
+
+    def serve(conn: socket.socket) -> None:
+        with context.wrap_socket(conn, server_side=True) as tls, tls.makefile("rb") as f:
+            request = f.readline().decode().split()
+            headers = [line.decode().strip() for line in iter(f.readline, b"\r\n")]
+            if request[1] != f"/{NAME}":  # the checksum lists: none published here
+                tls.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+                return
+            start = next((int(h.split("=")[1].rstrip("-")) for h in headers if h.lower().startswith("range:")), 0)
+            ranges.append(start)
+            status = f"206 Partial\r\nContent-Range: bytes {start}-{len(data) - 1}/{len(data)}" if start else "200 OK"
+            tls.sendall(f"HTTP/1.1 {status}\r\nContent-Length: {len(data) - start}\r\nConnection: close\r\n\r\n"
+                        .encode())
+            if len(ranges) == 1:
+                tls.sendall(data[:1_500_000])
+                # A record the client cannot authenticate, written under the TLS layer.
+                with socket.socket(fileno=os.dup(tls.fileno())) as raw:
+                    raw.sendall(b"\x17\x03\x03\x00\x40" + b"\x00" * 64)
+                return
+            tls.sendall(data[start:])
+
+    def serve_forever() -> None:
+        with contextlib.suppress(OSError):  # the listener closes when the test ends
+            while True:
+                serve(listener.accept()[0])
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    threading.Thread(target=serve_forever, daemon=True).start()
+    url = f"https://127.0.0.1:{listener.getsockname()[1]}/{NAME}"
+    try:
+        path = download(DownloadConfig(url, tmp_path / "out", backoff_s=0.01, timeout_s=10, retries=1))
+    finally:
+        listener.close()
+    assert path.read_bytes() == data
+    assert ranges[0] == 0 and 0 < ranges[1] <= 1_500_000  # resumed, not begun again
+
+
+def test_input_names_a_url_in_any_case_or_a_local_file_as_a_path_or_a_file_url(tmp_path):
+    from data.download import dump_source
+
+    assert dump_source("HTTPS://dumps.example/x.xml.bz2") == "HTTPS://dumps.example/x.xml.bz2"
+    assert dump_source("http://127.0.0.1:8000/a b.xml.bz2") == "http://127.0.0.1:8000/a b.xml.bz2"
+    dump = tmp_path / "my dump.xml.bz2"
+    assert dump_source(dump.as_uri()) == dump  # file:///.../my%20dump.xml.bz2
+    assert dump_source(str(dump)) == dump and dump_source("relative.xml.bz2") == Path("relative.xml.bz2")
+
+
+def test_prepare_reads_a_file_url_input(bert_vocab, tmp_path):
+    """It looked for a file named "file:/..." and said that no such file exists."""
+    from data.prepare import main as prepare_main
+
+    notes = tmp_path / "notes.xml.bz2"
+    notes.write_text("not a dump")
+    with pytest.raises(SystemExit) as exc:  # the file was found and read: it is not a dump
+        prepare_main(["--input", notes.as_uri(), "--output_dir", str(tmp_path / "out"), "--vocab_file", str(bert_vocab)])
+    assert str(exc.value.code).startswith(f"error: {notes} is not a MediaWiki XML dump: it is neither bz2")
