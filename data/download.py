@@ -411,8 +411,9 @@ def download(cfg: DownloadConfig) -> Path:
             raise
         # The network's OSErrors are retried or worded where they occur; this is the disk's.
         where = exc.filename or part
+        kept = f": the {part.stat().st_size} bytes in {part} are resumed" if part.is_file() else ""
         raise PipelineError(f"{where}: {exc.strerror or exc} while downloading {name}; fix it (free space, "
-                            f"permissions, the path) and rerun: the bytes already in {part} are resumed") from exc
+                            f"permissions, the path) and rerun{kept}") from exc
     return final
 
 

@@ -377,8 +377,14 @@ def test_disk_errors_are_one_line_errors_naming_the_path(wiki_mirror, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(PipelineError, match=rf"^{re.escape(str(blocker / 'out'))}: Not a directory while "
-                                            rf"downloading {NAME}; fix it"):
+                                            rf"downloading {NAME}; fix it \(free space, permissions, the path\) "
+                                            r"and rerun$"):
         download(_cfg(mirror, blocker / "out"))
+    (tmp_path / f"{NAME}.part").write_bytes(b"x" * 1000)
+    (tmp_path / f".{NAME}.lock").mkdir()  # where the lock file goes
+    with pytest.raises(PipelineError, match=rf"\.lock: Is a directory while downloading .* and rerun: the 1000 "
+                                            rf"bytes in {re.escape(str(tmp_path / NAME))}\.part are resumed$"):
+        download(_cfg(mirror, tmp_path))
     assert site.requests == []
 
 
