@@ -293,3 +293,38 @@ def test_damaged_or_truncated_plain_xml_is_named(plain_sample, tmp_path):
     with pytest.raises(PipelineError, match="XML but not a MediaWiki dump: its root element is <feed>"):
         extract(ExtractConfig(commented, tmp_path / "c"))
 
+
+
+# ----------------------------------------------------------------------------- pages that are not articles
+def _expected_page_counts(xml: bytes) -> tuple[int, int, int]:
+    """(pages, redirects in namespace 0, pages of other namespaces), read with plain regexes."""
+    pages = re.findall(rb"<page>(.*?)</page>", xml, flags=re.S)
+    namespaces = [re.search(rb"<ns>(\d+)</ns>", page)[1] for page in pages]
+    redirects = sum(ns == b"0" and b"<redirect" in page for ns, page in zip(namespaces, pages))
+    return len(pages), redirects, sum(ns != b"0" for ns in namespaces)
+
+
+@pytest.mark.parametrize("form, workers, chunk_bytes", [("single-stream", 1, 1), ("single-stream", 2, 4 << 20),
+                                                        ("multistream", 2, 60_000), ("plain", 1, 1),
+                                                        ("plain", 2, 300_000)])
+def test_pages_that_are_not_articles_are_counted_alike_by_every_reader(sample_dump, multistream_sample, plain_sample,
+                                                                       tmp_path, form, workers, chunk_bytes):
+    """"articles" were the documents written, with nothing said of the dump's other pages."""
+    dump = {"single-stream": sample_dump, "multistream": multistream_sample, "plain": plain_sample}[form]
+    pages, redirects, other = _expected_page_counts(_xml(sample_dump))
+    assert (pages, redirects, other) == (206, 99, 1)
+    cfg = ExtractConfig(dump, tmp_path / "extracted", workers=workers, articles_per_part=40, chunk_bytes=chunk_bytes)
+    result = extract(cfg)
+    # 106 pages are articles; "List of anthropologists", all lists and headings, has no text once cleaned.
+    expected = (105, pages, redirects, other, 1)
+    assert (result.articles, result.pages, result.redirects, result.other_namespaces, result.empty) == expected
+    assert result.line().startswith("105 articles of 206 pages (not counted: 99 redirects, 1 page outside the "
+                                    "article namespace, 1 article empty once cleaned), 3 parts, 2.6 MB of text")
+    # Resumed without the last part: the chunks not read again count from the chunk record.
+    (cfg.output_dir / "_COMPLETE.json").unlink()
+    list_parts(cfg.output_dir)[-1].unlink()
+    resumed = extract(cfg)
+    assert (resumed.articles, resumed.pages, resumed.redirects, resumed.other_namespaces, resumed.empty) == expected
+
+    serial = _extract_serial(ExtractConfig(dump, tmp_path / "serial", workers=workers, articles_per_part=40))
+    assert serial.documents == 105 and dict(serial.pages) == {"article": 106, "redirect": 99, "other_namespace": 1}
