@@ -69,6 +69,7 @@ class ExtractResult:
     redirects: int | None = None
     other_namespaces: int | None = None
     empty: int | None = None  # articles that cleaning leaves without text
+    no_namespace: int | None = None  # pages without <ns> in a dump whose <siteinfo> lists no namespaces
 
     def line(self) -> str:
         """What the stage did, in one line."""
@@ -76,8 +77,10 @@ class ExtractResult:
         return f"{self.articles} articles{pages}, {self.parts} parts, {self.text_bytes / 1e6:.1f} MB of text"
 
     def skipped_pages(self) -> str:
+        unknown = (f", {_plural(self.no_namespace, 'page')} of unknown namespace (no <ns> element, and no "
+                   "<namespaces> list in the dump's <siteinfo> to tell it from the title)" if self.no_namespace else "")
         return (f"{_plural(self.redirects, 'redirect')}, {_plural(self.other_namespaces, 'page')} outside the article "
-                f"namespace, {_plural(self.empty, 'article')} empty once cleaned")
+                f"namespace{unknown}, {_plural(self.empty, 'article')} empty once cleaned")
 
 
 def _plural(count: int | None, noun: str) -> str:
@@ -178,10 +181,15 @@ def iter_pages(path: Path) -> Iterator[tuple[str, tuple[str, str] | None]]:
                     f"{path} is XML but not a MediaWiki dump: its root element is <{root.tag}>, "
                     "expected <mediawiki>"
                 )
+            namespaces = None
             for event, elem in events:
-                if event != "end" or elem.tag.rsplit("}", 1)[-1] != "page":
+                tag = elem.tag.rsplit("}", 1)[-1]
+                if event != "end" or tag not in ("siteinfo", "page"):
                     continue
-                yield _page(elem)
+                if tag == "siteinfo":
+                    namespaces = site_namespaces(elem)
+                    continue
+                yield _page(elem, namespaces)
                 # Drop the finished page so memory does not grow with the dump.
                 root.clear()
     except EOFError as exc:
@@ -205,17 +213,34 @@ def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
 
 
 # What a <page> is, for the counts of pages that are not articles.
-ARTICLE, REDIRECT, OTHER_NAMESPACE = "article", "redirect", "other_namespace"
-SKIPPED_KINDS = (REDIRECT, OTHER_NAMESPACE)
+ARTICLE, REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE = "article", "redirect", "other_namespace", "no_namespace"
+SKIPPED_KINDS = (REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE)
 
 
-def _page(page: ET.Element) -> tuple[str, tuple[str, str] | None]:
-    """(ARTICLE, (title, wikitext)) for a <page> of namespace 0 that is not a redirect, else (its kind, None)."""
-    if page.findtext("{*}ns") != "0":
+def site_namespaces(siteinfo: ET.Element) -> dict[str, str] | None:
+    """{name: key} of the namespaces but 0 that a dump's <siteinfo> lists, or None when it lists none."""
+    listed = siteinfo.findall("{*}namespaces/{*}namespace")
+    return {ns.text: ns.get("key", "") for ns in listed if ns.text} if listed else None
+
+
+def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tuple[str, str] | None]:
+    """(ARTICLE, (title, wikitext)) for a <page> of namespace 0 that is not a redirect, else (its kind, None).
+
+    Dumps before export-0.6 have no <ns>: a title is then in the namespace its prefix names ("Talk:X"),
+    as the dump's <siteinfo> lists them, else in namespace 0.
+    """
+    title = page.findtext("{*}title") or ""
+    ns = page.findtext("{*}ns")
+    if ns is None and namespaces is not None:
+        prefix, colon, _ = title.partition(":")
+        ns = namespaces.get(prefix, "0") if colon else "0"
+    if ns is None:
+        return NO_NAMESPACE, None
+    if ns != "0":
         return OTHER_NAMESPACE, None
     if page.find("{*}redirect") is not None:
         return REDIRECT, None
-    return ARTICLE, (page.findtext("{*}title") or "", page.findtext("{*}revision/{*}text") or "")
+    return ARTICLE, (title, page.findtext("{*}revision/{*}text") or "")
 
 
 # MediaWiki tags that wikiextractor 3.1.0 leaves in the text, by what Wikipedia shows of them.
@@ -345,7 +370,7 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
         articles=done_now.documents, parts=done_now.parts, text_bytes=done_now.text_bytes,
         seconds=round(time.perf_counter() - start, 3), pages=sum(done_now.pages.values()),
         redirects=done_now.pages[REDIRECT], other_namespaces=done_now.pages[OTHER_NAMESPACE],
-        empty=done_now.pages[ARTICLE] - done_now.documents)
+        empty=done_now.pages[ARTICLE] - done_now.documents, no_namespace=done_now.pages[NO_NAMESPACE])
     if result.articles == 0:
         found = f"of its {_plural(result.pages, 'page')}, {result.skipped_pages()}" if result.pages else "it has no <page> element"
         raise PipelineError(f"{cfg.input}: the dump holds no articles (namespace 0, not redirects, with text): {found}")
@@ -464,6 +489,7 @@ class _Chunk:
     offsets: tuple[int, ...]  # its units' starts, then up to MAX_LOOKAHEAD_STREAMS more, then their end
     own: int  # how many of those units are its own
     level: int | None  # the units' layout (data/multistream.py): bz2 streams, bz2 blocks or plain XML
+    namespaces: dict[str, str] | None  # the dump's, for pages without <ns> (`_page`)
 
 
 @dataclass(frozen=True)
@@ -477,7 +503,7 @@ def _clean_chunk(chunk: _Chunk) -> _ChunkText:
     skipped = dict.fromkeys(SKIPPED_KINDS, 0)
     for page in multistream.chunk_pages(chunk.path, chunk.offsets, chunk.own, chunk.level):
         try:
-            kind, article = _page(ET.fromstring(page))
+            kind, article = _page(ET.fromstring(page), chunk.namespaces)
         except ET.ParseError as exc:
             start = chunk.offsets[0] // multistream.unit_bits(chunk.level)
             raise PipelineError(f"{chunk.path}: a page in the {multistream.unit_name(chunk.level)}s from byte {start} "
@@ -546,6 +572,7 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
     known: list[int] = record["articles"] if usable else []
     counts, skipped = list(known), list(record["skipped"] if usable else [])
     writer = _PartWriter(cfg.output_dir, cfg.articles_per_part)
+    namespaces = _head_namespaces(cfg.input, offsets, level)
 
     def tasks() -> Iterator[_Chunk | int]:
         first_article = 0
@@ -554,7 +581,7 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
                 yield known[index]  # nothing to read: only the article count moves on
             else:
                 stop = min(end + multistream.MAX_LOOKAHEAD_STREAMS, len(offsets) - 1)
-                yield _Chunk(cfg.input, tuple(offsets[first:stop + 1]), end - first, level)
+                yield _Chunk(cfg.input, tuple(offsets[first:stop + 1]), end - first, level, namespaces)
             if index < len(known):
                 first_article += known[index]
 
@@ -580,6 +607,21 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
     pages = collections.Counter({ARTICLE: writer.next_article})
     pages.update({kind: sum(chunk[k] for chunk in skipped) for k, kind in enumerate(SKIPPED_KINDS)})
     return _Extracted(writer.documents, writer.parts, writer.text_bytes, pages)
+
+
+_SITEINFO = re.compile(rb"<siteinfo>.*?</siteinfo>", re.S)
+
+
+def _head_namespaces(path: Path, offsets: list[int], level: int | None) -> dict[str, str] | None:
+    """The namespaces the dump's <siteinfo> lists (`site_namespaces`), read from its first units."""
+    head = b""
+    with path.open("rb") as f:
+        for unit in range(min(len(offsets) - 1, multistream.MAX_LOOKAHEAD_STREAMS)):
+            head += multistream.decompress_units(f, offsets, unit, unit + 1, level, path)
+            if b"</siteinfo>" in head or b"<page>" in head:
+                break
+    siteinfo = _SITEINFO.search(head.split(b"<page>", 1)[0])
+    return site_namespaces(ET.fromstring(siteinfo[0])) if siteinfo else None
 
 
 def _clean_chunk_or_skip(task: _Chunk | int) -> _ChunkText | int:

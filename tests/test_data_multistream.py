@@ -327,4 +327,44 @@ def test_pages_that_are_not_articles_are_counted_alike_by_every_reader(sample_du
     assert (resumed.articles, resumed.pages, resumed.redirects, resumed.other_namespaces, resumed.empty) == expected
 
     serial = _extract_serial(ExtractConfig(dump, tmp_path / "serial", workers=workers, articles_per_part=40))
-    assert serial.documents == 105 and dict(serial.pages) == {"article": 106, "redirect": 99, "other_namespace": 1}
+    assert serial.documents == 105 and dict(serial.pages) == {"article": 106, "redirect": 99, "other_namespace": 1,
+                                                              "no_namespace": 0}
+
+
+def _export_04(xml: bytes) -> bytes:
+    """The dump as MediaWiki's export-0.4 and 0.5 wrote it: no <ns> element (0.6 added it), and a
+    redirect flag without its target."""
+    xml = re.sub(rb"\n\s*<ns>\d+</ns>", b"", xml.replace(b"export-0.10", b"export-0.4"))
+    return re.sub(rb'<redirect title="[^"]*" />', b"<redirect />", xml.replace(b'version="0.10"', b'version="0.4"'))
+
+
+@pytest.mark.parametrize("form", ["plain", "multistream", "one reader"])
+def test_a_dump_without_ns_elements_takes_namespaces_from_the_title_prefixes(sample_dump, serial_text, tmp_path,
+                                                                            form):
+    """Every page of an export-0.4 dump counted as outside namespace 0: "holds no articles", no reason given."""
+    xml = _export_04(_xml(sample_dump))
+    assert b"<ns>" not in xml and b"<namespace key=\"4\" case=\"first-letter\">Wikipedia</namespace>" in xml
+    dump = tmp_path / ("old.xml" if form == "plain" else "old.xml.bz2")
+    if form == "plain":
+        dump.write_bytes(xml)
+    else:
+        header, pages, footer = multistream.split_pages(xml)
+        with dump.open("wb") as f:
+            multistream.write_multistream(f, header, pages, footer, 50)
+    out = tmp_path / "extracted"
+    if form == "one reader":
+        out.mkdir()
+        done = _extract_serial(ExtractConfig(dump, out, workers=2, articles_per_part=40))
+        assert dict(done.pages) == {"article": 106, "redirect": 99, "other_namespace": 1, "no_namespace": 0}
+    else:
+        result = extract(ExtractConfig(dump, out, workers=2, articles_per_part=40, chunk_bytes=100_000))
+        assert (result.articles, result.redirects, result.other_namespaces, result.no_namespace) == (105, 99, 1, 0)
+    assert _parts(out) == _parts(serial_text)  # "Wikipedia:..." is left out by its prefix, as by its <ns>
+
+    # Without the <siteinfo> that lists the namespaces, no page's namespace is known: the error says so.
+    bare = tmp_path / "bare.xml"
+    bare.write_bytes(re.sub(rb"<siteinfo>.*?</siteinfo>", b"", xml, flags=re.S))
+    with pytest.raises(PipelineError, match=r"holds no articles .*: of its 206 pages, 0 redirects, 0 pages outside "
+                                            r"the article namespace, 206 pages of unknown namespace \(no <ns> element, "
+                                            r"and no <namespaces> list in the dump's <siteinfo>"):
+        extract(ExtractConfig(bare, tmp_path / "bare", workers=2))
