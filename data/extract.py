@@ -155,6 +155,9 @@ def _dump_form(path: Path) -> str:
     _require_file(path)
     with path.open("rb") as f:
         head = f.read(3)
+    if not head:
+        raise PipelineError(f"{path} is empty (0 bytes), not a dump; download or copy the dump again "
+                            "(python -m data.download resumes and checks the checksum)")
     if head == b"BZh":
         return "bz2"
     if head[:1] in (b"<", b"\xef", b" ", b"\n", b"\r", b"\t"):

@@ -192,6 +192,15 @@ def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_pa
         extract(ExtractConfig(only_redirects, tmp_path / "d"))
 
 
+def test_an_empty_dump_is_named_empty(sample_dump, tmp_path):
+    """It was "neither bz2-compressed nor XML"."""
+    empty = tmp_path / sample_dump.name
+    empty.touch()  # what an interrupted copy of the sample can leave
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(empty))} is empty \(0 bytes\), not a dump; download or "
+                                            "copy the dump again"):
+        extract(ExtractConfig(empty, tmp_path / "out"))
+
+
 def test_vocab_without_special_tokens_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path):
     bad = tmp_path / "vocab.txt"
     bad.write_text("\n".join(t for t in bert_vocab.read_text().splitlines() if t != "[MASK]") + "\n")
