@@ -29,6 +29,7 @@ import queue
 import re
 import threading
 import time
+import unicodedata
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -262,6 +263,13 @@ _NON_PROSE = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*?(?:/>|>.*?</\1\
 # leaves a self-closing one, such as <includeonly/>, in the text.
 _EMPTY_ELEMENT = re.compile(rf"<(?:{'|'.join([*placeholder_tags, *discardElements])})\b[^>]*/\s*>", re.I)
 _PLACEHOLDER = re.compile(rf"<({'|'.join(placeholder_tags)})\b([^>]*?)(?<!/)>.*?</\1\s*>", re.I | re.S)
+# Behaviour switches ("__NOTOC__"): wikiextractor knows only the English ones, and each wiki has its own
+# ("__KEIN_INHALTSVERZEICHNIS__", "__БЕЗ_ОГЛАВЛЕНИЯ__", "__目次非表示__"). Candidates, not glued to a word;
+# `_is_switch` decides (Python's \w leaves out the combining marks of scripts such as Devanagari).
+_SWITCH_CANDIDATE = re.compile(r"(?<![^\W_])__([^\s_]\S*?)__(?![^\W_])")
+# Upper-case and caseless letters, modifier letters, combining marks, decimal digits: no lower-case letter,
+# so that "__init__" in prose stays.
+_SWITCH_CATEGORIES = frozenset(("Lu", "Lo", "Lm", "Mn", "Mc", "Nd"))
 
 # Line markers (Unicode noncharacters, removed from the input first). wikiextractor drops every
 # cleaned line that starts with "*", "#" or ";" as a list item, so prose whose markup vanishes
@@ -279,7 +287,15 @@ def _prepare_wikitext(wikitext: str) -> str:
     text = _INLINE.sub("", text)
     text = _EMPTY_ELEMENT.sub("", text)
     text = _empty_placeholders(text)
+    text = _SWITCH_CANDIDATE.sub(lambda m: "" if _is_switch(m[1]) else m[0], text)
     return "\n".join(_mark_line(line) for line in text.split("\n"))
+
+
+def _is_switch(word: str) -> bool:
+    """Whether the word between two double underscores names a behaviour switch: an upper-case word (letters
+    of any script, digits, underscores; a script without case counts as upper case)."""
+    categories = [unicodedata.category(c) for c in word if c != "_"]
+    return set(categories) <= _SWITCH_CATEGORIES and bool({"Lu", "Lo"} & set(categories))
 
 
 def _empty_placeholders(text: str) -> str:
