@@ -1,7 +1,7 @@
 """Stage 2: a MediaWiki XML dump (bz2 or plain, streamed) -> clean article text.
 
 The XML is read with a streaming parser (`xml.etree.ElementTree.iterparse`, constant memory per
-page). Pages outside the article namespace (ns 0) and redirects are skipped. Each article's
+page). Pages outside the article namespace (ns 0) and redirects are skipped, and counted. Each article's
 wikitext is cleaned by wikiextractor 3.1.0 used as a library (`Extractor.clean_text`): templates,
 tables, references, file links, lists and markup are dropped; section headings are dropped too.
 
@@ -191,7 +191,7 @@ def iter_pages(path: Path) -> Iterator[tuple[str, tuple[str, str] | None]]:
                 if event != "end" or tag not in ("siteinfo", "page"):
                     continue
                 if tag == "siteinfo":
-                    namespaces = site_namespaces(elem)
+                    namespaces = _site_namespaces(elem)
                     continue
                 yield _page(elem, namespaces)
                 # Drop the finished page so memory does not grow with the dump.
@@ -221,7 +221,7 @@ ARTICLE, REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE = "article", "redirect", "other
 SKIPPED_KINDS = (REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE)
 
 
-def site_namespaces(siteinfo: ET.Element) -> dict[str, str] | None:
+def _site_namespaces(siteinfo: ET.Element) -> dict[str, str] | None:
     """{name: key} of the namespaces but 0 that a dump's <siteinfo> lists, or None when it lists none."""
     listed = siteinfo.findall("{*}namespaces/{*}namespace")
     return {ns.text: ns.get("key", "") for ns in listed if ns.text} if listed else None
@@ -391,7 +391,8 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
         redirects=done_now.pages[REDIRECT], other_namespaces=done_now.pages[OTHER_NAMESPACE],
         empty=done_now.pages[ARTICLE] - done_now.documents, no_namespace=done_now.pages[NO_NAMESPACE])
     if result.articles == 0:
-        found = f"of its {_plural(result.pages, 'page')}, {result.skipped_pages()}" if result.pages else "it has no <page> element"
+        found = (f"of its {_plural(result.pages, 'page')}, {result.skipped_pages()}" if result.pages
+                 else "it has no <page> element")
         raise PipelineError(f"{cfg.input}: the dump holds no articles (namespace 0, not redirects, with text): {found}")
     return ExtractResult(**stage.finish(cfg.output_dir, params, dataclasses.asdict(result)))
 
@@ -632,7 +633,7 @@ _SITEINFO = re.compile(rb"<siteinfo>.*?</siteinfo>", re.S)
 
 
 def _head_namespaces(path: Path, offsets: list[int], level: int | None) -> dict[str, str] | None:
-    """The namespaces the dump's <siteinfo> lists (`site_namespaces`), read from its first units."""
+    """The namespaces the dump's <siteinfo> lists (`_site_namespaces`), read from its first units."""
     head = b""
     with path.open("rb") as f:
         for unit in range(min(len(offsets) - 1, multistream.MAX_LOOKAHEAD_STREAMS)):
@@ -640,7 +641,7 @@ def _head_namespaces(path: Path, offsets: list[int], level: int | None) -> dict[
             if b"</siteinfo>" in head or b"<page>" in head:
                 break
     siteinfo = _SITEINFO.search(head.split(b"<page>", 1)[0])
-    return site_namespaces(ET.fromstring(siteinfo[0])) if siteinfo else None
+    return _site_namespaces(ET.fromstring(siteinfo[0])) if siteinfo else None
 
 
 def _clean_chunk_or_skip(task: _Chunk | int) -> _ChunkText | int:
