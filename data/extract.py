@@ -1,7 +1,7 @@
 """Stage 2: a MediaWiki XML dump (bz2 or plain, streamed) -> clean article text.
 
 The XML is read with a streaming parser (`xml.etree.ElementTree.iterparse`, constant memory per
-page). Pages outside the article namespace (ns 0) and redirects are skipped. Each article's
+page). Pages outside the article namespace (ns 0) and redirects are skipped, and counted. Each article's
 wikitext is cleaned by wikiextractor 3.1.0 used as a library (`Extractor.clean_text`): templates,
 tables, references, file links, lists and markup are dropped; section headings are dropped too.
 
@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import argparse
 import bz2
+import collections
+import dataclasses
 import io
 import json
 import queue
 import re
 import threading
 import time
+import unicodedata
 import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -57,10 +60,32 @@ class ExtractConfig:
 
 @dataclass(frozen=True)
 class ExtractResult:
-    articles: int
+    articles: int  # with text once cleaned: the documents written
     parts: int
     text_bytes: int
     seconds: float
+    # Every <page> of the dump, and those that are not articles. None in the record of an extraction
+    # made before they were counted.
+    pages: int | None = None
+    redirects: int | None = None
+    other_namespaces: int | None = None
+    empty: int | None = None  # articles that cleaning leaves without text
+    no_namespace: int | None = None  # pages without <ns> in a dump whose <siteinfo> lists no namespaces
+
+    def line(self) -> str:
+        """What the stage did, in one line."""
+        pages = "" if self.pages is None else f" of {self.pages} pages (not counted: {self.skipped_pages()})"
+        return f"{self.articles} articles{pages}, {self.parts} parts, {self.text_bytes / 1e6:.1f} MB of text"
+
+    def skipped_pages(self) -> str:
+        unknown = (f", {_plural(self.no_namespace, 'page')} of unknown namespace (no <ns> element, and no "
+                   "<namespaces> list in the dump's <siteinfo> to tell it from the title)" if self.no_namespace else "")
+        return (f"{_plural(self.redirects, 'redirect')}, {_plural(self.other_namespaces, 'page')} outside the article "
+                f"namespace{unknown}, {_plural(self.empty, 'article')} empty once cleaned")
+
+
+def _plural(count: int | None, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 class _Prefetcher(io.RawIOBase):
@@ -131,6 +156,9 @@ def _dump_form(path: Path) -> str:
     _require_file(path)
     with path.open("rb") as f:
         head = f.read(3)
+    if not head:
+        raise PipelineError(f"{path} is empty (0 bytes), not a dump; download or copy the dump again "
+                            "(python -m data.download resumes and checks the checksum)")
     if head == b"BZh":
         return "bz2"
     if head[:1] in (b"<", b"\xef", b" ", b"\n", b"\r", b"\t"):
@@ -146,8 +174,8 @@ def _open_dump(path: Path):
     return _Prefetcher(bz2.open(path, "rb")) if _dump_form(path) == "bz2" else path.open("rb")
 
 
-def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
-    """Yield (title, wikitext) for each non-redirect page of namespace 0, streaming."""
+def iter_pages(path: Path) -> Iterator[tuple[str, tuple[str, str] | None]]:
+    """Yield (kind, (title, wikitext) for an article, else None) for each <page>, streaming (`_page`)."""
     try:
         with _open_dump(path) as f:
             events = ET.iterparse(f, events=("start", "end"))
@@ -157,12 +185,15 @@ def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
                     f"{path} is XML but not a MediaWiki dump: its root element is <{root.tag}>, "
                     "expected <mediawiki>"
                 )
+            namespaces = None
             for event, elem in events:
-                if event != "end" or elem.tag.rsplit("}", 1)[-1] != "page":
+                tag = elem.tag.rsplit("}", 1)[-1]
+                if event != "end" or tag not in ("siteinfo", "page"):
                     continue
-                article = _article(elem)
-                if article is not None:
-                    yield article
+                if tag == "siteinfo":
+                    namespaces = _site_namespaces(elem)
+                    continue
+                yield _page(elem, namespaces)
                 # Drop the finished page so memory does not grow with the dump.
                 root.clear()
     except EOFError as exc:
@@ -180,11 +211,40 @@ def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
         raise PipelineError(f"{path} is empty: no XML in it") from exc
 
 
-def _article(page: ET.Element) -> tuple[str, str] | None:
-    """(title, wikitext) of a <page> of namespace 0 that is not a redirect, else None."""
-    if page.findtext("{*}ns") == "0" and page.find("{*}redirect") is None:
-        return page.findtext("{*}title") or "", page.findtext("{*}revision/{*}text") or ""
-    return None
+def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
+    """Yield (title, wikitext) for each non-redirect page of namespace 0, streaming."""
+    return (article for _, article in iter_pages(path) if article is not None)
+
+
+# What a <page> is, for the counts of pages that are not articles.
+ARTICLE, REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE = "article", "redirect", "other_namespace", "no_namespace"
+SKIPPED_KINDS = (REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE)
+
+
+def _site_namespaces(siteinfo: ET.Element) -> dict[str, str] | None:
+    """{name: key} of the namespaces but 0 that a dump's <siteinfo> lists, or None when it lists none."""
+    listed = siteinfo.findall("{*}namespaces/{*}namespace")
+    return {ns.text: ns.get("key", "") for ns in listed if ns.text} if listed else None
+
+
+def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tuple[str, str] | None]:
+    """(ARTICLE, (title, wikitext)) for a <page> of namespace 0 that is not a redirect, else (its kind, None).
+
+    Dumps before export-0.6 have no <ns>: a title is then in the namespace its prefix names ("Talk:X"),
+    as the dump's <siteinfo> lists them, else in namespace 0.
+    """
+    title = page.findtext("{*}title") or ""
+    ns = page.findtext("{*}ns")
+    if ns is None and namespaces is not None:
+        prefix, colon, _ = title.partition(":")
+        ns = namespaces.get(prefix, "0") if colon else "0"
+    if ns is None:
+        return NO_NAMESPACE, None
+    if ns != "0":
+        return OTHER_NAMESPACE, None
+    if page.find("{*}redirect") is not None:
+        return REDIRECT, None
+    return ARTICLE, (title, page.findtext("{*}revision/{*}text") or "")
 
 
 # MediaWiki tags that wikiextractor 3.1.0 leaves in the text, by what Wikipedia shows of them.
@@ -203,6 +263,13 @@ _NON_PROSE = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*?(?:/>|>.*?</\1\
 # leaves a self-closing one, such as <includeonly/>, in the text.
 _EMPTY_ELEMENT = re.compile(rf"<(?:{'|'.join([*placeholder_tags, *discardElements])})\b[^>]*/\s*>", re.I)
 _PLACEHOLDER = re.compile(rf"<({'|'.join(placeholder_tags)})\b([^>]*?)(?<!/)>.*?</\1\s*>", re.I | re.S)
+# Behaviour switches ("__NOTOC__"): wikiextractor knows only the English ones, and each wiki has its own
+# ("__KEIN_INHALTSVERZEICHNIS__", "__БЕЗ_ОГЛАВЛЕНИЯ__", "__目次非表示__"). Candidates, not glued to a word;
+# `_is_switch` decides (Python's \w leaves out the combining marks of scripts such as Devanagari).
+_SWITCH_CANDIDATE = re.compile(r"(?<![^\W_])__([^\s_]\S*?)__(?![^\W_])")
+# Upper-case and caseless letters, modifier letters, combining marks, decimal digits: no lower-case letter,
+# so that "__init__" in prose stays.
+_SWITCH_CATEGORIES = frozenset(("Lu", "Lo", "Lm", "Mn", "Mc", "Nd"))
 
 # Line markers (Unicode noncharacters, removed from the input first). wikiextractor drops every
 # cleaned line that starts with "*", "#" or ";" as a list item, so prose whose markup vanishes
@@ -220,7 +287,15 @@ def _prepare_wikitext(wikitext: str) -> str:
     text = _INLINE.sub("", text)
     text = _EMPTY_ELEMENT.sub("", text)
     text = _empty_placeholders(text)
+    text = _SWITCH_CANDIDATE.sub(lambda m: "" if _is_switch(m[1]) else m[0], text)
     return "\n".join(_mark_line(line) for line in text.split("\n"))
+
+
+def _is_switch(word: str) -> bool:
+    """Whether the word between two double underscores names a behaviour switch: an upper-case word (letters
+    of any script, digits, underscores; a script without case counts as upper case)."""
+    categories = [unicodedata.category(c) for c in word if c != "_"]
+    return set(categories) <= _SWITCH_CATEGORIES and bool({"Lu", "Lo"} & set(categories))
 
 
 def _empty_placeholders(text: str) -> str:
@@ -309,25 +384,39 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
         return ExtractResult(**done)
     start = time.perf_counter()
     layout = _units(cfg.input)
-    if layout is not None:
-        articles, parts, text_bytes = _extract_chunks(cfg, *layout)
-    else:
-        articles, parts, text_bytes = _extract_serial(cfg)
-    if articles == 0:
-        raise PipelineError(f"{cfg.input}: the dump holds no articles (namespace 0, not redirects, with text)")
-    summary = {"articles": articles, "parts": parts, "text_bytes": text_bytes,
-               "seconds": round(time.perf_counter() - start, 3)}
-    return ExtractResult(**stage.finish(cfg.output_dir, params, summary))
+    done_now = _extract_chunks(cfg, *layout) if layout is not None else _extract_serial(cfg)
+    result = ExtractResult(
+        articles=done_now.documents, parts=done_now.parts, text_bytes=done_now.text_bytes,
+        seconds=round(time.perf_counter() - start, 3), pages=sum(done_now.pages.values()),
+        redirects=done_now.pages[REDIRECT], other_namespaces=done_now.pages[OTHER_NAMESPACE],
+        empty=done_now.pages[ARTICLE] - done_now.documents, no_namespace=done_now.pages[NO_NAMESPACE])
+    if result.articles == 0:
+        found = (f"of its {_plural(result.pages, 'page')}, {result.skipped_pages()}" if result.pages
+                 else "it has no <page> element")
+        raise PipelineError(f"{cfg.input}: the dump holds no articles (namespace 0, not redirects, with text): {found}")
+    return ExtractResult(**stage.finish(cfg.output_dir, params, dataclasses.asdict(result)))
 
 
-def _extract_serial(cfg: ExtractConfig) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class _Extracted:
+    documents: int  # articles with text
+    parts: int
+    text_bytes: int
+    pages: collections.Counter[str]  # every page of the dump by kind (`_page`), articles with text or not
+
+
+def _extract_serial(cfg: ExtractConfig) -> _Extracted:
     """One reader parses the dump (a bz2 dump of a single block; the benchmark's reference for any
-    dump); workers clean batches of articles into parts. Returns (documents, parts, text bytes)."""
+    dump); workers clean batches of articles into parts."""
+    pages: collections.Counter[str] = collections.Counter({kind: 0 for kind in (ARTICLE, *SKIPPED_KINDS)})
 
     def batches() -> Iterator[tuple[Path, list[tuple[str, str]]] | Path]:
         batch: list[tuple[str, str]] = []
         index = 0
-        for article in iter_articles(cfg.input):
+        for kind, article in iter_pages(cfg.input):
+            pages[kind] += 1
+            if article is None:
+                continue
             batch.append(article)
             if len(batch) == cfg.articles_per_part:
                 yield _task(index, batch)
@@ -347,7 +436,7 @@ def _extract_serial(cfg: ExtractConfig) -> tuple[int, int, int]:
             text_bytes += nbytes
             parts += 1
             bar.update(n)
-    return articles, parts, text_bytes
+    return _Extracted(articles, parts, text_bytes, pages)
 
 
 def _part_or_count(task: tuple[Path, list[tuple[str, str]]] | Path) -> tuple[int, int]:
@@ -420,21 +509,30 @@ class _Chunk:
     offsets: tuple[int, ...]  # its units' starts, then up to MAX_LOOKAHEAD_STREAMS more, then their end
     own: int  # how many of those units are its own
     level: int | None  # the units' layout (data/multistream.py): bz2 streams, bz2 blocks or plain XML
+    namespaces: dict[str, str] | None  # the dump's, for pages without <ns> (`_page`)
 
 
-def _clean_chunk(chunk: _Chunk) -> list[str]:
-    """The document of every article whose page starts in the chunk, in dump order ("" for empty ones)."""
+@dataclass(frozen=True)
+class _ChunkText:
+    docs: list[str]  # the document of every article whose page starts in the chunk, in dump order ("" if empty)
+    skipped: list[int]  # its pages of each of SKIPPED_KINDS
+
+
+def _clean_chunk(chunk: _Chunk) -> _ChunkText:
     docs = []
+    skipped = dict.fromkeys(SKIPPED_KINDS, 0)
     for page in multistream.chunk_pages(chunk.path, chunk.offsets, chunk.own, chunk.level):
         try:
-            article = _article(ET.fromstring(page))
+            kind, article = _page(ET.fromstring(page), chunk.namespaces)
         except ET.ParseError as exc:
             start = chunk.offsets[0] // multistream.unit_bits(chunk.level)
             raise PipelineError(f"{chunk.path}: a page in the {multistream.unit_name(chunk.level)}s from byte {start} "
                                 f"is not well-formed XML ({exc}); the file is damaged or truncated") from exc
-        if article is not None:
+        if article is None:
+            skipped[kind] += 1
+        else:
             docs.append(_document(*article))
-    return docs
+    return _ChunkText(docs, list(skipped.values()))
 
 
 class _PartWriter:
@@ -476,12 +574,12 @@ class _PartWriter:
         self.buffer = []
 
 
-def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -> tuple[int, int, int]:
+def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -> _Extracted:
     """Workers read, parse and clean runs of units (`_units`); the articles are cut into parts
     in order.
 
-    Resuming: `_chunk_articles.json` records how many articles each chunk held; a chunk whose
-    articles all lie in parts already on disk is not read again.
+    Resuming: `_chunk_articles.json` records how many articles each chunk held, and how many pages of
+    each of SKIPPED_KINDS; a chunk whose articles all lie in parts already on disk is not read again.
     """
     bits = multistream.unit_bits(level)
     # A small dump is cut into 2 chunks per worker at least, so that every worker has work.
@@ -489,9 +587,12 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
     bounds = multistream.chunk_bounds(offsets, chunk_bytes * bits)
     record_path = cfg.output_dir / CHUNK_RECORD
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
-    known: list[int] = record.get("articles", []) if record.get("chunk_bytes") == chunk_bytes else []
-    counts = list(known)
+    # A record without the skipped pages (an older version's) is not used: its chunks are read again.
+    usable = record.get("chunk_bytes") == chunk_bytes and "skipped" in record
+    known: list[int] = record["articles"] if usable else []
+    counts, skipped = list(known), list(record["skipped"] if usable else [])
     writer = _PartWriter(cfg.output_dir, cfg.articles_per_part)
+    namespaces = _head_namespaces(cfg.input, offsets, level)
 
     def tasks() -> Iterator[_Chunk | int]:
         first_article = 0
@@ -500,7 +601,7 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
                 yield known[index]  # nothing to read: only the article count moves on
             else:
                 stop = min(end + multistream.MAX_LOOKAHEAD_STREAMS, len(offsets) - 1)
-                yield _Chunk(cfg.input, tuple(offsets[first:stop + 1]), end - first, level)
+                yield _Chunk(cfg.input, tuple(offsets[first:stop + 1]), end - first, level, namespaces)
             if index < len(known):
                 first_article += known[index]
 
@@ -509,22 +610,41 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
             if isinstance(result, int):
                 writer.add(None, result)
             else:
-                if index < len(known) and known[index] != len(result):
+                if index < len(known) and known[index] != len(result.docs):
                     raise PipelineError(
                         f"{cfg.input} is not the file an earlier run read into {cfg.output_dir} (a chunk now holds "
-                        f"{len(result)} articles, then {known[index]}); delete {cfg.output_dir} to extract it again"
-                    )
-                writer.add(result, len(result))
+                        f"{len(result.docs)} articles, then {known[index]}); delete {cfg.output_dir} to extract it "
+                        "again")
+                writer.add(result.docs, len(result.docs))
                 if index >= len(counts):
-                    counts.append(len(result))
-                    stage.write_json_atomic(record_path, {"chunk_bytes": chunk_bytes, "articles": counts})
+                    counts.append(len(result.docs))
+                    skipped.append(result.skipped)
+                    stage.write_json_atomic(record_path, {"chunk_bytes": chunk_bytes, "articles": counts,
+                                                          "skipped": skipped})
             first, end = bounds[index]
             bar.update(offsets[end] // bits - offsets[first] // bits)
     writer.close()
-    return writer.documents, writer.parts, writer.text_bytes
+    pages = collections.Counter({ARTICLE: writer.next_article})
+    pages.update({kind: sum(chunk[k] for chunk in skipped) for k, kind in enumerate(SKIPPED_KINDS)})
+    return _Extracted(writer.documents, writer.parts, writer.text_bytes, pages)
 
 
-def _clean_chunk_or_skip(task: _Chunk | int) -> list[str] | int:
+_SITEINFO = re.compile(rb"<siteinfo>.*?</siteinfo>", re.S)
+
+
+def _head_namespaces(path: Path, offsets: list[int], level: int | None) -> dict[str, str] | None:
+    """The namespaces the dump's <siteinfo> lists (`_site_namespaces`), read from its first units."""
+    head = b""
+    with path.open("rb") as f:
+        for unit in range(min(len(offsets) - 1, multistream.MAX_LOOKAHEAD_STREAMS)):
+            head += multistream.decompress_units(f, offsets, unit, unit + 1, level, path)
+            if b"</siteinfo>" in head or b"<page>" in head:
+                break
+    siteinfo = _SITEINFO.search(head.split(b"<page>", 1)[0])
+    return _site_namespaces(ET.fromstring(siteinfo[0])) if siteinfo else None
+
+
+def _clean_chunk_or_skip(task: _Chunk | int) -> _ChunkText | int:
     return task if isinstance(task, int) else _clean_chunk(task)
 
 
@@ -536,7 +656,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--articles_per_part", type=int, default=2000)
     a = p.parse_args(argv)
     r = stage.cli_call(extract, ExtractConfig(a.input, a.output_dir, a.workers, a.articles_per_part))
-    print(f"extract: {r.articles} articles, {r.parts} parts, {r.text_bytes / 1e6:.1f} MB of text, {r.seconds:.1f} s")
+    print(f"extract: {r.line()}, {r.seconds:.1f} s")
 
 
 if __name__ == "__main__":

@@ -24,20 +24,38 @@ import argparse
 import dataclasses
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 from data.cli import HelpFormatter, add_workers_argument
 from data.create import CreateConfig, add_masking_arguments, create, held_out_documents, validate
-from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, download, dump_source, dump_url
-from data.extract import ExtractConfig, extract
-from data.segment import SegmentConfig, segment
-from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
-from data.stage import COMPLETE_FILE, PipelineError, cli_call, file_sha1
-from data.tokens import TokenizeConfig, tokenize
+from data.download import (
+    DEFAULT_DUMP_DATE,
+    DEFAULT_MIRROR,
+    DownloadConfig,
+    download,
+    dump_source,
+    dump_url,
+    file_name,
+)
+from data.extract import ExtractConfig, ExtractResult, extract
+from data.segment import SegmentConfig, SegmentResult, segment
+from data.shard import (
+    ShardConfig,
+    ShardResult,
+    add_compression_argument,
+    check_shard_counts,
+    compression_filter,
+    shard,
+)
+from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError, cli_call, file_sha1
+from data.tokens import TokenizeConfig, TokenizeResult, tokenize, unknown_warning
 from data.vocab import VocabConfig, build_vocab, check_case, check_training_settings, load_vocab
 
 PHASES = {1: (128, 20), 2: (512, 80)}
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -66,11 +84,25 @@ class PrepareConfig:
     hdf5_compression: str | None = None
 
 
+# What a stage did in this run: all of its work, the rest of the work of an interrupted run, or nothing
+# (its output was complete before the run).
+RAN, RESUMED, COMPLETE = "ran", "resumed", "complete"
+# The stages that process the dump's text, whose time the MB/s figure is over (not the download's).
+TEXT_STAGES = ("extract", "segment", "vocab", "tokens", "create", "shard")
+
+
+@dataclass(frozen=True)
+class StageRun:
+    name: str
+    state: str  # RAN, RESUMED or COMPLETE
+    seconds: float  # in this run
+
+
 @dataclass(frozen=True)
 class PrepareResult:
     output_dir: Path
     vocab_file: Path
-    articles: int
+    extracted: ExtractResult
     documents: int
     sentences: int
     tokens: int
@@ -79,21 +111,75 @@ class PrepareResult:
     shards: dict[str, int]
     text_bytes: int
     hdf5_bytes: int
-    stage_seconds: dict[str, float]
-    seconds: float
+    stages: list[StageRun]
+    seconds: float  # the whole run, its checks included
+    unknown_warning: str | None = None
+
+    @property
+    def articles(self) -> int:
+        return self.extracted.articles
 
     def summary(self) -> str:
-        mb = self.text_bytes / 1e6
-        return (
+        lines = [
             f"prepare: {self.articles} articles, {self.documents} documents, {self.sentences} sentences, "
             f"{self.tokens} tokens ({self.unknown_share:.3%} [UNK]) -> "
             f"{self.instances['training']} training + {self.instances['test']} test "
             f"instances in {self.shards['training']} + {self.shards['test']} shards "
-            f"({self.hdf5_bytes / 1e6:.1f} MB) under {self.output_dir / 'hdf5'}\n"
-            f"  {mb:.1f} MB of text in {self.seconds:.1f} s = {mb / max(self.seconds, 1e-9):.2f} MB/s; "
-            "stage seconds (0 = already complete): "
-            + ", ".join(f"{k} {v:.1f}" for k, v in self.stage_seconds.items())
-        )
+            f"({self.hdf5_bytes / 1e6:.1f} MB) under {self.output_dir / 'hdf5'}"]
+        if self.extracted.pages is not None:
+            lines.append(f"  of the dump's {self.extracted.pages} pages, not counted as articles: "
+                         f"{self.extracted.skipped_pages()}")
+        lines.append(f"  this run: {self.run_line()}")
+        if self.unknown_warning:
+            lines.append(self.unknown_warning)
+        return "\n".join(lines)
+
+    def run_line(self) -> str:
+        """The work done in this run and its time; MB/s only when every text stage did all of its work in it."""
+        done = [s for s in self.stages if s.state != COMPLETE]
+        skipped = ", ".join(s.name for s in self.stages if s.state == COMPLETE)
+        if not done:
+            return f"nothing to do: every stage was already complete ({skipped}); {duration(self.seconds)} of checks"
+        times = ", ".join(f"{s.name}{' (resumed)' if s.state == RESUMED else ''} {duration(s.seconds)}" for s in done)
+        line = f"{long_duration(sum(s.seconds for s in done))} ({times})"
+        if skipped:
+            line += f"; skipped as already complete: {skipped}"
+        text = [s for s in self.stages if s.name in TEXT_STAGES]
+        if all(s.state == RAN for s in text):
+            seconds, mb = sum(s.seconds for s in text), self.text_bytes / 1e6
+            return f"{mb / max(seconds, 1e-9):.2f} MB/s ({mb:.1f} MB of text in {long_duration(seconds)}); {line}"
+        resumed = ", ".join(s.name for s in text if s.state == RESUMED)
+        why = f"{resumed} went on from an earlier run" if resumed else "stages were skipped"
+        return f"{line} (no MB/s figure: {why}, so this run did not process the whole text)"
+
+
+def duration(seconds: float) -> str:
+    """12.3 s, 2 min 05 s, 1 h 02 min 05 s."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes:02d} min {secs:02d} s" if hours else f"{minutes} min {secs:02d} s"
+
+
+def long_duration(seconds: float) -> str:
+    """Seconds, and hours and minutes too when there are any: 3725.0 s = 1 h 02 min 05 s."""
+    return f"{seconds:.1f} s" + (f" = {duration(seconds)}" if seconds >= 60 else "")
+
+
+def _stage_state(stage_dir: Path) -> str:
+    """COMPLETE when the stage directory holds complete output (the stage then only checks its settings),
+    RESUMED when an interrupted run began it, else RAN."""
+    if (stage_dir / COMPLETE_FILE).is_file():
+        return COMPLETE
+    return RESUMED if (stage_dir / PARAMS_FILE).is_file() else RAN
+
+
+def _file_state(path: Path, partial: Path | None = None) -> str:
+    """The state of a stage whose output is one file, written at `partial` first (if it resumes)."""
+    if path.is_file():
+        return COMPLETE
+    return RESUMED if partial is not None and partial.exists() else RAN
 
 
 def check_test_split(create_cfg: CreateConfig, cfg: PrepareConfig) -> None:
@@ -109,7 +195,9 @@ def check_test_split(create_cfg: CreateConfig, cfg: PrepareConfig) -> None:
             "pass a larger --test_fraction, or --test_fraction 0 --num_test_shards 0 to train on every document")
 
 
-def prepare(cfg: PrepareConfig) -> PrepareResult:
+def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> PrepareResult:
+    """Run every stage, each skipping work already done; `report` gets a line as each stage ends, so that a
+    run that fails still shows what the stages before the failure did."""
     start = time.perf_counter()
     text_dir = cfg.text_dir or cfg.output_dir / "text"
     # The tokens directory and the vocab are known only after their stages; validate the rest now.
@@ -125,36 +213,53 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:
         check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
-    seconds: dict[str, float] = {}
+    stages: list[StageRun] = []
 
-    def timed(name, fn, *args):
+    def timed(name: str, state: str, fn: Callable[[Any], T], stage_cfg: Any, line: Callable[[T], str]) -> T:
         t = time.perf_counter()
-        out = fn(*args)
-        seconds[name] = round(time.perf_counter() - t, 3)
+        out = fn(stage_cfg)
+        seconds = round(time.perf_counter() - t, 3)
+        stages.append(StageRun(name, state, seconds))
+        when = "already complete" if state == COMPLETE else duration(seconds)
+        report(f"{name}: {line(out)}, {when}{' (resumed)' if state == RESUMED else ''}")
         return out
 
     dump = dump_source(cfg.input)
     if isinstance(dump, str):
-        dump = timed("download", download, DownloadConfig(url=dump, output_dir=text_dir / "download"))
-    ex = timed("extract", extract, ExtractConfig(dump, text_dir / "extracted", cfg.workers, cfg.articles_per_part))
-    seg = timed("segment", segment, SegmentConfig(text_dir / "extracted", text_dir / "sentences", cfg.workers))
-    vocab = timed("vocab", build_vocab, VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences",
-                                                    cfg.vocab_size, cfg.lower_case,
-                                                    limit_alphabet=cfg.limit_alphabet, workers=cfg.workers))
+        target = text_dir / "download" / file_name(dump)
+        dump = timed("download", _file_state(target, target.with_name(f"{target.name}.part")), download,
+                     DownloadConfig(url=dump, output_dir=text_dir / "download"),
+                     lambda path: f"{path} ({path.stat().st_size / 1e9:.2f} GB)")
+    ex = timed("extract", _stage_state(text_dir / "extracted"), extract,
+               ExtractConfig(dump, text_dir / "extracted", cfg.workers, cfg.articles_per_part), ExtractResult.line)
+    seg = timed("segment", _stage_state(text_dir / "sentences"), segment,
+                SegmentConfig(text_dir / "extracted", text_dir / "sentences", cfg.workers), SegmentResult.line)
+    vocab_state = (_file_state(cfg.output_dir / "vocab.txt") if cfg.vocab_file
+                   else _stage_state(cfg.output_dir / "vocab_training"))
+    vocab = timed("vocab", vocab_state, build_vocab,
+                  VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences", cfg.vocab_size, cfg.lower_case,
+                              limit_alphabet=cfg.limit_alphabet, workers=cfg.workers),
+                  lambda v: f"{v.size} tokens -> {v.path}")
     digest = file_sha1(vocab.path)[:10]
     tokens_dir = text_dir / f"tokens_{digest}_{'uncased' if cfg.lower_case else 'cased'}"
-    tok = timed("tokens", tokenize, TokenizeConfig(text_dir / "sentences", vocab.path, tokens_dir,
-                                                    cfg.lower_case, cfg.workers))
+    tok = timed("tokens", _stage_state(tokens_dir), tokenize,
+                TokenizeConfig(text_dir / "sentences", vocab.path, tokens_dir, cfg.lower_case, cfg.workers),
+                TokenizeResult.line)
+    warning = unknown_warning(tok, cfg.vocab_file or vocab.path)
+    if warning:
+        report(warning)
     create_cfg = dataclasses.replace(create_cfg, input_dir=tokens_dir, vocab_file=vocab.path)
     check_test_split(create_cfg, cfg)
-    timed("create", create, create_cfg)
-    sh = timed("shard", shard, ShardConfig(create_cfg.output_dir, cfg.output_dir / "hdf5", cfg.num_shards,
-                                           cfg.num_test_shards, cfg.name, cfg.workers, cfg.hdf5_compression))
+    timed("create", _stage_state(create_cfg.output_dir), create, create_cfg,
+          lambda c: f"{c.instances['training']} training + {c.instances['test']} test instances")
+    sh = timed("shard", _stage_state(cfg.output_dir / "hdf5"), shard,
+               ShardConfig(create_cfg.output_dir, cfg.output_dir / "hdf5", cfg.num_shards, cfg.num_test_shards,
+                           cfg.name, cfg.workers, cfg.hdf5_compression), ShardResult.line)
     return PrepareResult(
-        output_dir=cfg.output_dir, vocab_file=vocab.path, articles=ex.articles, documents=tok.documents,
+        output_dir=cfg.output_dir, vocab_file=vocab.path, extracted=ex, documents=tok.documents,
         sentences=tok.sentences, tokens=tok.tokens, unknown_share=tok.unknown_share, instances=sh.instances,
-        shards=sh.shards, text_bytes=seg.text_bytes, hdf5_bytes=sh.bytes_written, stage_seconds=seconds,
-        seconds=round(time.perf_counter() - start, 3))
+        shards=sh.shards, text_bytes=seg.text_bytes, hdf5_bytes=sh.bytes_written, stages=stages,
+        seconds=round(time.perf_counter() - start, 3), unknown_warning=warning)
 
 
 def prepare_from_args(a: argparse.Namespace) -> PrepareResult:

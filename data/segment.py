@@ -38,6 +38,10 @@ class SegmentResult:
     text_bytes: int
     seconds: float
 
+    def line(self) -> str:
+        """What the stage did, in one line."""
+        return f"{self.documents} documents, {self.sentences} sentences"
+
 
 def split_sentences(paragraph: str) -> list[str]:
     return [s for s in blingfire.text_to_sentences(paragraph).split("\n") if s.strip()]
@@ -97,7 +101,7 @@ def main(argv: list[str] | None = None) -> None:
     add_workers_argument(p)
     a = p.parse_args(argv)
     r = stage.cli_call(segment, SegmentConfig(a.input_dir, a.output_dir, a.workers))
-    print(f"segment: {r.documents} documents, {r.sentences} sentences, {r.seconds:.1f} s")
+    print(f"segment: {r.line()}, {r.seconds:.1f} s")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,11 @@ class ShardResult:
     bytes_written: int
     seconds: float
 
+    def line(self) -> str:
+        """What the stage did, in one line."""
+        return (f"{self.shards['training']} training + {self.shards['test']} test shards, "
+                f"{self.instances['training']} + {self.instances['test']} instances, {self.bytes_written / 1e6:.1f} MB")
+
 
 def plan_slices(part_counts: list[int], num_shards: int) -> list[list[tuple[int, int, int]]]:
     """For each shard, the (part, start, stop) slices it takes. Shard totals differ by at most one."""
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     a = p.parse_args(argv)
     r = stage.cli_call(shard, ShardConfig(a.instances_dir, a.output_dir, a.num_shards, a.num_test_shards, a.name,
                                           a.workers, compression_filter(a.hdf5_compression)))
-    print(f"shard: {r.shards} shards, {r.instances} instances, {r.bytes_written / 1e6:.1f} MB, {r.seconds:.1f} s")
+    print(f"shard: {r.line()}, {r.seconds:.1f} s")
 
 
 if __name__ == "__main__":

@@ -46,13 +46,37 @@ class TokenizeResult:
     documents: int
     sentences: int
     tokens: int
-    # [UNK]s: 0.002% with the BERT uncased vocab on English Wikipedia; far more says the vocab does not fit.
+    # [UNK]s: 0.002% with the BERT uncased vocab on English Wikipedia; far more says the vocab does not fit
+    # (UNKNOWN_WARNING_SHARE).
     unknown_tokens: int
     seconds: float
 
     @property
     def unknown_share(self) -> float:
         return self.unknown_tokens / max(self.tokens, 1)
+
+    def line(self) -> str:
+        """What the stage did, in one line."""
+        return (f"{self.documents} documents, {self.sentences} sentences, {self.tokens} tokens "
+                f"({self.unknown_share:.3%} [UNK])")
+
+
+# Above this share of [UNK] tokens the vocab does not fit the corpus. On the English sample, BERT's uncased
+# vocab leaves 0.002% and vocabs trained on it 0% to 0.05% (--limit_alphabet 1000 down to 60), while a
+# trained alphabet that misses characters of the corpus leaves 1.3% (40 characters: some digits missing),
+# 6% (26) or 20% (20): 1% is 20 times the largest share of a vocab that fits.
+UNKNOWN_WARNING_SHARE = 0.01
+
+
+def unknown_warning(result: TokenizeResult, vocab_file: Path) -> str | None:
+    """A warning line when the [UNK] share says the vocab does not fit the corpus, else None."""
+    if result.unknown_share <= UNKNOWN_WARNING_SHARE:
+        return None
+    return (f"warning: {result.unknown_share:.2%} of the tokens are [UNK] with the vocab {vocab_file} (a vocab that "
+            f"fits the text leaves under {UNKNOWN_WARNING_SHARE:.0%}: BERT's uncased vocab leaves 0.002% of English "
+            "Wikipedia). The model learns nothing from those tokens: use a vocab for the corpus's language and "
+            "script, or train one (with a larger --limit_alphabet if the corpus has many characters, as Chinese "
+            "or Japanese)")
 
 
 @dataclass(frozen=True)
@@ -227,8 +251,10 @@ def main(argv: list[str] | None = None) -> None:
     add_workers_argument(p)
     a = p.parse_args(argv)
     r = stage.cli_call(tokenize_with_given_vocab, TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
-    print(f"tokenize: {r.documents} documents, {r.sentences} sentences, {r.tokens} tokens "
-          f"({r.unknown_share:.3%} [UNK]), {r.seconds:.1f} s")
+    print(f"tokenize: {r.line()}, {r.seconds:.1f} s")
+    warning = unknown_warning(r, a.vocab_file)
+    if warning:
+        print(warning)
 
 
 if __name__ == "__main__":

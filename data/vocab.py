@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import shlex
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from data.parallel import bounded_map
 from data.stage import PipelineError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
+_BOM = "\ufeff"
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,19 @@ def load_vocab(path: Path) -> Vocab:
     that both number the tokens alike. A file they would number differently is refused.
     """
     if not path.is_file():
-        raise PipelineError(f"{path}: no such vocab file; pass a BERT vocab.txt with --vocab_file")
+        what = "is a directory, not a vocab file" if path.is_dir() else "no such vocab file"
+        raise PipelineError(f"{path}: {what}; pass a BERT vocab.txt with --vocab_file")
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise PipelineError(f"{path} is not UTF-8 text; a vocab.txt has one token per line") from exc
+    if text.startswith(_BOM):
+        # Refused, not stripped: the file would still carry it to the other readers, which keep it (the Rust
+        # tokenizer reads '\ufeff[PAD]'; the export's tokenizer then finds no [PAD] and adds one).
+        raise PipelineError(
+            f"{path} starts with a UTF-8 byte-order mark (bytes EF BB BF, as some Windows editors save), which "
+            f"readers of a vocab.txt take as part of the first token ({text.split(chr(10), 1)[0]!r}); remove it, "
+            f"e.g. with: sed -i '1s/^\\xEF\\xBB\\xBF//' {shlex.quote(str(path))}")
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()

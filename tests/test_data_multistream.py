@@ -293,3 +293,78 @@ def test_damaged_or_truncated_plain_xml_is_named(plain_sample, tmp_path):
     with pytest.raises(PipelineError, match="XML but not a MediaWiki dump: its root element is <feed>"):
         extract(ExtractConfig(commented, tmp_path / "c"))
 
+
+
+# ----------------------------------------------------------------------------- pages that are not articles
+def _expected_page_counts(xml: bytes) -> tuple[int, int, int]:
+    """(pages, redirects in namespace 0, pages of other namespaces), read with plain regexes."""
+    pages = re.findall(rb"<page>(.*?)</page>", xml, flags=re.S)
+    namespaces = [re.search(rb"<ns>(\d+)</ns>", page)[1] for page in pages]
+    redirects = sum(ns == b"0" and b"<redirect" in page for ns, page in zip(namespaces, pages))
+    return len(pages), redirects, sum(ns != b"0" for ns in namespaces)
+
+
+@pytest.mark.parametrize("form, workers, chunk_bytes", [("single-stream", 1, 1), ("single-stream", 2, 4 << 20),
+                                                        ("multistream", 2, 60_000), ("plain", 1, 1),
+                                                        ("plain", 2, 300_000)])
+def test_pages_that_are_not_articles_are_counted_alike_by_every_reader(sample_dump, multistream_sample, plain_sample,
+                                                                       tmp_path, form, workers, chunk_bytes):
+    """"articles" were the documents written, with nothing said of the dump's other pages."""
+    dump = {"single-stream": sample_dump, "multistream": multistream_sample, "plain": plain_sample}[form]
+    pages, redirects, other = _expected_page_counts(_xml(sample_dump))
+    assert (pages, redirects, other) == (206, 99, 1)
+    cfg = ExtractConfig(dump, tmp_path / "extracted", workers=workers, articles_per_part=40, chunk_bytes=chunk_bytes)
+    result = extract(cfg)
+    # 106 pages are articles; "List of anthropologists", all lists and headings, has no text once cleaned.
+    expected = (105, pages, redirects, other, 1)
+    assert (result.articles, result.pages, result.redirects, result.other_namespaces, result.empty) == expected
+    assert result.line().startswith("105 articles of 206 pages (not counted: 99 redirects, 1 page outside the "
+                                    "article namespace, 1 article empty once cleaned), 3 parts, 2.6 MB of text")
+    # Resumed without the last part: the chunks not read again count from the chunk record.
+    (cfg.output_dir / "_COMPLETE.json").unlink()
+    list_parts(cfg.output_dir)[-1].unlink()
+    resumed = extract(cfg)
+    assert (resumed.articles, resumed.pages, resumed.redirects, resumed.other_namespaces, resumed.empty) == expected
+
+    serial = _extract_serial(ExtractConfig(dump, tmp_path / "serial", workers=workers, articles_per_part=40))
+    assert serial.documents == 105 and dict(serial.pages) == {"article": 106, "redirect": 99, "other_namespace": 1,
+                                                              "no_namespace": 0}
+
+
+def _export_04(xml: bytes) -> bytes:
+    """The dump as MediaWiki's export-0.4 and 0.5 wrote it: no <ns> element (0.6 added it), and a
+    redirect flag without its target."""
+    xml = re.sub(rb"\n\s*<ns>\d+</ns>", b"", xml.replace(b"export-0.10", b"export-0.4"))
+    return re.sub(rb'<redirect title="[^"]*" />', b"<redirect />", xml.replace(b'version="0.10"', b'version="0.4"'))
+
+
+@pytest.mark.parametrize("form", ["plain", "multistream", "one reader"])
+def test_a_dump_without_ns_elements_takes_namespaces_from_the_title_prefixes(sample_dump, serial_text, tmp_path,
+                                                                            form):
+    """Every page of an export-0.4 dump counted as outside namespace 0: "holds no articles", no reason given."""
+    xml = _export_04(_xml(sample_dump))
+    assert b"<ns>" not in xml and b"<namespace key=\"4\" case=\"first-letter\">Wikipedia</namespace>" in xml
+    dump = tmp_path / ("old.xml" if form == "plain" else "old.xml.bz2")
+    if form == "plain":
+        dump.write_bytes(xml)
+    else:
+        header, pages, footer = multistream.split_pages(xml)
+        with dump.open("wb") as f:
+            multistream.write_multistream(f, header, pages, footer, 50)
+    out = tmp_path / "extracted"
+    if form == "one reader":
+        out.mkdir()
+        done = _extract_serial(ExtractConfig(dump, out, workers=2, articles_per_part=40))
+        assert dict(done.pages) == {"article": 106, "redirect": 99, "other_namespace": 1, "no_namespace": 0}
+    else:
+        result = extract(ExtractConfig(dump, out, workers=2, articles_per_part=40, chunk_bytes=100_000))
+        assert (result.articles, result.redirects, result.other_namespaces, result.no_namespace) == (105, 99, 1, 0)
+    assert _parts(out) == _parts(serial_text)  # "Wikipedia:..." is left out by its prefix, as by its <ns>
+
+    # Without the <siteinfo> that lists the namespaces, no page's namespace is known: the error says so.
+    bare = tmp_path / "bare.xml"
+    bare.write_bytes(re.sub(rb"<siteinfo>.*?</siteinfo>", b"", xml, flags=re.S))
+    with pytest.raises(PipelineError, match=r"holds no articles .*: of its 206 pages, 0 redirects, 0 pages outside "
+                                            r"the article namespace, 206 pages of unknown namespace \(no <ns> element, "
+                                            r"and no <namespaces> list in the dump's <siteinfo>"):
+        extract(ExtractConfig(bare, tmp_path / "bare", workers=2))

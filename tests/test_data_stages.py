@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +18,7 @@ import pytest
 from data import shard as shard_stage
 from data import stage
 from data.extract import ExtractConfig, extract
-from data.prepare import PrepareConfig, prepare
+from data.prepare import PrepareConfig, duration, long_duration, prepare
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
 
@@ -107,8 +109,14 @@ def test_prepare_cli_downloads_a_pinned_dump_date_from_a_mirror(wiki_mirror, ber
     prepare_main(["--dump_date", "20241201", "--mirror", base, "--output_dir", str(out), "--vocab_file",
                   str(bert_vocab), "--phase", "2", "--dupe_factor", "1", "--num_shards", "2", "--test_fraction", "0.1",
                   "--workers", "2"])
-    assert "prepare: 105 articles, 105 documents, 18587 sentences" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "prepare: 105 articles, 105 documents, 18587 sentences" in printed
     assert (out / "text" / "download" / "enwiki-20241201-pages-articles-multistream.xml.bz2").is_file()
+    # The rate is over the text stages; the download's time is given beside it.
+    assert re.search(r"^download: .*enwiki-20241201-pages-articles-multistream.xml.bz2 \(0.00 GB\), \d+\.\d s$", printed,
+                     flags=re.M)
+    assert re.search(r"^  this run: [\d.]+ MB/s \(2.6 MB of text in [\d.]+ s\); [\d.]+ s \(download [\d.]+ s, extract",
+                     printed, flags=re.M)
     assert ("/enwiki/20241201/enwiki-20241201-sha1sums.txt", None) in site.requests
     with h5py.File(out / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
         assert f.attrs["max_seq_length"] == 512 and f.attrs["max_predictions_per_seq"] == 80
@@ -157,7 +165,9 @@ def test_prepare_wikicorpus_script_makes_both_phases_from_relative_paths(sample_
         with h5py.File(out / f"phase{phase}" / "hdf5" / names[1], "r") as f:
             assert f["input_ids"].shape[1] == seq and f["masked_lm_ids"].shape[1] == predictions
     # Phase 2 read the text phase 1 made: no second extraction.
-    assert "extract 0.0," in proc.stdout.split("=== phase 2")[1]
+    phase2 = proc.stdout.split("=== phase 2")[1]
+    assert re.search(r"^extract: 105 articles .*, already complete$", phase2, flags=re.M)
+    assert "; skipped as already complete: extract, segment, tokens (no MB/s figure" in phase2
 
 
 def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
@@ -200,3 +210,104 @@ def test_another_dump_of_the_same_name_and_size_is_not_taken_for_the_extracted_o
     with pytest.raises(PipelineError, match="holds output made with other settings"):
         extract(ExtractConfig(second, out))
     assert "The alpha river" in (out / "part-00000.txt").read_text(encoding="utf-8")
+
+
+# The settings of the phase1_shards fixture (tests/conftest.py), as CLI flags.
+FIXTURE_FLAGS = ["--max_seq_length", "128", "--max_predictions_per_seq", "20", "--dupe_factor", "2", "--num_shards",
+                 "2", "--num_test_shards", "1", "--seed", "12345", "--test_fraction", "0.1", "--articles_per_part", "40"]
+STAGE_LINES = [
+    "extract: 105 articles of 206 pages (not counted: 99 redirects, 1 page outside the article namespace, 1 article "
+    "empty once cleaned), 3 parts, 2.6 MB of text, ",
+    "segment: 105 documents, 18587 sentences, ",
+    "vocab: 30522 tokens -> ",
+    "tokens: 105 documents, 18587 sentences, 538619 tokens (0.002% [UNK]), ",
+    "create: 10899 training + 378 test instances, ",
+    "shard: 2 training + 1 test shards, 10899 + 378 instances, 10.5 MB, "]
+
+
+def _stage_lines(out: str) -> list[str]:
+    return [line for line in out.splitlines() if line.split(":")[0] in ("extract", "segment", "vocab", "tokens",
+                                                                        "create", "shard")]
+
+
+def test_the_summary_gives_time_and_mb_per_s_of_this_runs_work_only(sample_dump, bert_vocab, tmp_path, capsys):
+    """MB/s was the whole text over the whole run, skipped stages included: a rerun that did nothing printed
+    57 MB/s, partial reruns 13-35 MB/s."""
+    args = ["--input", str(sample_dump), "--output_dir", str(tmp_path / "out"), "--vocab_file", str(bert_vocab),
+            "--workers", "2", *FIXTURE_FLAGS]
+    prepare_main(args)
+    out = capsys.readouterr().out
+    lines = _stage_lines(out)
+    assert [line[:len(start)] for line, start in zip(lines, STAGE_LINES)] == STAGE_LINES and len(lines) == 6
+    assert all(re.search(r", \d+\.\d s$", line) for line in lines)
+    assert "  of the dump's 206 pages, not counted as articles: 99 redirects, 1 page outside the article namespace, " \
+           "1 article empty once cleaned\n" in out
+    run = re.search(r"^  this run: ([\d.]+) MB/s \(2\.6 MB of text in ([\d.]+) s\); [\d.]+ s \(extract [\d.]+ s, "
+                    r"segment [\d.]+ s, vocab [\d.]+ s, tokens [\d.]+ s, create [\d.]+ s, shard [\d.]+ s\)$", out,
+                    flags=re.M)
+    assert run and abs(2.58 / float(run[2]) - float(run[1])) < 0.05 * float(run[1]) + 0.01
+    assert "skipped" not in out and "warning" not in out
+
+    prepare_main(args)  # nothing left to do
+    out = capsys.readouterr().out
+    assert all(line.endswith(", already complete") for line in _stage_lines(out)) and len(_stage_lines(out)) == 6
+    assert re.search(r"^  this run: nothing to do: every stage was already complete \(extract, segment, vocab, tokens, "
+                     r"create, shard\); \d+\.\d s of checks$", out, flags=re.M)
+    assert "MB/s" not in out
+
+    shutil.rmtree(tmp_path / "out" / "hdf5")  # only the shards to write again
+    prepare_main(args)
+    out = capsys.readouterr().out
+    assert re.search(r"^  this run: [\d.]+ s \(shard [\d.]+ s\); skipped as already complete: extract, segment, "
+                     r"vocab, tokens, create \(no MB/s figure: stages were skipped, so this run did not process the "
+                     r"whole text\)$", out, flags=re.M)
+
+    # Resumed: the extraction went on from the parts an earlier run wrote.
+    extracted = tmp_path / "out" / "text" / "extracted"
+    (extracted / "_COMPLETE.json").unlink()
+    (extracted / "part-00002.txt").unlink()
+    prepare_main(args)
+    out = capsys.readouterr().out
+    assert re.search(r"^extract: 105 articles .*, \d+\.\d s \(resumed\)$", out, flags=re.M)
+    assert "this run did not process the whole text" in out and "extract went on from an earlier run" in out
+
+
+def test_long_runs_give_hours_and_minutes_as_well_as_seconds(phase1_shards, sample_dump, bert_vocab, tmp_path):
+    assert [duration(s) for s in (0.04, 12.34, 59.94, 125, 3725.4, 90061)] == [
+        "0.0 s", "12.3 s", "59.9 s", "2 min 05 s", "1 h 02 min 05 s", "25 h 01 min 01 s"]
+    assert long_duration(3725.0) == "3725.0 s = 1 h 02 min 05 s" and long_duration(12.3) == "12.3 s"
+    # A real run's summary with the stage times of a full-size one.
+    out = tmp_path / "out"
+    shutil.copytree(phase1_shards, out)
+    result = prepare(PrepareConfig(input=sample_dump, output_dir=out, vocab_file=bert_vocab, dupe_factor=2,
+                                   num_shards=2, seed=12345, workers=1, test_fraction=0.1, articles_per_part=40),
+                     report=lambda line: None)
+    assert [s.state for s in result.stages] == ["complete"] * 6
+    hours = [dataclasses.replace(s, state="ran", seconds=t)
+             for s, t in zip(result.stages, (420.0, 55.5, 0.1, 125.0, 60.0, 3000.0))]
+    assert dataclasses.replace(result, stages=hours).run_line() == (
+        "0.00 MB/s (2.6 MB of text in 3660.6 s = 1 h 01 min 01 s); 3660.6 s = 1 h 01 min 01 s (extract 7 min 00 s, "
+        "segment 55.5 s, vocab 0.1 s, tokens 2 min 05 s, create 1 min 00 s, shard 50 min 00 s)")
+
+
+def test_a_failing_run_has_printed_what_its_stages_did(phase1_shards, sample_dump, bert_vocab, tmp_path, capsys):
+    """Nothing was printed before the summary, so a run that failed showed no count of the stages it completed."""
+    with pytest.raises(SystemExit, match="--test_fraction 0.001 holds out no document"):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(tmp_path / "out"), "--vocab_file",
+                      str(bert_vocab), "--workers", "1", "--text_dir", str(phase1_shards / "text"),
+                      *FIXTURE_FLAGS, "--test_fraction", "0.001"])
+    lines = _stage_lines(capsys.readouterr().out)
+    assert [line[:len(start)] for line, start in zip(lines, STAGE_LINES)] == STAGE_LINES[:4] and len(lines) == 4
+
+
+def test_a_vocab_that_leaves_many_unknown_tokens_is_warned_of(phase1_shards, sample_dump, tmp_path, capsys):
+    """A vocab trained with too small an alphabet for the text (26 characters: no digits) leaves 6% [UNK];
+    the summary gave the share without a word. BERT's uncased vocab leaves 0.002% (no warning, above)."""
+    out = tmp_path / "out"
+    prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--text_dir", str(phase1_shards / "text"),
+                  "--vocab_size", "3000", "--limit_alphabet", "26", "--workers", "2", *FIXTURE_FLAGS])
+    printed = capsys.readouterr().out
+    warning = re.escape(f"warning: 6.06% of the tokens are [UNK] with the vocab {out / 'vocab.txt'} (a vocab that "
+                        "fits the text leaves under 1%")
+    assert len(re.findall(f"^{warning}", printed, flags=re.M)) == 2  # when the tokens stage ends, and in the summary
+    assert printed.rstrip("\n").splitlines()[-1].startswith("warning: 6.06% of the tokens are [UNK]")

@@ -88,6 +88,35 @@ def test_prose_starting_with_a_hash_is_kept_and_list_items_are_dropped():
     assert clean_article("T", "== Heading ==\n'''[[*NSYNC]]''' was a boy band.") == ["*NSYNC was a boy band."]
 
 
+# Localized behaviour switches: German, Russian, Japanese (a script without case), and upper-case words in
+# Devanagari (combining marks) and with digits, as a wiki may define them.
+SWITCHES = ["__KEIN_INHALTSVERZEICHNIS__", "__NEUER_ABSCHNITTSLINK__", "__БЕЗ_ОГЛАВЛЕНИЯ__", "__目次非表示__",
+            "__अनुक्रमणिका_नहीं__", "__INDEX2__"]
+
+
+def test_behaviour_switches_of_any_language_are_dropped_and_dunder_names_kept(sample_dump):
+    """wikiextractor drops only the English switches (__NOTOC__); the localized ones stayed in the text."""
+    articles = list(iter_articles(sample_dump))
+    checked = 0
+    for k, (title, wikitext) in enumerate(articles):
+        expected = clean_article(title, wikitext)
+        if not expected:
+            continue
+        switch = SWITCHES[k % len(SWITCHES)]
+        # On a line of its own at the top (where wikis put them), after paragraphs, and at the end.
+        with_switches = f"{switch}\n{wikitext.replace(chr(10) * 2, f' {switch}{chr(10) * 2}', 3)}\n{switch}"
+        assert clean_article(title, with_switches) == expected, title
+        checked += 1
+    assert checked == 105
+    # Lower-case and mixed-case words between double underscores are ordinary text (Python names in
+    # articles on programming), and so are digits alone and words glued to others.
+    title, wikitext = articles[0]
+    prose = "In Python, __init__ sets up an object and __Version__ is not a switch, nor __2__ or A__NOTE__B."
+    cleaned = clean_article(title, f"{wikitext}\n\n{prose} __NOTOC__ __KEIN_INHALTSVERZEICHNIS__")
+    assert cleaned == [*clean_article(title, wikitext), prose]
+    assert not [p for p in cleaned if re.search(r"__\w+__", p) and p != prose]
+
+
 def test_segmented_text_is_one_sentence_per_line(phase1_shards):
     sentences_dir = phase1_shards / "text" / "sentences"
     text = "".join(p.read_text(encoding="utf-8") for p in sorted(sentences_dir.glob("part-*.txt")))
@@ -186,8 +215,19 @@ def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_pa
     only_redirects.write_text(
         '<mediawiki xmlns="http://www.mediawiki.org/xml/export-0.10/"><page><title>X</title><ns>0</ns>'
         '<redirect title="Y"/><revision><text>#REDIRECT [[Y]]</text></revision></page></mediawiki>')
-    with pytest.raises(PipelineError, match=f"{re.escape(str(only_redirects))}: the dump holds no articles"):
+    with pytest.raises(PipelineError, match=f"{re.escape(str(only_redirects))}: the dump holds no articles .*: of "
+                                            "its 1 page, 1 redirect, 0 pages outside the article namespace, 0 "
+                                            "articles empty once cleaned"):
         extract(ExtractConfig(only_redirects, tmp_path / "d"))
+
+
+def test_an_empty_dump_is_named_empty(sample_dump, tmp_path):
+    """It was "neither bz2-compressed nor XML"."""
+    empty = tmp_path / sample_dump.name
+    empty.touch()  # what an interrupted copy of the sample can leave
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(empty))} is empty \(0 bytes\), not a dump; download or "
+                                            "copy the dump again"):
+        extract(ExtractConfig(empty, tmp_path / "out"))
 
 
 def test_vocab_without_special_tokens_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path):

@@ -5,7 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from data.tokens import TokenizeConfig, WordPieceTokenizer, load_part, tokenize, tokenize_text
+from data.tokens import (
+    TokenizeConfig,
+    WordPieceTokenizer,
+    load_part,
+    tokenize,
+    tokenize_text,
+    unknown_warning,
+)
+from data.tokens import main as tokens_main
 from data.vocab import make_tokenizer
 
 # Every character Python's str.split() splits at, and what BERT's normalizer does with it.
@@ -44,7 +52,7 @@ def test_sentences_and_documents_that_tokenize_to_nothing_are_dropped(bert_vocab
     assert part.sentence_lengths.tolist() == [2, 1, 1] and part.doc_sentences.tolist() == [2, 1]
 
 
-def test_tokenize_stage_counts_unknown_tokens(phase1_shards, bert_vocab, tmp_path):
+def test_tokenize_stage_counts_unknown_tokens(phase1_shards, bert_vocab, tmp_path, capsys):
     sentences_dir = phase1_shards / "text" / "sentences"
     result = tokenize(TokenizeConfig(sentences_dir, bert_vocab, tmp_path / "tokens", workers=2))
     ids = np.concatenate([load_part(p).ids for p in sorted((tmp_path / "tokens").glob("part-*.npz"))])
@@ -58,6 +66,12 @@ def test_tokenize_stage_counts_unknown_tokens(phase1_shards, bert_vocab, tmp_pat
     small.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"0123456789", *"abcdefghij"]) + "\n")
     poor = tokenize(TokenizeConfig(sentences_dir, small, tmp_path / "poor"))
     assert poor.unknown_share > 0.5
+    # ... and a warning line says what that means; none for the vocab that fits (0.002%).
+    assert unknown_warning(result, bert_vocab) is None
+    tokens_main(["--input_dir", str(sentences_dir), "--vocab_file", str(small), "--output_dir", str(tmp_path / "poor")])
+    assert capsys.readouterr().out.splitlines()[-1].startswith(
+        f"warning: {poor.unknown_share:.2%} of the tokens are [UNK] with the vocab {small} (a vocab that fits the text "
+        "leaves under 1%")
 
 
 EDGE_CASES = [

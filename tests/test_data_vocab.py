@@ -7,6 +7,7 @@ import collections
 import random
 import re
 import shutil
+import subprocess
 
 import h5py
 import pytest
@@ -155,6 +156,35 @@ def test_vocab_lines_are_numbered_as_the_rust_tokenizer_numbers_them(bert_vocab,
     twice.write_text("\n".join(tokens), encoding="utf-8")
     with pytest.raises(PipelineError, match=f"line 2001 repeats the token '{tokens[1999]}' of line 2000"):
         load_vocab(twice)
+
+
+def test_a_vocab_with_a_byte_order_mark_is_named_with_the_fix(sample_dump, bert_vocab, tmp_path):
+    """It was reported as lacking [PAD]. Stripping the mark on reading would not do: the Rust tokenizer reads it
+    into the first token, as other readers of the file would."""
+    bom = tmp_path / "vocab with bom.txt"
+    bom.write_bytes(b"\xef\xbb\xbf" + bert_vocab.read_bytes())
+    assert Tokenizer(WordPiece.from_file(str(bom))).id_to_token(0) == "\ufeff[PAD]"
+    message = rf"{re.escape(str(bom))} starts with a UTF-8 byte-order mark .* first token \('\\ufeff\[PAD\]'\); remove it"
+    with pytest.raises(PipelineError, match=f"^{message}") as refused:
+        load_vocab(bom)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=message):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bom)])
+    assert not out.exists()
+    # The command the message gives removes the mark, and only the mark.
+    subprocess.run(str(refused.value).split("e.g. with: ", 1)[1], shell=True, check=True)
+    assert bom.read_bytes() == bert_vocab.read_bytes()
+    assert load_vocab(bom).tokens[0] == "[PAD]"
+
+
+def test_a_directory_given_as_the_vocab_is_named_a_directory(sample_dump, tmp_path):
+    """It was "no such vocab file"."""
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(tmp_path))}: is a directory, not a vocab file"):
+        load_vocab(tmp_path)
+    with pytest.raises(SystemExit, match=f"{re.escape(str(tmp_path))}: is a directory, not a vocab file"):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(tmp_path / "out"), "--vocab_file",
+                      str(tmp_path)])
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize(("flags", "message"), [
