@@ -33,7 +33,7 @@ from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, dow
 from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
-from data.stage import COMPLETE_FILE, PipelineError, cli_call, file_sha1
+from data.stage import COMPLETE_FILE, PipelineError, cli_call, file_sha1, make_dir
 from data.tokens import TokenizeConfig, tokenize
 from data.vocab import VocabConfig, build_vocab, check_case, check_training_settings, load_vocab
 
@@ -125,6 +125,10 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:
         check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
+    if cfg.text_dir is not None:
+        make_dir(cfg.text_dir, "--text_dir")
+    make_dir(cfg.output_dir, "--output_dir")
+    make_dir(text_dir)
     seconds: dict[str, float] = {}
 
     def timed(name, fn, *args):

@@ -76,6 +76,22 @@ def _normalise(params: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(params, sort_keys=True, default=str))
 
 
+def make_dir(path: Path, flag: str | None = None) -> None:
+    """Create the output directory `path` if it is missing, or say in a PipelineError naming it (and
+    the flag that gave it) why it cannot be one."""
+    name = f"{flag} {path}" if flag else str(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        what = f"{blocker} is a file, not a directory" if blocker else f"it cannot be a directory ({exc.strerror})"
+        raise PipelineError(f"{name}: {what}; pass a directory path (it is created if missing)") from exc
+    except OSError as exc:
+        raise PipelineError(f"{name} cannot be created ({exc.strerror}); pass a directory you can write to") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PipelineError(f"{name} is not writable; pass a directory you can write to")
+
+
 def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     """The stored summary when `stage_dir` is complete for `params`, else None.
 
@@ -105,13 +121,17 @@ def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     summary = completed(stage_dir, params)
     if summary is not None:
         return summary
-    stage_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(stage_dir)
     # Temporaries left by a killed run are incomplete by construction; their final names are
     # written again by this run.
     for leftover in sorted(stage_dir.rglob(".*.tmp-*")):
         _remove(leftover)
     if not (stage_dir / PARAMS_FILE).is_file():
-        write_json_atomic(stage_dir / PARAMS_FILE, {"params": _normalise(params)})
+        try:
+            write_json_atomic(stage_dir / PARAMS_FILE, {"params": _normalise(params)})
+        except OSError as exc:
+            raise PipelineError(f"{stage_dir}: cannot write there ({exc.strerror}); pass a directory you can "
+                                "write to") from exc
     return None
 
 

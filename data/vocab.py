@@ -154,6 +154,7 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     The output directory's shards are made with that vocab, so a run that would put another vocab
     there is refused rather than leaving shards beside a vocab that does not match them.
     """
+    stage.make_dir(cfg.output_dir)
     target = cfg.output_dir / "vocab.txt"
     stage.remove_leftovers(target)
     if cfg.vocab_file is not None:

@@ -4,6 +4,7 @@ what the messages say. The settings are the `phase1_shards` fixture's, whose out
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 
 from data.prepare import PrepareConfig
+from data.prepare import main as prepare_main
+from data.segment import main as segment_main
 
 ROOT = Path(__file__).resolve().parents[1]
 # The phase1_shards fixture's settings (tests/conftest.py), but the dump and the output directory.
@@ -44,6 +47,40 @@ def error_line(exc: pytest.ExceptionInfo[SystemExit]) -> str:
     message = str(exc.value.code)
     assert message.startswith("error: ")
     return message
+
+
+# --- 6: an output directory that cannot be one is a one-line error ---------------------------------------------
+
+
+def test_an_output_directory_that_cannot_be_one_is_a_one_line_error(sample_dump, bert_vocab, phase1_shards, tmp_path):
+    """They were raw NotADirectoryError / PermissionError tracebacks."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    args = ["--input", str(sample_dump), "--vocab_file", str(bert_vocab), "--workers", "1"]
+    cases = [(["--output_dir", str(a_file)], f"--output_dir {a_file}: {a_file} is a file, not a directory"),
+             (["--output_dir", str(a_file / "out")], f"--output_dir {a_file / 'out'}: {a_file} is a file, not a directory"),
+             (["--output_dir", str(tmp_path / "out"), "--text_dir", str(a_file)],
+              f"--text_dir {a_file}: {a_file} is a file, not a directory")]
+    if Path("/sys/kernel").is_dir():  # sysfs: no directory can be made there, not even by root
+        cases.append((["--output_dir", "/sys/kernel/bert-out"], "--output_dir /sys/kernel/bert-out cannot be created ("))
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            prepare_main([*args, *flags])
+        assert error_line(exc).startswith(f"error: {message}")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exc:  # a stage alone
+        segment_main(["--input_dir", str(phase1_shards / "text" / "extracted"), "--output_dir", str(a_file)])
+    assert error_line(exc) == (f"error: {a_file}: {a_file} is a file, not a directory; pass a directory path (it is "
+                               "created if missing)")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any directory")
+def test_an_output_directory_without_write_permission_is_a_one_line_error(sample_dump, bert_vocab, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    with pytest.raises(SystemExit) as exc:
+        prepare_main(["--input", str(sample_dump), "--vocab_file", str(bert_vocab), "--output_dir", str(locked)])
+    assert error_line(exc) == f"error: --output_dir {locked} is not writable; pass a directory you can write to"
 
 
 # --- 7: no more worker processes than tasks ---------------------------------------------------------------------
