@@ -33,7 +33,7 @@ from data.download import DEFAULT_DUMP_DATE, DEFAULT_MIRROR, DownloadConfig, dow
 from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, add_compression_argument, check_shard_counts, compression_filter, shard
-from data.stage import COMPLETE_FILE, PipelineError, cli_call, file_sha1, make_dir
+from data.stage import COMPLETE_FILE, PipelineError, StageConflict, cli_call, file_sha1, make_dir
 from data.tokens import TokenizeConfig, tokenize
 from data.vocab import VocabConfig, build_vocab, check_case, check_training_settings, load_vocab
 
@@ -109,6 +109,23 @@ def check_test_split(create_cfg: CreateConfig, cfg: PrepareConfig) -> None:
             "pass a larger --test_fraction, or --test_fraction 0 --num_test_shards 0 to train on every document")
 
 
+def made_from(failed: Path, cfg: PrepareConfig, text_dir: Path) -> list[Path]:
+    """The stage directory `failed` and the outputs of this run made from it that exist, in the order
+    the stages run: all that must go to redo it, so that the next rerun is not refused at a later one."""
+    vocab = cfg.output_dir / "vocab.txt"
+    chain = [text_dir / "extracted", text_dir / "sentences"]
+    if cfg.vocab_file is None:
+        chain += [cfg.output_dir / "vocab_training", vocab]
+    if failed in chain[:2]:
+        chain += sorted(text_dir.glob("tokens_*"))  # every vocab's tokens are made from the sentences
+    elif vocab.is_file():
+        chain.append(text_dir / f"tokens_{file_sha1(vocab)[:10]}_{'uncased' if cfg.lower_case else 'cased'}")
+    chain += [cfg.output_dir / "instances", cfg.output_dir / "hdf5"]
+    if failed not in chain:
+        return [failed]
+    return [failed, *(path for path in chain[chain.index(failed) + 1:] if path.exists())]
+
+
 def prepare(cfg: PrepareConfig) -> PrepareResult:
     start = time.perf_counter()
     text_dir = cfg.text_dir or cfg.output_dir / "text"
@@ -133,7 +150,10 @@ def prepare(cfg: PrepareConfig) -> PrepareResult:
 
     def timed(name, fn, *args):
         t = time.perf_counter()
-        out = fn(*args)
+        try:
+            out = fn(*args)
+        except StageConflict as exc:
+            raise StageConflict(exc.stage_dir, exc.problem, made_from(exc.stage_dir, cfg, text_dir)) from exc
         seconds[name] = round(time.perf_counter() - t, 3)
         return out
 

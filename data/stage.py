@@ -27,6 +27,19 @@ class PipelineError(RuntimeError):
     """Bad input or an inconsistent output directory; the message names the file and the fix."""
 
 
+class StageConflict(PipelineError):
+    """A stage directory that this run cannot use, made with other settings. `redo` lists what to delete
+    to redo it: the directory first, then what was made from it when the caller knows (data.prepare does)."""
+
+    def __init__(self, stage_dir: Path, problem: str, redo: list[Path] | None = None):
+        self.stage_dir, self.problem, self.redo = stage_dir, problem, redo
+        if redo:
+            fix = f"delete {', '.join(map(str, redo))} to redo {'it' if len(redo) == 1 else 'them'}"
+        else:
+            fix = f"delete {stage_dir}, and any output made from it, to redo this stage"
+        super().__init__(f"{problem}\nUse another output directory, or {fix}.")
+
+
 def _tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
 
@@ -92,10 +105,53 @@ def make_dir(path: Path, flag: str | None = None) -> None:
         raise PipelineError(f"{name} is not writable; pass a directory you can write to")
 
 
+def differences(then: Any, now: Any, upstream: tuple[str, ...] = ()) -> list[str]:
+    """What differs between the parameters a stage directory was made with and this run's, one line
+    per setting. A setting of an upstream directory (a `fingerprint`) is named through the chain of
+    directories it reaches this one by ("its input tokens > sentences > extracted was remade: ...")."""
+
+    def said(text: str) -> str:
+        return f"its input {' > '.join(upstream)} was remade: {text}" if upstream else text
+
+    if not (isinstance(then, dict) and isinstance(now, dict)):
+        return [said(f"made with {_show(then)}, now {_show(now)}")]
+    lines = []
+    then, now = _settings(then), _settings(now)
+    for key in sorted(set(then) | set(now)):
+        a, b = then.get(key), now.get(key)
+        if a == b:
+            continue
+        if _is_upstream(a) and _is_upstream(b):
+            lines += differences(a["params"], b["params"], (*upstream, key)) or [
+                f"its input {' > '.join((*upstream, key))} was remade with the same settings, and holds other output"]
+        else:
+            lines.append(said(f"{key}: made with {_show(a)}, now {_show(b)}"))
+    return lines
+
+
+def _settings(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`params` with nested settings (not upstream directories) as dotted names: input.bytes."""
+    flat = {}
+    for key, value in params.items():
+        if isinstance(value, dict) and not _is_upstream(value):
+            flat.update(_settings(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _is_upstream(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"sha1", "params"}
+
+
+def _show(value: Any) -> str:
+    return "nothing" if value is None else json.dumps(value, sort_keys=True)
+
+
 def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     """The stored summary when `stage_dir` is complete for `params`, else None.
 
-    Raises PipelineError when the directory holds output made with other parameters.
+    Raises StageConflict when the directory holds output made with other parameters.
     """
     params = _normalise(params)
     for name in (COMPLETE_FILE, PARAMS_FILE):
@@ -107,10 +163,8 @@ def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
         except (OSError, json.JSONDecodeError) as exc:
             raise PipelineError(f"{path} is unreadable ({exc}); delete {stage_dir} to redo this stage") from exc
         if stored.get("params") != params:
-            raise PipelineError(
-                f"{stage_dir} holds output made with other settings:\n  stored: {stored.get('params')}\n"
-                f"  now:    {params}\nUse another output directory, or delete {stage_dir} to redo this stage."
-            )
+            raise StageConflict(stage_dir, f"{stage_dir} holds output made with other settings:\n  "
+                                           + "\n  ".join(differences(stored.get("params"), params)))
         if name == COMPLETE_FILE:
             return stored["summary"]
     return None
@@ -170,11 +224,12 @@ def file_sha1(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
-def fingerprint(stage_dir: Path) -> str:
-    """Identifies a complete upstream stage's output by its completion record (parameters and summary)."""
+def fingerprint(stage_dir: Path) -> dict[str, Any]:
+    """Identifies a complete upstream stage's output: the sha1 of its completion record (parameters and
+    summary), with its parameters, so that a downstream stage refused for it can say which of them differ."""
     path = stage_dir / COMPLETE_FILE
     if not path.is_file():
         raise PipelineError(f"{stage_dir} is not complete (no {COMPLETE_FILE}); run the stage that writes it first")
     record = json.loads(path.read_text(encoding="utf-8"))
     record["summary"].pop("seconds", None)  # a redo with the same result has the same fingerprint
-    return hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()
+    return {"sha1": hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest(), "params": record["params"]}

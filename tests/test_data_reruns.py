@@ -14,9 +14,10 @@ import h5py
 import numpy as np
 import pytest
 
-from data.prepare import PrepareConfig
+from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.segment import main as segment_main
+from data.stage import PipelineError
 
 ROOT = Path(__file__).resolve().parents[1]
 # The phase1_shards fixture's settings (tests/conftest.py), but the dump and the output directory.
@@ -47,6 +48,38 @@ def error_line(exc: pytest.ExceptionInfo[SystemExit]) -> str:
     message = str(exc.value.code)
     assert message.startswith("error: ")
     return message
+
+
+# --- 5: a refusal names the setting that differs and every directory to delete -------------------------------
+
+
+def test_a_refusal_names_the_settings_that_differ_and_every_directory_to_delete(phase1_shards, sample_dump,
+                                                                                bert_vocab, tmp_path):
+    """It showed the two parameter records, with an upstream directory as an opaque hash, and named one
+    directory: the next rerun was then refused at the next stage."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    instances, hdf5, text = out / "instances", out / "hdf5", out / "text"
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab, dupe_factor=3))
+    assert str(exc.value) == (f"{instances} holds output made with other settings:\n  dupe_factor: made with 2, now 3\n"
+                              f"Use another output directory, or delete {instances}, {hdf5} to redo them.")
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab, articles_per_part=50))
+    assert str(exc.value) == (
+        f"{text / 'extracted'} holds output made with other settings:\n  articles_per_part: made with 40, now 50\n"
+        f"Use another output directory, or delete {text / 'extracted'}, {text / 'sentences'}, {tokens_dir(out)}, "
+        f"{instances}, {hdf5} to redo them.")
+    # The text made again with other settings: the instances made from the old text say which setting it was.
+    shutil.rmtree(text)
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab, articles_per_part=50))
+    assert str(exc.value) == (
+        f"{instances} holds output made with other settings:\n  its input tokens > sentences > extracted was remade: "
+        f"articles_per_part: made with 40, now 50\nUse another output directory, or delete {instances}, {hdf5} to "
+        "redo them.")
+    shutil.rmtree(instances)
+    shutil.rmtree(hdf5)
+    assert prepare(settings(sample_dump, out, bert_vocab, articles_per_part=50)).shards == {"training": 2, "test": 1}
 
 
 # --- 6: an output directory that cannot be one is a one-line error ---------------------------------------------
