@@ -1,15 +1,19 @@
-"""Bookkeeping shared by every pipeline stage: atomic writes, a parameter record and a completion marker.
+"""Bookkeeping shared by every pipeline stage: atomic writes, a parameter record, a completion marker and a lock.
 
 A stage directory holds `_PARAMS.json` (written when the stage starts) and `_COMPLETE.json`
 (written last, atomically). A rerun with the same parameters skips a complete stage and, inside
 an incomplete one, every part file that already exists (parts are themselves written to a
-temporary name and renamed). A rerun with different parameters is refused rather than mixing
-outputs made with two settings.
+temporary name and renamed). A complete stage made with other parameters is refused rather than
+mixing outputs made with two settings; an incomplete one is started afresh, as its partial output
+cannot serve the new ones. `_LOCK` is held by the run that writes the directory, so a second run at
+once is refused instead of deleting the first one's work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -21,6 +25,7 @@ from typing import Any
 
 PARAMS_FILE = "_PARAMS.json"
 COMPLETE_FILE = "_COMPLETE.json"
+LOCK_FILE = "_LOCK"
 
 
 class PipelineError(RuntimeError):
@@ -42,6 +47,10 @@ class StageConflict(PipelineError):
 
 def _tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+def _is_temporary(relative: Path) -> bool:
+    return any(part.startswith(".") and ".tmp-" in part for part in relative.parts)
 
 
 @contextlib.contextmanager
@@ -148,49 +157,161 @@ def _show(value: Any) -> str:
     return "nothing" if value is None else json.dumps(value, sort_keys=True)
 
 
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A stage's JSON record, None when absent."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StageConflict(path.parent, f"{path} is unreadable ({exc})") from exc
+    if not isinstance(record, dict):
+        raise StageConflict(path.parent, f"{path} is not a record this pipeline writes")
+    return record
+
+
 def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     """The stored summary when `stage_dir` is complete for `params`, else None.
 
-    Raises StageConflict when the directory holds output made with other parameters.
+    Raises StageConflict when it is complete with other parameters.
     """
+    record = _read_record(stage_dir / COMPLETE_FILE)
+    if record is None:
+        return None
     params = _normalise(params)
-    for name in (COMPLETE_FILE, PARAMS_FILE):
-        path = stage_dir / name
-        if not path.is_file():
-            continue
-        try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PipelineError(f"{path} is unreadable ({exc}); delete {stage_dir} to redo this stage") from exc
-        if stored.get("params") != params:
-            raise StageConflict(stage_dir, f"{stage_dir} holds output made with other settings:\n  "
-                                           + "\n  ".join(differences(stored.get("params"), params)))
-        if name == COMPLETE_FILE:
-            return stored["summary"]
-    return None
+    if record.get("params") != params:
+        raise StageConflict(stage_dir, f"{stage_dir} holds output made with other settings:\n  "
+                                       + "\n  ".join(differences(record.get("params"), params)))
+    return record["summary"]
 
 
 def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
-    """Start (or resume) a stage. Returns the stored summary if it is already complete."""
+    """Start (or resume) a stage. Returns the stored summary if it is already complete.
+
+    Otherwise the directory is locked until `finish` (or until this process ends: a stage that fails
+    keeps the lock, and a later `begin` of this process takes it back), and unfinished output made
+    with other settings is discarded.
+    """
     summary = completed(stage_dir, params)
     if summary is not None:
         return summary
     make_dir(stage_dir)
+    fd = _lock(stage_dir)
+    try:
+        summary = completed(stage_dir, params)  # finished by the run that held the lock
+        if summary is None:
+            _start(stage_dir, _normalise(params))
+    except BaseException:
+        _release(stage_dir, fd)
+        raise
+    if summary is not None:
+        _release(stage_dir, fd)
+    return summary
+
+
+def _start(stage_dir: Path, params: dict[str, Any]) -> None:
+    params_path = stage_dir / PARAMS_FILE
+    if params_path.is_file():
+        try:
+            stored = (_read_record(params_path) or {}).get("params")
+            reasons = differences(stored, params)
+        except StageConflict:
+            stored, reasons = None, [f"its {PARAMS_FILE} is unreadable"]
+        if stored != params:
+            # Its parts would mix with parts made with these settings, and a finished stage with them.
+            print(f"{stage_dir}: discarding the unfinished output of an earlier run with other settings "
+                  f"({'; '.join(reasons)}); it cannot serve these, so this stage starts afresh", flush=True)
+            for entry in sorted(stage_dir.iterdir()):
+                if entry.name != LOCK_FILE:
+                    _remove(entry)
+    else:
+        foreign = sorted(p.name for p in stage_dir.iterdir()
+                         if p.name != LOCK_FILE and not _is_temporary(p.relative_to(stage_dir)))
+        if foreign:
+            raise PipelineError(
+                f"{stage_dir} holds files ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}) but no "
+                f"{PARAMS_FILE}, so this stage did not make them; pass a new or empty directory")
     # Temporaries left by a killed run are incomplete by construction; their final names are
     # written again by this run.
     for leftover in sorted(stage_dir.rglob(".*.tmp-*")):
         _remove(leftover)
-    if not (stage_dir / PARAMS_FILE).is_file():
+    if not params_path.is_file():
+        write_json_atomic(params_path, {"params": params})
+
+
+def _lock(stage_dir: Path) -> int:
+    """Lock `stage_dir` for this process, or refuse when another process holds it. Returns the
+    descriptor that holds the lock.
+
+    A POSIX record lock (fcntl): the kernel drops it when its process dies, and forked workers do not
+    inherit it. `begin` and `finish` are separate calls, so the descriptor that holds the lock stays
+    open between them; the lock file records it (with the pid) for `_unlock`.
+    """
+    path = stage_dir / LOCK_FILE
+    _unlock(stage_dir)  # a lock this process kept from a stage that failed
+    while True:
         try:
-            write_json_atomic(stage_dir / PARAMS_FILE, {"params": _normalise(params)})
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            raise PipelineError(f"{stage_dir}: cannot write there ({exc.strerror}); pass a directory you can "
-                                "write to") from exc
-    return None
+            raise PipelineError(f"{stage_dir}: cannot write there ({exc.strerror}); pass a directory you "
+                                "can write to") from exc
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise PipelineError(f"{path} cannot be locked ({exc.strerror}); put the output on a file system "
+                                    "that supports POSIX locks") from exc
+            raise PipelineError(f"{stage_dir} is being written by another run ({_holder(path)}); wait for it "
+                                "to finish, or stop it, then rerun") from exc
+        if _same_file(fd, path):
+            break
+        # The holder finished and removed the file between our open and our lock: lock the new one.
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {fd}\n".encode())
+    return fd
+
+
+def _unlock(stage_dir: Path) -> None:
+    """Release the lock this process holds on `stage_dir`, if the lock file records one."""
+    path = stage_dir / LOCK_FILE
+    try:
+        pid, fd = map(int, path.read_text(encoding="ascii").split())
+    except (OSError, ValueError):
+        return
+    # Reading the file released the lock already (closing any descriptor of a file drops the
+    # process's POSIX locks on it); the descriptor is closed only if it is still the lock file's.
+    if pid == os.getpid() and _same_file(fd, path):
+        _release(stage_dir, fd)
+
+
+def _release(stage_dir: Path, fd: int) -> None:
+    """Close the descriptor that holds the lock. A finished stage needs no lock file: it is removed
+    first, so that a run that locks it meanwhile sees that it is gone (and finds the stage finished)."""
+    path = stage_dir / LOCK_FILE
+    if (stage_dir / COMPLETE_FILE).is_file() and _same_file(fd, path):
+        path.unlink(missing_ok=True)  # missing: a run that locked it meanwhile removed it
+    os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _holder(path: Path) -> str:
+    try:
+        return f"process {int(path.read_text(encoding='ascii').split()[0])}"
+    except (OSError, ValueError, IndexError):
+        return "a process that is starting"
 
 
 def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
     write_json_atomic(stage_dir / COMPLETE_FILE, {"params": _normalise(params), "summary": summary})
+    _unlock(stage_dir)
     return summary
 
 

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
+from test_data_resume import assert_same_output
 
+from data import stage
+from data.extract import ExtractConfig, extract
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.segment import main as segment_main
-from data.stage import PipelineError
+from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError
 
 ROOT = Path(__file__).resolve().parents[1]
 # The phase1_shards fixture's settings (tests/conftest.py), but the dump and the output directory.
@@ -48,6 +54,74 @@ def error_line(exc: pytest.ExceptionInfo[SystemExit]) -> str:
     message = str(exc.value.code)
     assert message.startswith("error: ")
     return message
+
+
+# --- 2: a failed stage does not refuse the fix its own error asked for ----------------------------------------
+
+
+def test_a_dump_put_right_after_a_failed_extraction_is_extracted(phase1_shards, sample_dump, bert_vocab, tmp_path,
+                                                                capsys):
+    """The truncated dump's error says to download it again; the rerun on the good dump was refused ('holds output
+    made with other settings')."""
+    dump, out = tmp_path / "dump.xml.bz2", tmp_path / "out"
+    dump.write_bytes(sample_dump.read_bytes()[:300_000])
+    with pytest.raises(PipelineError, match=r"is truncated: .* Download it again"):
+        prepare(settings(dump, out, bert_vocab))
+    assert (out / "text" / "extracted" / PARAMS_FILE).is_file()
+    shutil.copyfile(sample_dump, dump)
+    prepare(settings(dump, out, bert_vocab))
+    assert (f"{out / 'text' / 'extracted'}: discarding the unfinished output of an earlier run with other settings "
+            f"(input.bytes: made with 300000, now {sample_dump.stat().st_size}; input.ends_sha1: made with ") \
+        in capsys.readouterr().out
+    assert_same_output(out, phase1_shards)
+
+
+def test_a_vocab_size_raised_after_a_refused_one_trains_the_vocab(phase1_shards, sample_dump, tmp_path, capsys):
+    """'--vocab_size 100 ... raise --vocab_size', then --vocab_size 3000 was refused at vocab_training."""
+    text = tmp_path / "text"
+    shutil.copytree(phase1_shards / "text", text, ignore=shutil.ignore_patterns("tokens_*"))
+    out = tmp_path / "out"
+    with pytest.raises(PipelineError, match="raise --vocab_size"):
+        prepare(settings(sample_dump, out, None, vocab_size=100, text_dir=text))
+    result = prepare(settings(sample_dump, out, None, vocab_size=3000, text_dir=text))
+    assert (f"{out / 'vocab_training'}: discarding the unfinished output of an earlier run with other settings "
+            "(vocab_size: made with 100, now 3000); it cannot serve these, so this stage starts afresh\n") \
+        in capsys.readouterr().out
+    # the vocab and shards of a run that never failed
+    whole = tmp_path / "whole"
+    prepare(settings(sample_dump, whole, None, vocab_size=3000, text_dir=text))
+    assert len(result.vocab_file.read_text(encoding="utf-8").splitlines()) == 3000
+    assert_same_output(out, whole)
+
+
+def test_a_run_into_a_directory_another_run_is_writing_is_refused_and_takes_nothing(phase1_shards, sample_dump,
+                                                                                      tmp_path):
+    """Starting unfinished output afresh deletes it: a run that is still writing it must be refused, not
+    emptied. A real extraction is stopped (SIGSTOP) while it holds extracted/, then let go."""
+    out = tmp_path / "extracted"
+    proc = subprocess.Popen([sys.executable, "-m", "data.extract", "--input", str(sample_dump), "--output_dir",
+                             str(out), "--workers", "1", "--articles_per_part", "40"], cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / PARAMS_FILE).is_file():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGSTOP)  # the process group this test started
+        assert not (out / COMPLETE_FILE).exists()
+        before = sorted(p.name for p in out.iterdir())
+        for articles_per_part in (50, 40):  # other settings, and the same ones
+            with pytest.raises(PipelineError, match=rf"^{re.escape(str(out))} is being written by another run "
+                                                    rf"\(process {proc.pid}\); wait for it to finish, or stop it"):
+                extract(ExtractConfig(sample_dump, out, articles_per_part=articles_per_part))
+        assert sorted(p.name for p in out.iterdir()) == before
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    expected = sorted((phase1_shards / "text" / "extracted").glob("part-*.txt"))
+    assert [p.read_bytes() for p in sorted(out.glob("part-*.txt"))] == [p.read_bytes() for p in expected]
+    assert not (out / stage.LOCK_FILE).exists()  # a finished stage keeps no lock file
 
 
 # --- 5: a refusal names the setting that differs and every directory to delete -------------------------------
