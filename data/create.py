@@ -42,11 +42,18 @@ import numpy as np
 from tqdm import tqdm
 
 from data import stage
+from data import tokens as tokens_stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.parallel import bounded_map
 from data.stage import PipelineError
 from data.tokens import TokenizedPart, load_part
 from data.vocab import SPECIAL_TOKENS, load_vocab
+
+# The version of the instances this stage writes. Bump it whenever its output for the same tokens and
+# settings changes (another pairing, truncation or masking rule, random draw or file layout): a
+# finished instances directory of another version is then refused, and an unfinished one started
+# afresh, instead of being reused.
+FORMAT_VERSION = 1
 
 SPLITS = ("training", "test")
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -385,11 +392,12 @@ def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
 
 def stage_params(cfg: CreateConfig) -> dict:
     params = asdict(cfg)
+    params[stage.VERSION_KEY] = FORMAT_VERSION
     params.pop("workers")
     for path_field in ("vocab_file", "input_dir", "output_dir"):
         params.pop(path_field)
     params["vocab_sha1"] = stage.file_sha1(cfg.vocab_file)
-    params["tokens"] = stage.fingerprint(cfg.input_dir)
+    params["tokens"] = stage.fingerprint(cfg.input_dir, tokens_stage.FORMAT_VERSION)
     return params
 
 

@@ -23,6 +23,11 @@ from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
 
+# The version of the sentences this stage writes. Bump it whenever its output for the same extracted
+# text changes (another segmenter, a new rule): a finished sentences directory of another version is
+# then refused, and an unfinished one started afresh, instead of being reused.
+FORMAT_VERSION = 1
+
 
 @dataclass(frozen=True)
 class SegmentConfig:
@@ -72,7 +77,8 @@ def segment(cfg: SegmentConfig) -> SegmentResult:
     sources = list_parts(cfg.input_dir)
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete extraction; run data.extract into it first")
-    params = {"extracted": stage.fingerprint(cfg.input_dir), "parts": len(sources)}
+    params = {stage.VERSION_KEY: FORMAT_VERSION, "extracted": stage.fingerprint(cfg.input_dir),
+              "parts": len(sources)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return SegmentResult(**done)

@@ -25,11 +25,17 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from data import create as create_stage
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.create import DTYPES, SPLITS, derive_seed
 from data.parallel import bounded_map
 from data.stage import PipelineError
+
+# The version of the shards this stage writes. Bump it whenever its output for the same instances and
+# settings changes (another slicing, shuffle, key, dtype or attribute): a finished shards directory of
+# another version is then refused, and an unfinished one started afresh, instead of being reused.
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -142,7 +148,8 @@ def shard(cfg: ShardConfig) -> ShardResult:
              # How masks were (static) or are to be (dynamic, by the loader) drawn.
              "masked_lm_prob": cp["masked_lm_prob"], "whole_word_masking": int(cp["whole_word_masking"])}
     keys = tuple(k for k in DTYPES if cp["static_masking"] or not k.startswith("masked_lm"))
-    params = {"instances": stage.fingerprint(cfg.instances_dir), "num_shards": cfg.num_shards,
+    instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION)
+    params = {stage.VERSION_KEY: FORMAT_VERSION, "instances": instances, "num_shards": cfg.num_shards,
               "num_test_shards": cfg.num_test_shards, "name": cfg.name, "compression": cfg.compression}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:

@@ -26,6 +26,8 @@ from typing import Any
 PARAMS_FILE = "_PARAMS.json"
 COMPLETE_FILE = "_COMPLETE.json"
 LOCK_FILE = "_LOCK"
+# The key of a stage's output-format version in its parameters (each stage's FORMAT_VERSION).
+VERSION_KEY = "format_version"
 
 
 class PipelineError(RuntimeError):
@@ -33,8 +35,9 @@ class PipelineError(RuntimeError):
 
 
 class StageConflict(PipelineError):
-    """A stage directory that this run cannot use, made with other settings. `redo` lists what to delete
-    to redo it: the directory first, then what was made from it when the caller knows (data.prepare does)."""
+    """A stage directory that this run cannot use, made with other settings or by another version of
+    the stage. `redo` lists what to delete to redo it: the directory first, then what was made from it
+    when the caller knows (data.prepare does)."""
 
     def __init__(self, stage_dir: Path, problem: str, redo: list[Path] | None = None):
         self.stage_dir, self.problem, self.redo = stage_dir, problem, redo
@@ -117,13 +120,18 @@ def make_dir(path: Path, flag: str | None = None) -> None:
 def differences(then: Any, now: Any, upstream: tuple[str, ...] = ()) -> list[str]:
     """What differs between the parameters a stage directory was made with and this run's, one line
     per setting. A setting of an upstream directory (a `fingerprint`) is named through the chain of
-    directories it reaches this one by ("its input tokens > sentences > extracted was remade: ...")."""
+    directories it reaches this one by ("its input tokens > sentences > extracted was remade: ...").
+    Another output-format version is said alone: it explains the rest."""
 
     def said(text: str) -> str:
         return f"its input {' > '.join(upstream)} was remade: {text}" if upstream else text
 
     if not (isinstance(then, dict) and isinstance(now, dict)):
         return [said(f"made with {_show(then)}, now {_show(now)}")]
+    if then.get(VERSION_KEY) != now.get(VERSION_KEY):
+        made = then.get(VERSION_KEY, "from before format versions were recorded")
+        return [said(f"made by another version of {'its' if upstream else 'this'} stage (output format {made}; "
+                     f"this code writes format {now.get(VERSION_KEY)})")]
     lines = []
     then, now = _settings(then), _settings(now)
     for key in sorted(set(then) | set(now)):
@@ -345,12 +353,18 @@ def file_sha1(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
-def fingerprint(stage_dir: Path) -> dict[str, Any]:
+def fingerprint(stage_dir: Path, version: int | None = None) -> dict[str, Any]:
     """Identifies a complete upstream stage's output: the sha1 of its completion record (parameters and
-    summary), with its parameters, so that a downstream stage refused for it can say which of them differ."""
+    summary), with its parameters, so that a downstream stage refused for it can say which of them differ.
+    With `version` (the upstream stage's FORMAT_VERSION), output of another version of that stage is refused."""
     path = stage_dir / COMPLETE_FILE
     if not path.is_file():
         raise PipelineError(f"{stage_dir} is not complete (no {COMPLETE_FILE}); run the stage that writes it first")
     record = json.loads(path.read_text(encoding="utf-8"))
+    made = record["params"].get(VERSION_KEY)
+    if version is not None and made != version:
+        made_by = f"format {made}" if made is not None else "from before format versions were recorded"
+        raise StageConflict(stage_dir, f"{stage_dir} was made by another version of the stage that writes it "
+                                       f"(output {made_by}; this code reads format {version})")
     record["summary"].pop("seconds", None)  # a redo with the same result has the same fingerprint
     return {"sha1": hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest(), "params": record["params"]}

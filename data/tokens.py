@@ -24,12 +24,19 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from data import segment as segment_stage
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
 from data.vocab import check_case, load_vocab, make_tokenizer
+
+# The version of the token files this stage writes. Bump it whenever its output for the same sentences
+# and vocab changes (another tokenization rule, file layout or dtype): a finished tokens directory of
+# another version is then refused, and an unfinished one started afresh, instead of being reused.
+# (Version 1 tokenizes text that spells a special token, "[SEP]", as text.)
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -186,9 +193,9 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
         raise PipelineError(f"{cfg.input_dir} is not a complete segmentation; run data.segment into it first")
     vocab = load_vocab(cfg.vocab_file)
     sources = list_parts(cfg.input_dir)
-    params = {"sentences": stage.fingerprint(cfg.input_dir), "parts": len(sources), "lower_case": cfg.lower_case,
-              "special_tokens": "as_text",
-              "vocab_sha1": stage.file_sha1(cfg.vocab_file)}
+    params = {stage.VERSION_KEY: FORMAT_VERSION,
+              "sentences": stage.fingerprint(cfg.input_dir, segment_stage.FORMAT_VERSION), "parts": len(sources),
+              "lower_case": cfg.lower_case, "vocab_sha1": stage.file_sha1(cfg.vocab_file)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return TokenizeResult(**done)

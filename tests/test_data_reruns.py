@@ -19,6 +19,7 @@ import pytest
 from test_data_resume import assert_same_output
 
 from data import stage
+from data.create import main as create_main
 from data.extract import ExtractConfig, extract
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
@@ -122,6 +123,46 @@ def test_a_run_into_a_directory_another_run_is_writing_is_refused_and_takes_noth
     expected = sorted((phase1_shards / "text" / "extracted").glob("part-*.txt"))
     assert [p.read_bytes() for p in sorted(out.glob("part-*.txt"))] == [p.read_bytes() for p in expected]
     assert not (out / stage.LOCK_FILE).exists()  # a finished stage keeps no lock file
+
+
+# --- 3: output of another version of a stage is not reused ---------------------------------------------------
+
+
+def test_finished_output_of_another_version_of_its_stage_is_refused(phase1_shards, sample_dump, bert_vocab,
+                                                                      tmp_path):
+    out = copy_run(phase1_shards, tmp_path / "out")
+    sentences, tokens = out / "text" / "sentences", tokens_dir(out)
+    edit_record(sentences / COMPLETE_FILE, lambda r: r["params"].pop("format_version", None))  # as older code wrote it
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab))
+    assert str(exc.value) == (
+        f"{sentences} holds output made with other settings:\n  made by another version of this stage (output "
+        "format from before format versions were recorded; this code writes format 1)\nUse another output "
+        f"directory, or delete {sentences}, {tokens}, {out / 'instances'}, {out / 'hdf5'} to redo them.")
+    # data.create alone refuses tokens of another version of data.tokens
+    edit_record(tokens / COMPLETE_FILE, lambda r: r["params"].update(format_version=0))
+    with pytest.raises(SystemExit) as exc:
+        create_main(["--input_dir", str(tokens), "--vocab_file", str(bert_vocab), "--output_dir",
+                     str(tmp_path / "instances")])
+    assert error_line(exc).startswith(f"error: {tokens} was made by another version of the stage that writes it "
+                                      "(output format 0; this code reads format 1)\n")
+
+
+def test_unfinished_output_of_another_version_of_its_stage_is_started_afresh(phase1_shards, sample_dump, bert_vocab,
+                                                                             tmp_path, capsys):
+    out = copy_run(phase1_shards, tmp_path / "out")
+    shutil.rmtree(out / "hdf5")
+    instances = out / "instances"
+    (instances / COMPLETE_FILE).unlink()
+    edit_record(instances / PARAMS_FILE, lambda r: r["params"].pop("format_version", None))
+    # a part as older code might have written it: a rerun that kept it would shard it
+    labels = instances / "training" / "part-00001" / "next_sentence_labels.npy"
+    np.save(labels, 1 - np.load(labels))
+    prepare(settings(sample_dump, out, bert_vocab))
+    assert (f"{instances}: discarding the unfinished output of an earlier run with other settings (made by another "
+            "version of this stage (output format from before format versions were recorded; this code writes "
+            "format 1)); it cannot serve these, so this stage starts afresh\n") in capsys.readouterr().out
+    assert_same_output(out, phase1_shards)
 
 
 # --- 5: a refusal names the setting that differs and every directory to delete -------------------------------
