@@ -46,7 +46,7 @@ from data import tokens as tokens_stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.parallel import bounded_map
 from data.stage import PipelineError
-from data.tokens import TokenizedPart, load_part
+from data.tokens import TokenizedPart, load_part, open_part
 from data.vocab import SPECIAL_TOKENS, load_vocab
 
 # The version of the instances this stage writes. Bump it whenever its output for the same tokens and
@@ -324,7 +324,7 @@ def held_out_documents(tokens_dir: Path, test_fraction: float, seed: int) -> int
     document count, so a run can learn before creating anything that no test split would result."""
     total = 0
     for path in sorted(tokens_dir.glob("part-*.npz")):
-        with np.load(path) as z:
+        with open_part(path) as z:
             n_docs = len(z["doc_sentences"])
         total += int(np.count_nonzero(held_out(n_docs, test_fraction, seed, part_index_of(path))))
     return total
@@ -369,6 +369,18 @@ def part_index_of(path: Path) -> int:
     return int(path.stem.split("-")[-1])
 
 
+def load_instances(path: Path) -> np.ndarray:
+    """One array of a part's instances, memory-mapped; a file that cannot be read as one is named in a
+    PipelineError."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as exc:
+        raise PipelineError(
+            f"{path} cannot be read as an array of instances ({type(exc).__name__}: {exc}); it was damaged after "
+            f"data.create wrote it: delete {path.parent.parent.parent} and the directories made from it, and "
+            "create the instances again") from exc
+
+
 def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
     src, cfg = task
     out = {split: cfg.output_dir / split / src.stem for split in SPLITS}
@@ -383,10 +395,9 @@ def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
                     np.save(tmp / f"{key}.npy", value)
     counts, masked = {}, 0
     for split, directory in out.items():
-        labels = np.load(directory / "next_sentence_labels.npy", mmap_mode="r")
-        counts[split] = len(labels)
+        counts[split] = len(load_instances(directory / "next_sentence_labels.npy"))
         if cfg.static_masking:
-            masked += int(np.count_nonzero(np.load(directory / "masked_lm_ids.npy", mmap_mode="r")))
+            masked += int(np.count_nonzero(load_instances(directory / "masked_lm_ids.npy")))
     return counts, masked
 
 

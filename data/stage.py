@@ -1,12 +1,13 @@
-"""Bookkeeping shared by every pipeline stage: atomic writes, a parameter record, a completion marker and a lock.
+"""Bookkeeping shared by every pipeline stage: atomic writes, a parameter record, a completion record and a lock.
 
 A stage directory holds `_PARAMS.json` (written when the stage starts) and `_COMPLETE.json`
-(written last, atomically). A rerun with the same parameters skips a complete stage and, inside
-an incomplete one, every part file that already exists (parts are themselves written to a
-temporary name and renamed). A complete stage made with other parameters is refused rather than
-mixing outputs made with two settings; an incomplete one is started afresh, as its partial output
-cannot serve the new ones. `_LOCK` is held by the run that writes the directory, so a second run at
-once is refused instead of deleting the first one's work.
+(written last, atomically, with the size of every file the stage wrote). A rerun with the same
+parameters skips a complete stage whose files still have those sizes and, inside an incomplete one,
+every part file that already exists (parts are themselves written to a temporary name and renamed).
+A complete stage made with other parameters is refused rather than mixing outputs made with two
+settings; an incomplete one is started afresh, as its partial output cannot serve the new ones.
+`_LOCK` is held by the run that writes the directory, so a second run at once is refused instead of
+deleting the first one's work.
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ class PipelineError(RuntimeError):
 
 
 class StageConflict(PipelineError):
-    """A stage directory that this run cannot use, made with other settings or by another version of
-    the stage. `redo` lists what to delete to redo it: the directory first, then what was made from it
-    when the caller knows (data.prepare does)."""
+    """A finished stage directory that this run cannot use: made with other settings or by another
+    version of the stage, or its files changed since. `redo` lists what to delete to redo it: the
+    directory first, then what was made from it when the caller knows (data.prepare does)."""
 
     def __init__(self, stage_dir: Path, problem: str, redo: list[Path] | None = None):
         self.stage_dir, self.problem, self.redo = stage_dir, problem, redo
@@ -178,10 +179,55 @@ def _read_record(path: Path) -> dict[str, Any] | None:
     return record
 
 
+def _file_sizes(stage_dir: Path) -> dict[str, int]:
+    """The size of every file the stage wrote, by path relative to its directory."""
+    sizes = {}
+    for path in sorted(stage_dir.rglob("*")):
+        relative = path.relative_to(stage_dir)
+        if path.is_file() and not _is_temporary(relative) and relative.as_posix() not in (
+                PARAMS_FILE, COMPLETE_FILE, LOCK_FILE):
+            sizes[relative.as_posix()] = path.stat().st_size
+    return sizes
+
+
+def _check_files(stage_dir: Path, record: dict[str, Any]) -> None:
+    """Refuse a finished stage whose files are missing or have other sizes than when it finished.
+
+    Sizes only (a stat per file): a file cut short or replaced is found, one changed in place at the
+    same size is not. A record without sizes (data.extract's, from before they were recorded) passes.
+    """
+    changed = []
+    for name, size in record.get("files", {}).items():
+        path = stage_dir / name
+        try:
+            now = path.stat().st_size
+        except FileNotFoundError:
+            changed.append(f"{path} is missing")
+            continue
+        except OSError as exc:
+            changed.append(f"{path} cannot be read ({exc.strerror})")
+            continue
+        if now != size:
+            changed.append(f"{path} is {now} bytes, not the {size} it had")
+    if changed:
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise StageConflict(stage_dir, f"{stage_dir} was finished, but its files changed since: "
+                                       f"{'; '.join(changed[:3])}{more}")
+
+
+def finished_record(stage_dir: Path) -> dict[str, Any]:
+    """The completion record of a finished stage, whose files are checked first."""
+    record = _read_record(stage_dir / COMPLETE_FILE)
+    if record is None:
+        raise PipelineError(f"{stage_dir} is not complete (no {COMPLETE_FILE}); run the stage that writes it first")
+    _check_files(stage_dir, record)
+    return record
+
+
 def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     """The stored summary when `stage_dir` is complete for `params`, else None.
 
-    Raises StageConflict when it is complete with other parameters.
+    Raises StageConflict when it is complete with other parameters, or its files changed since.
     """
     record = _read_record(stage_dir / COMPLETE_FILE)
     if record is None:
@@ -190,6 +236,7 @@ def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     if record.get("params") != params:
         raise StageConflict(stage_dir, f"{stage_dir} holds output made with other settings:\n  "
                                        + "\n  ".join(differences(record.get("params"), params)))
+    _check_files(stage_dir, record)
     return record["summary"]
 
 
@@ -318,7 +365,9 @@ def _holder(path: Path) -> str:
 
 
 def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    write_json_atomic(stage_dir / COMPLETE_FILE, {"params": _normalise(params), "summary": summary})
+    """Record the stage as complete, with the size of each of its files."""
+    record = {"params": _normalise(params), "summary": summary, "files": _file_sizes(stage_dir)}
+    write_json_atomic(stage_dir / COMPLETE_FILE, record)
     _unlock(stage_dir)
     return summary
 
@@ -354,17 +403,15 @@ def file_sha1(path: Path) -> str:
 
 
 def fingerprint(stage_dir: Path, version: int | None = None) -> dict[str, Any]:
-    """Identifies a complete upstream stage's output: the sha1 of its completion record (parameters and
-    summary), with its parameters, so that a downstream stage refused for it can say which of them differ.
-    With `version` (the upstream stage's FORMAT_VERSION), output of another version of that stage is refused."""
-    path = stage_dir / COMPLETE_FILE
-    if not path.is_file():
-        raise PipelineError(f"{stage_dir} is not complete (no {COMPLETE_FILE}); run the stage that writes it first")
-    record = json.loads(path.read_text(encoding="utf-8"))
+    """Identifies a complete upstream stage's output: the sha1 of its parameters and summary, with its
+    parameters, so that a downstream stage refused for it can say which of them differ. With `version`
+    (the upstream stage's FORMAT_VERSION), output of another version of that stage is refused."""
+    record = finished_record(stage_dir)
     made = record["params"].get(VERSION_KEY)
     if version is not None and made != version:
         made_by = f"format {made}" if made is not None else "from before format versions were recorded"
         raise StageConflict(stage_dir, f"{stage_dir} was made by another version of the stage that writes it "
                                        f"(output {made_by}; this code reads format {version})")
-    record["summary"].pop("seconds", None)  # a redo with the same result has the same fingerprint
-    return {"sha1": hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest(), "params": record["params"]}
+    summary = {k: v for k, v in record["summary"].items() if k != "seconds"}  # a redo gives the same
+    digest = hashlib.sha1(json.dumps({"params": record["params"], "summary": summary}, sort_keys=True).encode())
+    return {"sha1": digest.hexdigest(), "params": record["params"]}

@@ -15,9 +15,12 @@ Phase 1 and phase 2 both create their instances from these files, so text is tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import re
 import time
+import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,8 +174,21 @@ def tokenize_text(text: str, tokenizer: WordPieceTokenizer) -> TokenizedPart:
     return TokenizedPart(ids, lengths[lengths > 0], counts[counts > 0])
 
 
+@contextlib.contextmanager
+def open_part(path: Path) -> Iterator[np.lib.npyio.NpzFile]:
+    """A tokenized part's arrays, read lazily; a file that cannot be read as one is named in a PipelineError."""
+    try:
+        with np.load(path) as z:
+            yield z
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise PipelineError(
+            f"{path} cannot be read as a tokenized part ({type(exc).__name__}: {exc}); it was damaged after "
+            f"data.tokens wrote it: delete {path.parent} and the directories made from it, and tokenize again"
+        ) from exc
+
+
 def load_part(path: Path) -> TokenizedPart:
-    with np.load(path) as z:
+    with open_part(path) as z:
         return TokenizedPart(z["ids"], z["sentence_lengths"], z["doc_sentences"])
 
 

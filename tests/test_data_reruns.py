@@ -24,6 +24,7 @@ from data.extract import ExtractConfig, extract
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.segment import main as segment_main
+from data.shard import main as shard_main
 from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,6 +164,82 @@ def test_unfinished_output_of_another_version_of_its_stage_is_started_afresh(pha
             "version of this stage (output format from before format versions were recorded; this code writes "
             "format 1)); it cannot serve these, so this stage starts afresh\n") in capsys.readouterr().out
     assert_same_output(out, phase1_shards)
+
+
+# --- 4: finished files are checked by their sizes; files that cannot be read are named -------------------------
+
+
+@pytest.mark.parametrize("damaged, redo", [
+    ("hdf5/training/wikicorpus_en_training_0.hdf5", ["hdf5"]),
+    ("instances/training/part-00001/input_ids.npy", ["instances", "hdf5"]),
+    ("text/tokens_*/part-00001.npz", ["text/tokens_*", "instances", "hdf5"]),
+])
+def test_a_finished_file_cut_short_is_named_with_what_to_delete(phase1_shards, sample_dump, bert_vocab, tmp_path,
+                                                               damaged, redo):
+    """A shard cut short after a finished run was reported as fine; a cut tokens part or instance array gave a
+    raw traceback (zipfile.BadZipFile, 'mmap length is greater than file size') once a later stage read it."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    path = next(out.glob(damaged))
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab))
+    redo_dirs = [next(out.glob(name)) for name in redo]
+    assert str(exc.value) == (
+        f"{redo_dirs[0]} was finished, but its files changed since: {path} is 1000 bytes, not the {size} it had\n"
+        f"Use another output directory, or delete {', '.join(map(str, redo_dirs))} to redo "
+        f"{'it' if len(redo_dirs) == 1 else 'them'}.")
+
+
+def test_a_tokens_part_cut_short_is_named_by_data_create_alone(phase1_shards, bert_vocab, tmp_path):
+    tokens = tmp_path / "tokens"
+    shutil.copytree(tokens_dir(phase1_shards), tokens)
+    part = tokens / "part-00002.npz"
+    with part.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(SystemExit) as exc:
+        create_main(["--input_dir", str(tokens), "--vocab_file", str(bert_vocab), "--output_dir",
+                     str(tmp_path / "instances"), "--workers", "1"])
+    assert error_line(exc).startswith(f"error: {tokens} was finished, but its files changed since: {part} is 1000 "
+                                      "bytes")
+
+
+def test_a_shard_cut_short_in_an_unfinished_shard_stage_is_named(phase1_shards, tmp_path):
+    """It gave h5py's raw OSError ('truncated file')."""
+    hdf5 = tmp_path / "hdf5"
+    shutil.copytree(phase1_shards / "hdf5", hdf5)
+    (hdf5 / COMPLETE_FILE).unlink()
+    shard = hdf5 / "training" / "wikicorpus_en_training_1.hdf5"
+    with shard.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(SystemExit) as exc:
+        shard_main(["--instances_dir", str(phase1_shards / "instances"), "--output_dir", str(hdf5), "--num_shards",
+                    "2", "--workers", "1"])
+    assert re.fullmatch(rf"error: {re.escape(str(shard))} cannot be read as a shard \(.*truncated file.*\); it was "
+                        "damaged after this stage wrote it: delete it and rerun to write it again", error_line(exc))
+
+
+@pytest.mark.parametrize("damaged, kind", [("text/tokens_*/part-00001.npz", "a tokenized part"),
+                                           ("instances/test/part-00000/input_ids.npy", "an array of instances")])
+def test_a_finished_file_damaged_at_its_size_is_named_when_read(phase1_shards, tmp_path, damaged, kind):
+    """Sizes are what is checked; a file damaged in place reaches the stage that reads it, which names it."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    path = next(out.glob(damaged))
+    path.write_bytes(bytes(path.stat().st_size))
+    if damaged.startswith("text"):
+        args = ["--input_dir", str(path.parent), "--vocab_file", str(out / "vocab.txt"), "--output_dir",
+                str(tmp_path / "instances"), "--workers", "1"]
+        main, redo = create_main, f"delete {path.parent} and the directories made from it, and tokenize again"
+    else:
+        args = ["--instances_dir", str(out / "instances"), "--output_dir", str(tmp_path / "hdf5"), "--num_shards", "2",
+                "--workers", "1"]
+        main, redo = shard_main, (f"delete {out / 'instances'} and the directories made from it, and create the "
+                                  "instances again")
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert re.fullmatch(rf"error: {re.escape(str(path))} cannot be read as {kind} \(.+\); it was damaged after "
+                        rf"data\.\w+ wrote it: {re.escape(redo)}", error_line(exc))
 
 
 # --- 5: a refusal names the setting that differs and every directory to delete -------------------------------
