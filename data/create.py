@@ -412,11 +412,26 @@ def stage_params(cfg: CreateConfig) -> dict:
     return params
 
 
+def check_tokens_vocab(tokens_dir: Path, vocab_file: Path) -> None:
+    """Refuse a vocab other than the one the tokens were made with: its ids would name other tokens."""
+    record = stage.finished_record(tokens_dir)
+    made_with, given = record["params"].get("vocab_sha1"), stage.file_sha1(vocab_file)
+    if made_with is None or made_with == given:
+        return
+    path = record.get("inputs", {}).get("vocab_file")
+    then = f"the vocab {path} (sha1 {made_with[:10]}...)" if path else f"a vocab of sha1 {made_with[:10]}..."
+    raise PipelineError(
+        f"{tokens_dir} was tokenized with {then}, not with --vocab_file {vocab_file} (sha1 {given[:10]}...), "
+        "so its ids would stand for other tokens. Pass the vocab it was made with, or tokenize the text again "
+        "with this vocab into another directory (python -m data.tokens)")
+
+
 def create(cfg: CreateConfig) -> CreateResult:
     validate(cfg)
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete tokenization; run data.tokens into it first")
     load_vocab(cfg.vocab_file)
+    check_tokens_vocab(cfg.input_dir, cfg.vocab_file)
     sources = sorted(cfg.input_dir.glob("part-*.npz"))
     params = stage_params(cfg)
     done = stage.begin(cfg.output_dir, params)

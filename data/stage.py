@@ -364,9 +364,13 @@ def _holder(path: Path) -> str:
         return "a process that is starting"
 
 
-def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    """Record the stage as complete, with the size of each of its files."""
+def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any],
+           inputs: dict[str, str] | None = None) -> dict[str, Any]:
+    """Record the stage as complete, with the size of each of its files; `inputs` names the files it
+    was made from, for messages only (a moved input must not make the output another)."""
     record = {"params": _normalise(params), "summary": summary, "files": _file_sizes(stage_dir)}
+    if inputs:
+        record["inputs"] = inputs
     write_json_atomic(stage_dir / COMPLETE_FILE, record)
     _unlock(stage_dir)
     return summary

@@ -227,7 +227,8 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
         raise PipelineError(f"{cfg.input_dir}: the corpus has no tokens")
     summary = {"documents": documents, "sentences": sentences, "tokens": tokens, "unknown_tokens": unknown,
                "seconds": round(time.perf_counter() - start, 3)}
-    return TokenizeResult(**stage.finish(cfg.output_dir, params, summary))
+    return TokenizeResult(**stage.finish(cfg.output_dir, params, summary,
+                                         inputs={"vocab_file": str(cfg.vocab_file.resolve())}))
 
 
 def tokenize_with_given_vocab(cfg: TokenizeConfig) -> TokenizeResult:

@@ -58,6 +58,27 @@ def error_line(exc: pytest.ExceptionInfo[SystemExit]) -> str:
     return message
 
 
+# --- 1: data.create alone checks the vocab against the tokens' own ---------------------------------------
+
+
+def test_create_refuses_a_vocab_other_than_the_one_the_tokens_were_made_with(phase1_shards, bert_vocab, tmp_path):
+    """It wrote shards whose ids index another vocab, silently."""
+    lines = bert_vocab.read_text(encoding="utf-8").split("\n")
+    lines[2000], lines[2001] = lines[2001], lines[2000]  # a real vocab of the same size: two ids swapped
+    other = tmp_path / "other-vocab.txt"
+    other.write_text("\n".join(lines), encoding="utf-8")
+    tokens = tokens_dir(phase1_shards)
+    with pytest.raises(SystemExit) as exc:
+        create_main(["--input_dir", str(tokens), "--vocab_file", str(other), "--output_dir", str(tmp_path / "inst"),
+                     "--workers", "1"])
+    assert error_line(exc) == (
+        f"error: {tokens} was tokenized with the vocab {phase1_shards / 'vocab.txt'} (sha1 "
+        f"{stage.file_sha1(bert_vocab)[:10]}...), not with --vocab_file {other} (sha1 {stage.file_sha1(other)[:10]}...), "
+        "so its ids would stand for other tokens. Pass the vocab it was made with, or tokenize the text again with "
+        "this vocab into another directory (python -m data.tokens)")
+    assert not (tmp_path / "inst").exists()
+
+
 # --- 2: a failed stage does not refuse the fix its own error asked for ----------------------------------------
 
 
