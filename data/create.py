@@ -42,11 +42,18 @@ import numpy as np
 from tqdm import tqdm
 
 from data import stage
+from data import tokens as tokens_stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.parallel import bounded_map
 from data.stage import PipelineError
-from data.tokens import TokenizedPart, load_part
+from data.tokens import TokenizedPart, load_part, open_part
 from data.vocab import SPECIAL_TOKENS, load_vocab
+
+# The version of the instances this stage writes. Bump it whenever its output for the same tokens and
+# settings changes (another pairing, truncation or masking rule, random draw or file layout): a
+# finished instances directory of another version is then refused, and an unfinished one started
+# afresh, instead of being reused.
+FORMAT_VERSION = 1
 
 SPLITS = ("training", "test")
 KEYS = ("input_ids", "input_mask", "segment_ids", "masked_lm_positions", "masked_lm_ids", "next_sentence_labels")
@@ -317,7 +324,7 @@ def held_out_documents(tokens_dir: Path, test_fraction: float, seed: int) -> int
     document count, so a run can learn before creating anything that no test split would result."""
     total = 0
     for path in sorted(tokens_dir.glob("part-*.npz")):
-        with np.load(path) as z:
+        with open_part(path) as z:
             n_docs = len(z["doc_sentences"])
         total += int(np.count_nonzero(held_out(n_docs, test_fraction, seed, part_index_of(path))))
     return total
@@ -362,6 +369,18 @@ def part_index_of(path: Path) -> int:
     return int(path.stem.split("-")[-1])
 
 
+def load_instances(path: Path) -> np.ndarray:
+    """One array of a part's instances, memory-mapped; a file that cannot be read as one is named in a
+    PipelineError."""
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError, EOFError) as exc:
+        raise PipelineError(
+            f"{path} cannot be read as an array of instances ({type(exc).__name__}: {exc}); it was damaged after "
+            f"data.create wrote it: delete {path.parent.parent.parent} and the directories made from it, and "
+            "create the instances again") from exc
+
+
 def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
     src, cfg = task
     out = {split: cfg.output_dir / split / src.stem for split in SPLITS}
@@ -376,21 +395,35 @@ def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
                     np.save(tmp / f"{key}.npy", value)
     counts, masked = {}, 0
     for split, directory in out.items():
-        labels = np.load(directory / "next_sentence_labels.npy", mmap_mode="r")
-        counts[split] = len(labels)
+        counts[split] = len(load_instances(directory / "next_sentence_labels.npy"))
         if cfg.static_masking:
-            masked += int(np.count_nonzero(np.load(directory / "masked_lm_ids.npy", mmap_mode="r")))
+            masked += int(np.count_nonzero(load_instances(directory / "masked_lm_ids.npy")))
     return counts, masked
 
 
 def stage_params(cfg: CreateConfig) -> dict:
     params = asdict(cfg)
+    params[stage.VERSION_KEY] = FORMAT_VERSION
     params.pop("workers")
     for path_field in ("vocab_file", "input_dir", "output_dir"):
         params.pop(path_field)
     params["vocab_sha1"] = stage.file_sha1(cfg.vocab_file)
-    params["tokens"] = stage.fingerprint(cfg.input_dir)
+    params["tokens"] = stage.fingerprint(cfg.input_dir, tokens_stage.FORMAT_VERSION)
     return params
+
+
+def check_tokens_vocab(tokens_dir: Path, vocab_file: Path) -> None:
+    """Refuse a vocab other than the one the tokens were made with: its ids would name other tokens."""
+    record = stage.finished_record(tokens_dir)
+    made_with, given = record["params"].get("vocab_sha1"), stage.file_sha1(vocab_file)
+    if made_with is None or made_with == given:
+        return
+    path = record.get("inputs", {}).get("vocab_file")
+    then = f"the vocab {path} (sha1 {made_with[:10]}...)" if path else f"a vocab of sha1 {made_with[:10]}..."
+    raise PipelineError(
+        f"{tokens_dir} was tokenized with {then}, not with --vocab_file {vocab_file} (sha1 {given[:10]}...), "
+        "so its ids would stand for other tokens. Pass the vocab it was made with, or tokenize the text again "
+        "with this vocab into another directory (python -m data.tokens)")
 
 
 def create(cfg: CreateConfig) -> CreateResult:
@@ -398,6 +431,7 @@ def create(cfg: CreateConfig) -> CreateResult:
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete tokenization; run data.tokens into it first")
     load_vocab(cfg.vocab_file)
+    check_tokens_vocab(cfg.input_dir, cfg.vocab_file)
     sources = sorted(cfg.input_dir.glob("part-*.npz"))
     params = stage_params(cfg)
     done = stage.begin(cfg.output_dir, params)

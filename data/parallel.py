@@ -2,7 +2,8 @@
 
 `multiprocessing.Pool.imap` drains its input iterator as fast as it can, so a generator over a
 90 GB dump would be read into memory ahead of the workers. Here at most `2 * workers` tasks are
-submitted at once; the producer waits for the oldest before it reads more input.
+submitted at once; the producer waits for the oldest before it reads more input. When the number
+of items is known (a list), no more workers are started than there are items.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import collections
 import multiprocessing
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TypeVar
 
@@ -20,6 +21,8 @@ R = TypeVar("R")
 
 def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Iterator[R]:
     """Yield fn(item) for each item, in input order. workers <= 1 runs in this process."""
+    if isinstance(items, Sized):
+        workers = min(workers, len(items))  # with fork, every worker is started, busy or not
     if workers <= 1:
         for item in items:
             yield fn(item)

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from data import stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.create import CreateConfig, add_masking_arguments, create, held_out_documents, validate
 from data.download import (
@@ -50,7 +51,7 @@ from data.shard import (
     compression_filter,
     shard,
 )
-from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError, cli_call, file_sha1
+from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError, StageConflict, cli_call, file_sha1, make_dir
 from data.tokens import TokenizeConfig, TokenizeResult, tokenize, unknown_warning
 from data.vocab import VocabConfig, build_vocab, check_case, check_training_settings, load_vocab
 
@@ -195,6 +196,23 @@ def check_test_split(create_cfg: CreateConfig, cfg: PrepareConfig) -> None:
             "pass a larger --test_fraction, or --test_fraction 0 --num_test_shards 0 to train on every document")
 
 
+def made_from(failed: Path, cfg: PrepareConfig, text_dir: Path) -> list[Path]:
+    """The stage directory `failed` and the outputs of this run made from it that exist, in the order
+    the stages run: all that must go to redo it, so that the next rerun is not refused at a later one."""
+    vocab = cfg.output_dir / "vocab.txt"
+    chain = [text_dir / "extracted", text_dir / "sentences"]
+    if cfg.vocab_file is None:
+        chain += [cfg.output_dir / "vocab_training", vocab]
+    if failed in chain[:2]:
+        chain += sorted(text_dir.glob("tokens_*"))  # every vocab's tokens are made from the sentences
+    elif vocab.is_file():
+        chain.append(text_dir / f"tokens_{file_sha1(vocab)[:10]}_{'uncased' if cfg.lower_case else 'cased'}")
+    chain += [cfg.output_dir / "instances", cfg.output_dir / "hdf5"]
+    if failed not in chain:
+        return [failed]
+    return [failed, *(path for path in chain[chain.index(failed) + 1:] if path.exists())]
+
+
 def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> PrepareResult:
     """Run every stage, each skipping work already done; `report` gets a line as each stage ends, so that a
     run that fails still shows what the stages before the failure did."""
@@ -213,12 +231,25 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:
         check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
+    if cfg.text_dir is not None:
+        make_dir(cfg.text_dir, "--text_dir")
+    make_dir(cfg.output_dir, "--output_dir")
+    make_dir(text_dir)
     stages: list[StageRun] = []
 
-    def timed(name: str, state: str, fn: Callable[[Any], T], stage_cfg: Any, line: Callable[[T], str]) -> T:
+    def timed(name: str, state: str | Path, fn: Callable[[Any], T], stage_cfg: Any, line: Callable[[T], str]) -> T:
+        """Run a stage; `state` is its state before, or its stage directory to read that from."""
+        stage_dir = state if isinstance(state, Path) else None
+        if stage_dir is not None:
+            state, begun = _stage_state(stage_dir), stage.begun(stage_dir)
         t = time.perf_counter()
-        out = fn(stage_cfg)
+        try:
+            out = fn(stage_cfg)
+        except StageConflict as exc:
+            raise StageConflict(exc.stage_dir, exc.problem, made_from(exc.stage_dir, cfg, text_dir)) from exc
         seconds = round(time.perf_counter() - t, 3)
+        if state == RESUMED and stage_dir is not None and stage.begun(stage_dir) != begun:
+            state = RAN  # it discarded the unfinished output of other settings and began afresh
         stages.append(StageRun(name, state, seconds))
         when = "already complete" if state == COMPLETE else duration(seconds)
         report(f"{name}: {line(out)}, {when}{' (resumed)' if state == RESUMED else ''}")
@@ -230,19 +261,19 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         dump = timed("download", _file_state(target, target.with_name(f"{target.name}.part")), download,
                      DownloadConfig(url=dump, output_dir=text_dir / "download"),
                      lambda path: f"{path} ({path.stat().st_size / 1e9:.2f} GB)")
-    ex = timed("extract", _stage_state(text_dir / "extracted"), extract,
+    ex = timed("extract", text_dir / "extracted", extract,
                ExtractConfig(dump, text_dir / "extracted", cfg.workers, cfg.articles_per_part), ExtractResult.line)
-    seg = timed("segment", _stage_state(text_dir / "sentences"), segment,
+    seg = timed("segment", text_dir / "sentences", segment,
                 SegmentConfig(text_dir / "extracted", text_dir / "sentences", cfg.workers), SegmentResult.line)
     vocab_state = (_file_state(cfg.output_dir / "vocab.txt") if cfg.vocab_file
-                   else _stage_state(cfg.output_dir / "vocab_training"))
+                   else cfg.output_dir / "vocab_training")
     vocab = timed("vocab", vocab_state, build_vocab,
                   VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences", cfg.vocab_size, cfg.lower_case,
                               limit_alphabet=cfg.limit_alphabet, workers=cfg.workers),
                   lambda v: f"{v.size} tokens -> {v.path}")
     digest = file_sha1(vocab.path)[:10]
     tokens_dir = text_dir / f"tokens_{digest}_{'uncased' if cfg.lower_case else 'cased'}"
-    tok = timed("tokens", _stage_state(tokens_dir), tokenize,
+    tok = timed("tokens", tokens_dir, tokenize,
                 TokenizeConfig(text_dir / "sentences", vocab.path, tokens_dir, cfg.lower_case, cfg.workers),
                 TokenizeResult.line)
     warning = unknown_warning(tok, cfg.vocab_file or vocab.path)
@@ -250,9 +281,9 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         report(warning)
     create_cfg = dataclasses.replace(create_cfg, input_dir=tokens_dir, vocab_file=vocab.path)
     check_test_split(create_cfg, cfg)
-    timed("create", _stage_state(create_cfg.output_dir), create, create_cfg,
+    timed("create", create_cfg.output_dir, create, create_cfg,
           lambda c: f"{c.instances['training']} training + {c.instances['test']} test instances")
-    sh = timed("shard", _stage_state(cfg.output_dir / "hdf5"), shard,
+    sh = timed("shard", cfg.output_dir / "hdf5", shard,
                ShardConfig(create_cfg.output_dir, cfg.output_dir / "hdf5", cfg.num_shards, cfg.num_test_shards,
                            cfg.name, cfg.workers, cfg.hdf5_compression), ShardResult.line)
     return PrepareResult(

@@ -23,6 +23,11 @@ from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
 
+# The version of the sentences this stage writes. Bump it whenever its output for the same extracted
+# text changes (another segmenter, a new rule): a finished sentences directory of another version is
+# then refused, and an unfinished one started afresh, instead of being reused.
+FORMAT_VERSION = 1
+
 
 @dataclass(frozen=True)
 class SegmentConfig:
@@ -60,23 +65,33 @@ def segment_text(text: str) -> tuple[str, int, int]:
     return "".join(out), documents, sentences
 
 
+def _read_text(path: Path, fix: str) -> tuple[str, int]:
+    """A part's text and its size in bytes; text that is not UTF-8 is named with `fix`."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8"), len(data)
+    except UnicodeDecodeError as exc:
+        raise PipelineError(f"{path} is not UTF-8 text ({exc}); it was damaged after it was written: {fix}") from exc
+
+
 def _segment_part(task: tuple[Path, Path]) -> tuple[int, int, int]:
     src, dst = task
     if dst.is_file():
-        text = dst.read_text(encoding="utf-8")
-        return text.count("\n\n"), text.count("\n") - text.count("\n\n"), len(src.read_bytes())
-    data = src.read_bytes()
-    text, documents, sentences = segment_text(data.decode("utf-8"))
+        text, _ = _read_text(dst, "delete it and rerun to segment its part again")
+        return text.count("\n\n"), text.count("\n") - text.count("\n\n"), src.stat().st_size
+    source, size = _read_text(src, f"delete {src.parent} and the directories made from it, and extract again")
+    text, documents, sentences = segment_text(source)
     with stage.atomic_path(dst) as tmp:
         tmp.write_text(text, encoding="utf-8")
-    return documents, sentences, len(data)
+    return documents, sentences, size
 
 
 def segment(cfg: SegmentConfig) -> SegmentResult:
     sources = list_parts(cfg.input_dir)
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete extraction; run data.extract into it first")
-    params = {"extracted": stage.fingerprint(cfg.input_dir), "parts": len(sources)}
+    params = {stage.VERSION_KEY: FORMAT_VERSION, "extracted": stage.fingerprint(cfg.input_dir),
+              "parts": len(sources)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return SegmentResult(**done)

@@ -16,7 +16,6 @@ docs/ARCHITECTURE.md, attributes max_seq_length, max_predictions_per_seq, vocab_
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,11 +24,17 @@ import h5py
 import numpy as np
 from tqdm import tqdm
 
+from data import create as create_stage
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
-from data.create import DTYPES, SPLITS, derive_seed
+from data.create import DTYPES, SPLITS, derive_seed, load_instances
 from data.parallel import bounded_map
 from data.stage import PipelineError
+
+# The version of the shards this stage writes. Bump it whenever its output for the same instances and
+# settings changes (another slicing, shuffle, key, dtype or attribute): a finished shards directory of
+# another version is then refused, and an unfinished one started afresh, instead of being reused.
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -89,7 +94,7 @@ def _write_shard(task: _ShardTask) -> tuple[int, int]:
     if not task.path.is_file():
         arrays = {}
         for key in task.keys:
-            pieces = [np.load(task.part_dirs[p] / f"{key}.npy", mmap_mode="r")[lo:hi] for p, lo, hi in task.slices]
+            pieces = [load_instances(task.part_dirs[p] / f"{key}.npy")[lo:hi] for p, lo, hi in task.slices]
             arrays[key] = np.concatenate(pieces)
         order = np.random.default_rng(task.seed).permutation(len(arrays[task.keys[0]]))
         with stage.atomic_path(task.path) as tmp, h5py.File(tmp, "w") as f:
@@ -97,8 +102,12 @@ def _write_shard(task: _ShardTask) -> tuple[int, int]:
                 f.create_dataset(key, data=arrays[key][order], dtype=DTYPES[key], compression=task.compression)
             for k, v in task.attrs.items():
                 f.attrs[k] = v
-    with h5py.File(task.path, "r") as f:
-        return len(f["next_sentence_labels"]), task.path.stat().st_size
+    try:
+        with h5py.File(task.path, "r") as f:
+            return len(f["next_sentence_labels"]), task.path.stat().st_size
+    except (OSError, KeyError) as exc:
+        raise PipelineError(f"{task.path} cannot be read as a shard ({exc}); it was damaged after this stage wrote "
+                            "it: delete it and rerun to write it again") from exc
 
 
 def check_shard_counts(num_shards: int, num_test_shards: int, test_fraction: float | None = None) -> None:
@@ -117,10 +126,10 @@ def check_shard_counts(num_shards: int, num_test_shards: int, test_fraction: flo
 
 
 def shard(cfg: ShardConfig) -> ShardResult:
-    complete = cfg.instances_dir / stage.COMPLETE_FILE
-    if not complete.is_file():
+    if not (cfg.instances_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.instances_dir} is not a complete data.create output; run data.create first")
-    created = json.loads(complete.read_text(encoding="utf-8"))
+    instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION)
+    created = stage.finished_record(cfg.instances_dir)
     cp, summary = created["params"], created["summary"]
     check_shard_counts(cfg.num_shards, cfg.num_test_shards)
     counts = {"training": cfg.num_shards, "test": cfg.num_test_shards}
@@ -147,7 +156,7 @@ def shard(cfg: ShardConfig) -> ShardResult:
              # How masks were (static) or are to be (dynamic, by the loader) drawn.
              "masked_lm_prob": cp["masked_lm_prob"], "whole_word_masking": int(cp["whole_word_masking"])}
     keys = tuple(k for k in DTYPES if cp["static_masking"] or not k.startswith("masked_lm"))
-    params = {"instances": stage.fingerprint(cfg.instances_dir), "num_shards": cfg.num_shards,
+    params = {stage.VERSION_KEY: FORMAT_VERSION, "instances": instances, "num_shards": cfg.num_shards,
               "num_test_shards": cfg.num_test_shards, "name": cfg.name, "compression": cfg.compression}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:

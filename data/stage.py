@@ -1,34 +1,61 @@
-"""Bookkeeping shared by every pipeline stage: atomic writes, a parameter record and a completion marker.
+"""Bookkeeping shared by every pipeline stage: atomic writes, a parameter record, a completion record and a lock.
 
 A stage directory holds `_PARAMS.json` (written when the stage starts) and `_COMPLETE.json`
-(written last, atomically). A rerun with the same parameters skips a complete stage and, inside
-an incomplete one, every part file that already exists (parts are themselves written to a
-temporary name and renamed). A rerun with different parameters is refused rather than mixing
-outputs made with two settings.
+(written last, atomically, with the size of every file the stage wrote). A rerun with the same
+parameters skips a complete stage whose files still have those sizes and, inside an incomplete one,
+every part file that already exists (parts are themselves written to a temporary name and renamed).
+A complete stage made with other parameters is refused rather than mixing outputs made with two
+settings; an incomplete one is started afresh, as its partial output cannot serve the new ones.
+`_LOCK` is held by the run that writes the directory, so a second run at once is refused instead of
+deleting the first one's work.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 PARAMS_FILE = "_PARAMS.json"
 COMPLETE_FILE = "_COMPLETE.json"
+LOCK_FILE = "_LOCK"
+# The key of a stage's output-format version in its parameters (each stage's FORMAT_VERSION).
+VERSION_KEY = "format_version"
 
 
 class PipelineError(RuntimeError):
     """Bad input or an inconsistent output directory; the message names the file and the fix."""
 
 
+class StageConflict(PipelineError):
+    """A finished stage directory that this run cannot use: made with other settings or by another
+    version of the stage, or its files changed since. `redo` lists what to delete to redo it: the
+    directory first, then what was made from it when the caller knows (data.prepare does)."""
+
+    def __init__(self, stage_dir: Path, problem: str, redo: list[Path] | None = None):
+        self.stage_dir, self.problem, self.redo = stage_dir, problem, redo
+        if redo:
+            fix = f"delete {', '.join(map(str, redo))} to redo {'it' if len(redo) == 1 else 'them'}"
+        else:
+            fix = f"delete {stage_dir}, and any output made from it, to redo this stage"
+        super().__init__(f"{problem}\nUse another output directory, or {fix}.")
+
+
 def _tmp_name(final: Path) -> Path:
     return final.with_name(f".{final.name}.tmp-{os.getpid()}")
+
+
+def _is_temporary(relative: Path) -> bool:
+    return any(part.startswith(".") and ".tmp-" in part for part in relative.parts)
 
 
 @contextlib.contextmanager
@@ -76,47 +103,286 @@ def _normalise(params: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(params, sort_keys=True, default=str))
 
 
+def make_dir(path: Path, flag: str | None = None) -> None:
+    """Create the output directory `path` if it is missing, or say in a PipelineError naming it (and
+    the flag that gave it) why it cannot be one."""
+    name = f"{flag} {path}" if flag else str(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as exc:
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        what = f"{blocker} is a file, not a directory" if blocker else f"it cannot be a directory ({exc.strerror})"
+        raise PipelineError(f"{name}: {what}; pass a directory path (it is created if missing)") from exc
+    except OSError as exc:
+        raise PipelineError(f"{name} cannot be created ({exc.strerror}); pass a directory you can write to") from exc
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PipelineError(f"{name} is not writable; pass a directory you can write to")
+
+
+def differences(then: Any, now: Any, upstream: tuple[str, ...] = ()) -> list[str]:
+    """What differs between the parameters a stage directory was made with and this run's, one line
+    per setting. A setting of an upstream directory (a `fingerprint`) is named through the chain of
+    directories it reaches this one by ("its input tokens > sentences > extracted was remade: ...").
+    Another output-format version is said alone: it explains the rest."""
+
+    def said(text: str) -> str:
+        return f"its input {' > '.join(upstream)} was remade: {text}" if upstream else text
+
+    if not (isinstance(then, dict) and isinstance(now, dict)):
+        return [said(f"made with {_show(then)}, now {_show(now)}")]
+    if then.get(VERSION_KEY) != now.get(VERSION_KEY):
+        made = then.get(VERSION_KEY, "from before format versions were recorded")
+        return [said(f"made by another version of {'its' if upstream else 'this'} stage (output format {made}; "
+                     f"this code writes format {now.get(VERSION_KEY)})")]
+    lines = []
+    then, now = _settings(then), _settings(now)
+    for key in sorted(set(then) | set(now)):
+        a, b = then.get(key), now.get(key)
+        if a == b:
+            continue
+        if _is_upstream(a) and _is_upstream(b):
+            lines += differences(a["params"], b["params"], (*upstream, key)) or [
+                f"its input {' > '.join((*upstream, key))} was remade with the same settings, and holds other output"]
+        else:
+            lines.append(said(f"{key}: made with {_show(a)}, now {_show(b)}"))
+    return lines
+
+
+def _settings(params: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`params` with nested settings (not upstream directories) as dotted names: input.bytes."""
+    flat = {}
+    for key, value in params.items():
+        if isinstance(value, dict) and not _is_upstream(value):
+            flat.update(_settings(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _is_upstream(value: Any) -> bool:
+    return isinstance(value, dict) and set(value) == {"sha1", "params"}
+
+
+def _show(value: Any) -> str:
+    return "nothing" if value is None else json.dumps(value, sort_keys=True)
+
+
+def _read_record(path: Path) -> dict[str, Any] | None:
+    """A stage's JSON record, None when absent."""
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise StageConflict(path.parent, f"{path} is unreadable ({exc})") from exc
+    if not isinstance(record, dict):
+        raise StageConflict(path.parent, f"{path} is not a record this pipeline writes")
+    return record
+
+
+def _file_sizes(stage_dir: Path) -> dict[str, int]:
+    """The size of every file the stage wrote, by path relative to its directory."""
+    sizes = {}
+    for path in sorted(stage_dir.rglob("*")):
+        relative = path.relative_to(stage_dir)
+        if path.is_file() and not _is_temporary(relative) and relative.as_posix() not in (
+                PARAMS_FILE, COMPLETE_FILE, LOCK_FILE):
+            sizes[relative.as_posix()] = path.stat().st_size
+    return sizes
+
+
+def _check_files(stage_dir: Path, record: dict[str, Any]) -> None:
+    """Refuse a finished stage whose files are missing or have other sizes than when it finished.
+
+    Sizes only (a stat per file): a file cut short or replaced is found, one changed in place at the
+    same size is not. A record without sizes (data.extract's, from before they were recorded) passes.
+    """
+    changed = []
+    for name, size in record.get("files", {}).items():
+        path = stage_dir / name
+        try:
+            now = path.stat().st_size
+        except FileNotFoundError:
+            changed.append(f"{path} is missing")
+            continue
+        except OSError as exc:
+            changed.append(f"{path} cannot be read ({exc.strerror})")
+            continue
+        if now != size:
+            changed.append(f"{path} is {now} bytes, not the {size} it had")
+    if changed:
+        more = f" (and {len(changed) - 3} more)" if len(changed) > 3 else ""
+        raise StageConflict(stage_dir, f"{stage_dir} was finished, but its files changed since: "
+                                       f"{'; '.join(changed[:3])}{more}")
+
+
+def finished_record(stage_dir: Path) -> dict[str, Any]:
+    """The completion record of a finished stage, whose files are checked first."""
+    record = _read_record(stage_dir / COMPLETE_FILE)
+    if record is None:
+        raise PipelineError(f"{stage_dir} is not complete (no {COMPLETE_FILE}); run the stage that writes it first")
+    _check_files(stage_dir, record)
+    return record
+
+
 def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     """The stored summary when `stage_dir` is complete for `params`, else None.
 
-    Raises PipelineError when the directory holds output made with other parameters.
+    Raises StageConflict when it is complete with other parameters, or its files changed since.
     """
+    record = _read_record(stage_dir / COMPLETE_FILE)
+    if record is None:
+        return None
     params = _normalise(params)
-    for name in (COMPLETE_FILE, PARAMS_FILE):
-        path = stage_dir / name
-        if not path.is_file():
-            continue
-        try:
-            stored = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise PipelineError(f"{path} is unreadable ({exc}); delete {stage_dir} to redo this stage") from exc
-        if stored.get("params") != params:
-            raise PipelineError(
-                f"{stage_dir} holds output made with other settings:\n  stored: {stored.get('params')}\n"
-                f"  now:    {params}\nUse another output directory, or delete {stage_dir} to redo this stage."
-            )
-        if name == COMPLETE_FILE:
-            return stored["summary"]
-    return None
+    if record.get("params") != params:
+        raise StageConflict(stage_dir, f"{stage_dir} holds output made with other settings:\n  "
+                                       + "\n  ".join(differences(record.get("params"), params)))
+    _check_files(stage_dir, record)
+    return record["summary"]
 
 
 def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
-    """Start (or resume) a stage. Returns the stored summary if it is already complete."""
+    """Start (or resume) a stage. Returns the stored summary if it is already complete.
+
+    Otherwise the directory is locked until `finish` (or until this process ends: a stage that fails
+    keeps the lock, and a later `begin` of this process takes it back), and unfinished output made
+    with other settings is discarded.
+    """
     summary = completed(stage_dir, params)
     if summary is not None:
         return summary
-    stage_dir.mkdir(parents=True, exist_ok=True)
+    make_dir(stage_dir)
+    fd = _lock(stage_dir)
+    try:
+        summary = completed(stage_dir, params)  # finished by the run that held the lock
+        if summary is None:
+            _start(stage_dir, _normalise(params))
+    except BaseException:
+        _release(stage_dir, fd)
+        raise
+    if summary is not None:
+        _release(stage_dir, fd)
+    return summary
+
+
+def begun(stage_dir: Path) -> int | None:
+    """When the run that began the stage directory's current output did so (None: not begun)."""
+    try:
+        return (_read_record(stage_dir / PARAMS_FILE) or {}).get("begun")
+    except StageConflict:
+        return None
+
+
+def _start(stage_dir: Path, params: dict[str, Any]) -> None:
+    params_path = stage_dir / PARAMS_FILE
+    if params_path.is_file():
+        try:
+            stored = (_read_record(params_path) or {}).get("params")
+            reasons = differences(stored, params)
+        except StageConflict:
+            stored, reasons = None, [f"its {PARAMS_FILE} is unreadable"]
+        if stored != params:
+            # Its parts would mix with parts made with these settings, and a finished stage with them.
+            print(f"{stage_dir}: discarding the unfinished output of an earlier run with other settings "
+                  f"({'; '.join(reasons)}); it cannot serve these, so this stage starts afresh", flush=True)
+            for entry in sorted(stage_dir.iterdir()):
+                if entry.name != LOCK_FILE:
+                    _remove(entry)
+    else:
+        foreign = sorted(p.name for p in stage_dir.iterdir()
+                         if p.name != LOCK_FILE and not _is_temporary(p.relative_to(stage_dir)))
+        if foreign:
+            raise PipelineError(
+                f"{stage_dir} holds files ({', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}) but no "
+                f"{PARAMS_FILE}, so this stage did not make them; pass a new or empty directory")
     # Temporaries left by a killed run are incomplete by construction; their final names are
     # written again by this run.
     for leftover in sorted(stage_dir.rglob(".*.tmp-*")):
         _remove(leftover)
-    if not (stage_dir / PARAMS_FILE).is_file():
-        write_json_atomic(stage_dir / PARAMS_FILE, {"params": _normalise(params)})
-    return None
+    if not params_path.is_file():
+        # "begun" tells a run that resumed this directory from one that began it afresh.
+        write_json_atomic(params_path, {"params": params, "begun": time.time_ns()})
 
 
-def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any]) -> dict[str, Any]:
-    write_json_atomic(stage_dir / COMPLETE_FILE, {"params": _normalise(params), "summary": summary})
+def _lock(stage_dir: Path) -> int:
+    """Lock `stage_dir` for this process, or refuse when another process holds it. Returns the
+    descriptor that holds the lock.
+
+    A POSIX record lock (fcntl): the kernel drops it when its process dies, and forked workers do not
+    inherit it. `begin` and `finish` are separate calls, so the descriptor that holds the lock stays
+    open between them; the lock file records it (with the pid) for `_unlock`.
+    """
+    path = stage_dir / LOCK_FILE
+    _unlock(stage_dir)  # a lock this process kept from a stage that failed
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            raise PipelineError(f"{stage_dir}: cannot write there ({exc.strerror}); pass a directory you "
+                                "can write to") from exc
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):
+                raise PipelineError(f"{path} cannot be locked ({exc.strerror}); put the output on a file system "
+                                    "that supports POSIX locks") from exc
+            raise PipelineError(f"{stage_dir} is being written by another run ({_holder(path)}); wait for it "
+                                "to finish, or stop it, then rerun") from exc
+        if _same_file(fd, path):
+            break
+        # The holder finished and removed the file between our open and our lock: lock the new one.
+        os.close(fd)
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{os.getpid()} {fd}\n".encode())
+    return fd
+
+
+def _unlock(stage_dir: Path) -> None:
+    """Release the lock this process holds on `stage_dir`, if the lock file records one."""
+    path = stage_dir / LOCK_FILE
+    try:
+        pid, fd = map(int, path.read_text(encoding="ascii").split())
+    except (OSError, ValueError):
+        return
+    # Reading the file released the lock already (closing any descriptor of a file drops the
+    # process's POSIX locks on it); the descriptor is closed only if it is still the lock file's.
+    if pid == os.getpid() and _same_file(fd, path):
+        _release(stage_dir, fd)
+
+
+def _release(stage_dir: Path, fd: int) -> None:
+    """Close the descriptor that holds the lock. A finished stage needs no lock file: it is removed
+    first, so that a run that locks it meanwhile sees that it is gone (and finds the stage finished)."""
+    path = stage_dir / LOCK_FILE
+    if (stage_dir / COMPLETE_FILE).is_file() and _same_file(fd, path):
+        path.unlink(missing_ok=True)  # missing: a run that locked it meanwhile removed it
+    os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.path.samestat(os.fstat(fd), os.stat(path))
+    except OSError:
+        return False
+
+
+def _holder(path: Path) -> str:
+    try:
+        return f"process {int(path.read_text(encoding='ascii').split()[0])}"
+    except (OSError, ValueError, IndexError):
+        return "a process that is starting"
+
+
+def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any],
+           inputs: dict[str, str] | None = None) -> dict[str, Any]:
+    """Record the stage as complete, with the size of each of its files; `inputs` names the files it
+    was made from, for messages only (a moved input must not make the output another)."""
+    record = {"params": _normalise(params), "summary": summary, "files": _file_sizes(stage_dir)}
+    if inputs:
+        record["inputs"] = inputs
+    write_json_atomic(stage_dir / COMPLETE_FILE, record)
+    _unlock(stage_dir)
     return summary
 
 
@@ -150,11 +416,16 @@ def file_sha1(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
-def fingerprint(stage_dir: Path) -> str:
-    """Identifies a complete upstream stage's output by its completion record (parameters and summary)."""
-    path = stage_dir / COMPLETE_FILE
-    if not path.is_file():
-        raise PipelineError(f"{stage_dir} is not complete (no {COMPLETE_FILE}); run the stage that writes it first")
-    record = json.loads(path.read_text(encoding="utf-8"))
-    record["summary"].pop("seconds", None)  # a redo with the same result has the same fingerprint
-    return hashlib.sha1(json.dumps(record, sort_keys=True).encode()).hexdigest()
+def fingerprint(stage_dir: Path, version: int | None = None) -> dict[str, Any]:
+    """Identifies a complete upstream stage's output: the sha1 of its parameters and summary, with its
+    parameters, so that a downstream stage refused for it can say which of them differ. With `version`
+    (the upstream stage's FORMAT_VERSION), output of another version of that stage is refused."""
+    record = finished_record(stage_dir)
+    made = record["params"].get(VERSION_KEY)
+    if version is not None and made != version:
+        made_by = f"format {made}" if made is not None else "from before format versions were recorded"
+        raise StageConflict(stage_dir, f"{stage_dir} was made by another version of the stage that writes it "
+                                       f"(output {made_by}; this code reads format {version})")
+    summary = {k: v for k, v in record["summary"].items() if k != "seconds"}  # a redo gives the same
+    digest = hashlib.sha1(json.dumps({"params": record["params"], "summary": summary}, sort_keys=True).encode())
+    return {"sha1": digest.hexdigest(), "params": record["params"]}

@@ -15,21 +15,31 @@ Phase 1 and phase 2 both create their instances from these files, so text is tok
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import re
 import time
+import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tqdm import tqdm
 
+from data import segment as segment_stage
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
 from data.vocab import check_case, load_vocab, make_tokenizer
+
+# The version of the token files this stage writes. Bump it whenever its output for the same sentences
+# and vocab changes (another tokenization rule, file layout or dtype): a finished tokens directory of
+# another version is then refused, and an unfinished one started afresh, instead of being reused.
+# (Version 1 tokenizes text that spells a special token, "[SEP]", as text.)
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -188,8 +198,21 @@ def tokenize_text(text: str, tokenizer: WordPieceTokenizer) -> TokenizedPart:
     return TokenizedPart(ids, lengths[lengths > 0], counts[counts > 0])
 
 
+@contextlib.contextmanager
+def open_part(path: Path) -> Iterator[np.lib.npyio.NpzFile]:
+    """A tokenized part's arrays, read lazily; a file that cannot be read as one is named in a PipelineError."""
+    try:
+        with np.load(path) as z:
+            yield z
+    except (OSError, ValueError, EOFError, KeyError, zipfile.BadZipFile) as exc:
+        raise PipelineError(
+            f"{path} cannot be read as a tokenized part ({type(exc).__name__}: {exc}); it was damaged after "
+            f"data.tokens wrote it: delete {path.parent} and the directories made from it, and tokenize again"
+        ) from exc
+
+
 def load_part(path: Path) -> TokenizedPart:
-    with np.load(path) as z:
+    with open_part(path) as z:
         return TokenizedPart(z["ids"], z["sentence_lengths"], z["doc_sentences"])
 
 
@@ -210,9 +233,9 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
         raise PipelineError(f"{cfg.input_dir} is not a complete segmentation; run data.segment into it first")
     vocab = load_vocab(cfg.vocab_file)
     sources = list_parts(cfg.input_dir)
-    params = {"sentences": stage.fingerprint(cfg.input_dir), "parts": len(sources), "lower_case": cfg.lower_case,
-              "special_tokens": "as_text",
-              "vocab_sha1": stage.file_sha1(cfg.vocab_file)}
+    params = {stage.VERSION_KEY: FORMAT_VERSION,
+              "sentences": stage.fingerprint(cfg.input_dir, segment_stage.FORMAT_VERSION), "parts": len(sources),
+              "lower_case": cfg.lower_case, "vocab_sha1": stage.file_sha1(cfg.vocab_file)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return TokenizeResult(**done)
@@ -228,7 +251,8 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
         raise PipelineError(f"{cfg.input_dir}: the corpus has no tokens")
     summary = {"documents": documents, "sentences": sentences, "tokens": tokens, "unknown_tokens": unknown,
                "seconds": round(time.perf_counter() - start, 3)}
-    return TokenizeResult(**stage.finish(cfg.output_dir, params, summary))
+    return TokenizeResult(**stage.finish(cfg.output_dir, params, summary,
+                                         inputs={"vocab_file": str(cfg.vocab_file.resolve())}))
 
 
 def tokenize_with_given_vocab(cfg: TokenizeConfig) -> TokenizeResult:

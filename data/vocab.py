@@ -20,6 +20,7 @@ from tokenizers.models import WordPiece
 from tokenizers.normalizers import BertNormalizer
 from tokenizers.pre_tokenizers import BertPreTokenizer
 
+from data import segment as segment_stage
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.extract import list_parts
@@ -28,6 +29,10 @@ from data.stage import PipelineError
 
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")
 _BOM = "\ufeff"
+# The version of the vocab this stage trains. Bump it whenever a training on the same corpus and
+# settings gives another vocab (another alphabet rule, trainer or ordering): a finished vocab_training
+# directory of another version is then refused, and an unfinished one started afresh.
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -164,6 +169,7 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     The output directory's shards are made with that vocab, so a run that would put another vocab
     there is refused rather than leaving shards beside a vocab that does not match them.
     """
+    stage.make_dir(cfg.output_dir)
     target = cfg.output_dir / "vocab.txt"
     stage.remove_leftovers(target)
     if cfg.vocab_file is not None:
@@ -181,7 +187,8 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     files = list_parts(cfg.corpus_dir)
     if not files:
         raise PipelineError(f"{cfg.corpus_dir}: no part-*.txt files to train a vocab on; run data.segment first")
-    params = {"corpus": stage.fingerprint(cfg.corpus_dir), "vocab_size": cfg.vocab_size,
+    params = {stage.VERSION_KEY: FORMAT_VERSION,
+              "corpus": stage.fingerprint(cfg.corpus_dir, segment_stage.FORMAT_VERSION), "vocab_size": cfg.vocab_size,
               "lower_case": cfg.lower_case, "min_frequency": cfg.min_frequency, "limit_alphabet": cfg.limit_alphabet}
     stage_dir = cfg.output_dir / "vocab_training"
     trained = stage_dir / "model" / "vocab.txt"

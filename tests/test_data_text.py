@@ -156,11 +156,11 @@ def test_cased_text_with_the_uncased_vocab_is_refused_before_any_work(sample_dum
 
 
 def _sentences(directory, text):
-    from data import stage
+    from data import segment, stage
 
     directory.mkdir()
     (directory / "part-00000.txt").write_text(text * 20, encoding="utf-8")
-    stage.finish(directory, {"test": True}, {})
+    stage.finish(directory, {stage.VERSION_KEY: segment.FORMAT_VERSION}, {})
     return directory
 
 

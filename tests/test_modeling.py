@@ -430,14 +430,14 @@ def test_the_exported_tokenizer_tokenizes_as_the_shards_were(tmp_path, text, low
     without --no_lower_case, it must give the ids data.tokens gave the shards."""
     from transformers import AutoTokenizer
 
-    from data import stage
+    from data import segment, stage
     from data.tokens import WordPieceTokenizer
     from data.vocab import VocabConfig, build_vocab
 
     corpus = tmp_path / "sentences"
     corpus.mkdir()
     (corpus / "part-00000.txt").write_text(text * 20, encoding="utf-8")
-    stage.finish(corpus, {"test": True}, {})
+    stage.finish(corpus, {stage.VERSION_KEY: segment.FORMAT_VERSION}, {})
     vocab = build_vocab(VocabConfig(tmp_path / "vocab", corpus_dir=corpus, vocab_size=120, lower_case=lower_case,
                                     min_frequency=1))
     modeling.save_tokenizer(vocab.path, tmp_path / "hf", 128)

@@ -1,0 +1,368 @@
+"""Reruns over existing stage directories, on the real sample: what is reused, started afresh or refused, and
+what the messages say. The settings are the `phase1_shards` fixture's, whose output the reruns must equal."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+import pytest
+from test_data_resume import assert_same_output
+
+from data import stage
+from data.create import main as create_main
+from data.extract import ExtractConfig, extract
+from data.prepare import PrepareConfig, prepare
+from data.prepare import main as prepare_main
+from data.segment import main as segment_main
+from data.shard import main as shard_main
+from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError
+
+ROOT = Path(__file__).resolve().parents[1]
+# The phase1_shards fixture's settings (tests/conftest.py), but the dump and the output directory.
+SETTINGS = dict(max_seq_length=128, max_predictions_per_seq=20, dupe_factor=2, num_shards=2, num_test_shards=1,
+                seed=12345, workers=1, test_fraction=0.1, articles_per_part=40)
+
+
+def settings(dump: Path, out: Path, vocab: Path | None, **changes) -> PrepareConfig:
+    return PrepareConfig(input=dump, output_dir=out, vocab_file=vocab, **{**SETTINGS, **changes})
+
+
+def copy_run(phase1_shards: Path, out: Path) -> Path:
+    shutil.copytree(phase1_shards, out)
+    return out
+
+
+def tokens_dir(out: Path) -> Path:
+    return next((out / "text").glob("tokens_*"))
+
+
+def edit_record(path: Path, edit) -> None:
+    record = json.loads(path.read_text())
+    edit(record)
+    path.write_text(json.dumps(record))
+
+
+def error_line(exc: pytest.ExceptionInfo[SystemExit]) -> str:
+    message = str(exc.value.code)
+    assert message.startswith("error: ")
+    return message
+
+
+# --- 1: data.create alone checks the vocab against the tokens' own ---------------------------------------
+
+
+def test_create_refuses_a_vocab_other_than_the_one_the_tokens_were_made_with(phase1_shards, bert_vocab, tmp_path):
+    """It wrote shards whose ids index another vocab, silently."""
+    lines = bert_vocab.read_text(encoding="utf-8").split("\n")
+    lines[2000], lines[2001] = lines[2001], lines[2000]  # a real vocab of the same size: two ids swapped
+    other = tmp_path / "other-vocab.txt"
+    other.write_text("\n".join(lines), encoding="utf-8")
+    tokens = tokens_dir(phase1_shards)
+    with pytest.raises(SystemExit) as exc:
+        create_main(["--input_dir", str(tokens), "--vocab_file", str(other), "--output_dir", str(tmp_path / "inst"),
+                     "--workers", "1"])
+    assert error_line(exc) == (
+        f"error: {tokens} was tokenized with the vocab {phase1_shards / 'vocab.txt'} (sha1 "
+        f"{stage.file_sha1(bert_vocab)[:10]}...), not with --vocab_file {other} (sha1 {stage.file_sha1(other)[:10]}...), "
+        "so its ids would stand for other tokens. Pass the vocab it was made with, or tokenize the text again with "
+        "this vocab into another directory (python -m data.tokens)")
+    assert not (tmp_path / "inst").exists()
+
+
+# --- 2: a failed stage does not refuse the fix its own error asked for ----------------------------------------
+
+
+def test_a_dump_put_right_after_a_failed_extraction_is_extracted(phase1_shards, sample_dump, bert_vocab, tmp_path,
+                                                                capsys):
+    """The truncated dump's error says to download it again; the rerun on the good dump was refused ('holds output
+    made with other settings')."""
+    dump, out = tmp_path / "dump.xml.bz2", tmp_path / "out"
+    dump.write_bytes(sample_dump.read_bytes()[:300_000])
+    with pytest.raises(PipelineError, match=r"is truncated: .* Download it again"):
+        prepare(settings(dump, out, bert_vocab))
+    assert (out / "text" / "extracted" / PARAMS_FILE).is_file()
+    shutil.copyfile(sample_dump, dump)
+    capsys.readouterr()
+    prepare(settings(dump, out, bert_vocab))
+    printed = capsys.readouterr().out
+    assert (f"{out / 'text' / 'extracted'}: discarding the unfinished output of an earlier run with other settings "
+            f"(input.bytes: made with 300000, now {sample_dump.stat().st_size}; input.ends_sha1: made with ") in printed
+    # Begun afresh, so its line does not say it went on from the earlier run.
+    assert re.search(r"^extract: 105 articles .*\d s$", printed, flags=re.M)
+    assert_same_output(out, phase1_shards)
+
+
+def test_a_vocab_size_raised_after_a_refused_one_trains_the_vocab(phase1_shards, sample_dump, tmp_path, capsys):
+    """'--vocab_size 100 ... raise --vocab_size', then --vocab_size 3000 was refused at vocab_training."""
+    text = tmp_path / "text"
+    shutil.copytree(phase1_shards / "text", text, ignore=shutil.ignore_patterns("tokens_*"))
+    out = tmp_path / "out"
+    with pytest.raises(PipelineError, match="raise --vocab_size"):
+        prepare(settings(sample_dump, out, None, vocab_size=100, text_dir=text))
+    result = prepare(settings(sample_dump, out, None, vocab_size=3000, text_dir=text))
+    assert (f"{out / 'vocab_training'}: discarding the unfinished output of an earlier run with other settings "
+            "(vocab_size: made with 100, now 3000); it cannot serve these, so this stage starts afresh\n") \
+        in capsys.readouterr().out
+    # the vocab and shards of a run that never failed
+    whole = tmp_path / "whole"
+    prepare(settings(sample_dump, whole, None, vocab_size=3000, text_dir=text))
+    assert len(result.vocab_file.read_text(encoding="utf-8").splitlines()) == 3000
+    assert_same_output(out, whole)
+
+
+def test_a_run_into_a_directory_another_run_is_writing_is_refused_and_takes_nothing(phase1_shards, sample_dump,
+                                                                                      tmp_path):
+    """Starting unfinished output afresh deletes it: a run that is still writing it must be refused, not
+    emptied. A real extraction is stopped (SIGSTOP) while it holds extracted/, then let go."""
+    out = tmp_path / "extracted"
+    proc = subprocess.Popen([sys.executable, "-m", "data.extract", "--input", str(sample_dump), "--output_dir",
+                             str(out), "--workers", "1", "--articles_per_part", "40"], cwd=ROOT,
+                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / PARAMS_FILE).is_file():
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGSTOP)  # the process group this test started
+        assert not (out / COMPLETE_FILE).exists()
+        before = sorted(p.name for p in out.iterdir())
+        for articles_per_part in (50, 40):  # other settings, and the same ones
+            with pytest.raises(PipelineError, match=rf"^{re.escape(str(out))} is being written by another run "
+                                                    rf"\(process {proc.pid}\); wait for it to finish, or stop it"):
+                extract(ExtractConfig(sample_dump, out, articles_per_part=articles_per_part))
+        assert sorted(p.name for p in out.iterdir()) == before
+    finally:
+        os.killpg(proc.pid, signal.SIGCONT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    expected = sorted((phase1_shards / "text" / "extracted").glob("part-*.txt"))
+    assert [p.read_bytes() for p in sorted(out.glob("part-*.txt"))] == [p.read_bytes() for p in expected]
+    assert not (out / stage.LOCK_FILE).exists()  # a finished stage keeps no lock file
+
+
+# --- 3: output of another version of a stage is not reused ---------------------------------------------------
+
+
+def test_finished_output_of_another_version_of_its_stage_is_refused(phase1_shards, sample_dump, bert_vocab,
+                                                                      tmp_path):
+    out = copy_run(phase1_shards, tmp_path / "out")
+    sentences, tokens = out / "text" / "sentences", tokens_dir(out)
+    edit_record(sentences / COMPLETE_FILE, lambda r: r["params"].pop("format_version", None))  # as older code wrote it
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab))
+    assert str(exc.value) == (
+        f"{sentences} holds output made with other settings:\n  made by another version of this stage (output "
+        "format from before format versions were recorded; this code writes format 1)\nUse another output "
+        f"directory, or delete {sentences}, {tokens}, {out / 'instances'}, {out / 'hdf5'} to redo them.")
+    # data.create alone refuses tokens of another version of data.tokens
+    edit_record(tokens / COMPLETE_FILE, lambda r: r["params"].update(format_version=0))
+    with pytest.raises(SystemExit) as exc:
+        create_main(["--input_dir", str(tokens), "--vocab_file", str(bert_vocab), "--output_dir",
+                     str(tmp_path / "instances")])
+    assert error_line(exc).startswith(f"error: {tokens} was made by another version of the stage that writes it "
+                                      "(output format 0; this code reads format 1)\n")
+
+
+def test_unfinished_output_of_another_version_of_its_stage_is_started_afresh(phase1_shards, sample_dump, bert_vocab,
+                                                                             tmp_path, capsys):
+    out = copy_run(phase1_shards, tmp_path / "out")
+    shutil.rmtree(out / "hdf5")
+    instances = out / "instances"
+    (instances / COMPLETE_FILE).unlink()
+    edit_record(instances / PARAMS_FILE, lambda r: r["params"].pop("format_version", None))
+    # a part as older code might have written it: a rerun that kept it would shard it
+    labels = instances / "training" / "part-00001" / "next_sentence_labels.npy"
+    np.save(labels, 1 - np.load(labels))
+    prepare(settings(sample_dump, out, bert_vocab))
+    assert (f"{instances}: discarding the unfinished output of an earlier run with other settings (made by another "
+            "version of this stage (output format from before format versions were recorded; this code writes "
+            "format 1)); it cannot serve these, so this stage starts afresh\n") in capsys.readouterr().out
+    assert_same_output(out, phase1_shards)
+
+
+# --- 4: finished files are checked by their sizes; files that cannot be read are named -------------------------
+
+
+@pytest.mark.parametrize("damaged, redo", [
+    ("hdf5/training/wikicorpus_en_training_0.hdf5", ["hdf5"]),
+    ("instances/training/part-00001/input_ids.npy", ["instances", "hdf5"]),
+    ("text/tokens_*/part-00001.npz", ["text/tokens_*", "instances", "hdf5"]),
+])
+def test_a_finished_file_cut_short_is_named_with_what_to_delete(phase1_shards, sample_dump, bert_vocab, tmp_path,
+                                                               damaged, redo):
+    """A shard cut short after a finished run was reported as fine; a cut tokens part or instance array gave a
+    raw traceback (zipfile.BadZipFile, 'mmap length is greater than file size') once a later stage read it."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    path = next(out.glob(damaged))
+    size = path.stat().st_size
+    with path.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab))
+    redo_dirs = [next(out.glob(name)) for name in redo]
+    assert str(exc.value) == (
+        f"{redo_dirs[0]} was finished, but its files changed since: {path} is 1000 bytes, not the {size} it had\n"
+        f"Use another output directory, or delete {', '.join(map(str, redo_dirs))} to redo "
+        f"{'it' if len(redo_dirs) == 1 else 'them'}.")
+
+
+def test_a_tokens_part_cut_short_is_named_by_data_create_alone(phase1_shards, bert_vocab, tmp_path):
+    tokens = tmp_path / "tokens"
+    shutil.copytree(tokens_dir(phase1_shards), tokens)
+    part = tokens / "part-00002.npz"
+    with part.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(SystemExit) as exc:
+        create_main(["--input_dir", str(tokens), "--vocab_file", str(bert_vocab), "--output_dir",
+                     str(tmp_path / "instances"), "--workers", "1"])
+    assert error_line(exc).startswith(f"error: {tokens} was finished, but its files changed since: {part} is 1000 "
+                                      "bytes")
+
+
+def test_a_shard_cut_short_in_an_unfinished_shard_stage_is_named(phase1_shards, tmp_path):
+    """It gave h5py's raw OSError ('truncated file')."""
+    hdf5 = tmp_path / "hdf5"
+    shutil.copytree(phase1_shards / "hdf5", hdf5)
+    (hdf5 / COMPLETE_FILE).unlink()
+    shard = hdf5 / "training" / "wikicorpus_en_training_1.hdf5"
+    with shard.open("r+b") as f:
+        f.truncate(1000)
+    with pytest.raises(SystemExit) as exc:
+        shard_main(["--instances_dir", str(phase1_shards / "instances"), "--output_dir", str(hdf5), "--num_shards",
+                    "2", "--workers", "1"])
+    assert re.fullmatch(rf"error: {re.escape(str(shard))} cannot be read as a shard \(.*truncated file.*\); it was "
+                        "damaged after this stage wrote it: delete it and rerun to write it again", error_line(exc))
+
+
+@pytest.mark.parametrize("damaged, kind", [("text/tokens_*/part-00001.npz", "a tokenized part"),
+                                           ("instances/test/part-00000/input_ids.npy", "an array of instances")])
+def test_a_finished_file_damaged_at_its_size_is_named_when_read(phase1_shards, tmp_path, damaged, kind):
+    """Sizes are what is checked; a file damaged in place reaches the stage that reads it, which names it."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    path = next(out.glob(damaged))
+    path.write_bytes(bytes(path.stat().st_size))
+    if damaged.startswith("text"):
+        args = ["--input_dir", str(path.parent), "--vocab_file", str(out / "vocab.txt"), "--output_dir",
+                str(tmp_path / "instances"), "--workers", "1"]
+        main, redo = create_main, f"delete {path.parent} and the directories made from it, and tokenize again"
+    else:
+        args = ["--instances_dir", str(out / "instances"), "--output_dir", str(tmp_path / "hdf5"), "--num_shards", "2",
+                "--workers", "1"]
+        main, redo = shard_main, (f"delete {out / 'instances'} and the directories made from it, and create the "
+                                  "instances again")
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert re.fullmatch(rf"error: {re.escape(str(path))} cannot be read as {kind} \(.+\); it was damaged after "
+                        rf"data\.\w+ wrote it: {re.escape(redo)}", error_line(exc))
+
+
+# --- 5: a refusal names the setting that differs and every directory to delete -------------------------------
+
+
+def test_a_refusal_names_the_settings_that_differ_and_every_directory_to_delete(phase1_shards, sample_dump,
+                                                                                bert_vocab, tmp_path):
+    """It showed the two parameter records, with an upstream directory as an opaque hash, and named one
+    directory: the next rerun was then refused at the next stage."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    instances, hdf5, text = out / "instances", out / "hdf5", out / "text"
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab, dupe_factor=3))
+    assert str(exc.value) == (f"{instances} holds output made with other settings:\n  dupe_factor: made with 2, now 3\n"
+                              f"Use another output directory, or delete {instances}, {hdf5} to redo them.")
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab, articles_per_part=50))
+    assert str(exc.value) == (
+        f"{text / 'extracted'} holds output made with other settings:\n  articles_per_part: made with 40, now 50\n"
+        f"Use another output directory, or delete {text / 'extracted'}, {text / 'sentences'}, {tokens_dir(out)}, "
+        f"{instances}, {hdf5} to redo them.")
+    # The text made again with other settings: the instances made from the old text say which setting it was.
+    shutil.rmtree(text)
+    with pytest.raises(PipelineError) as exc:
+        prepare(settings(sample_dump, out, bert_vocab, articles_per_part=50))
+    assert str(exc.value) == (
+        f"{instances} holds output made with other settings:\n  its input tokens > sentences > extracted was remade: "
+        f"articles_per_part: made with 40, now 50\nUse another output directory, or delete {instances}, {hdf5} to "
+        "redo them.")
+    shutil.rmtree(instances)
+    shutil.rmtree(hdf5)
+    assert prepare(settings(sample_dump, out, bert_vocab, articles_per_part=50)).shards == {"training": 2, "test": 1}
+
+
+# --- 6: an output directory that cannot be one is a one-line error ---------------------------------------------
+
+
+def test_an_output_directory_that_cannot_be_one_is_a_one_line_error(sample_dump, bert_vocab, phase1_shards, tmp_path):
+    """They were raw NotADirectoryError / PermissionError tracebacks."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory")
+    args = ["--input", str(sample_dump), "--vocab_file", str(bert_vocab), "--workers", "1"]
+    cases = [(["--output_dir", str(a_file)], f"--output_dir {a_file}: {a_file} is a file, not a directory"),
+             (["--output_dir", str(a_file / "out")], f"--output_dir {a_file / 'out'}: {a_file} is a file, not a directory"),
+             (["--output_dir", str(tmp_path / "out"), "--text_dir", str(a_file)],
+              f"--text_dir {a_file}: {a_file} is a file, not a directory")]
+    if Path("/sys/kernel").is_dir():  # sysfs: no directory can be made there, not even by root
+        cases.append((["--output_dir", "/sys/kernel/bert-out"], "--output_dir /sys/kernel/bert-out cannot be created ("))
+    for flags, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            prepare_main([*args, *flags])
+        assert error_line(exc).startswith(f"error: {message}")
+    assert not (tmp_path / "out").exists()
+    with pytest.raises(SystemExit) as exc:  # a stage alone
+        segment_main(["--input_dir", str(phase1_shards / "text" / "extracted"), "--output_dir", str(a_file)])
+    assert error_line(exc) == (f"error: {a_file}: {a_file} is a file, not a directory; pass a directory path (it is "
+                               "created if missing)")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any directory")
+def test_an_output_directory_without_write_permission_is_a_one_line_error(sample_dump, bert_vocab, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    with pytest.raises(SystemExit) as exc:
+        prepare_main(["--input", str(sample_dump), "--vocab_file", str(bert_vocab), "--output_dir", str(locked)])
+    assert error_line(exc) == f"error: --output_dir {locked} is not writable; pass a directory you can write to"
+
+
+# --- 7: no more worker processes than tasks ---------------------------------------------------------------------
+
+
+def test_no_more_workers_are_started_than_there_are_parts_or_shards(phase1_shards, bert_vocab, tmp_path):
+    """--workers 8 forked 8 processes for each stage of the sample's 3 parts (and 3 shards); the output is the same."""
+    script = f"""
+import json, os, sys
+from pathlib import Path
+from data.create import CreateConfig, create
+from data.segment import SegmentConfig, segment
+from data.shard import ShardConfig, shard
+from data.tokens import TokenizeConfig, tokenize
+forks, me = [], os.getpid()
+sys.addaudithook(lambda event, args: forks.append(1) if event == "os.fork" and os.getpid() == me else None)
+out, text, vocab = Path({str(tmp_path)!r}), Path({str(phase1_shards / "text")!r}), Path({str(bert_vocab)!r})
+counts = {{}}
+for name, run in [
+        ("segment", lambda: segment(SegmentConfig(text / "extracted", out / "sentences", 8))),
+        ("tokens", lambda: tokenize(TokenizeConfig(out / "sentences", vocab, out / "tokens", True, 8))),
+        ("create", lambda: create(CreateConfig(out / "tokens", vocab, out / "instances", dupe_factor=2,
+                                               test_fraction=0.1, workers=8))),
+        ("shard", lambda: shard(ShardConfig(out / "instances", out / "hdf5", 2, 1, workers=8)))]:
+    forks.clear()
+    run()
+    counts[name] = len(forks)
+print(json.dumps(counts))
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == {"segment": 3, "tokens": 3, "create": 3, "shard": 3}
+    for name in ("training/wikicorpus_en_training_0.hdf5", "training/wikicorpus_en_training_1.hdf5",
+                 "test/wikicorpus_en_test_0.hdf5"):
+        with h5py.File(tmp_path / "hdf5" / name) as f, h5py.File(phase1_shards / "hdf5" / name) as g:
+            assert set(f) == set(g) and all(np.array_equal(f[key][:], g[key][:]) for key in f)
