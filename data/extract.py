@@ -45,6 +45,10 @@ from data.parallel import bounded_map
 from data.stage import PipelineError
 
 PART_GLOB = "part-*.txt"
+# The version of the text this stage writes. Bump it whenever its output for the same dump changes
+# (another cleaning rule, part layout or chunk record): a finished extracted directory of another
+# version is then refused, and an unfinished one started afresh, instead of being reused.
+FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
@@ -378,7 +382,8 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
     _require_file(cfg.input)
     if cfg.chunk_bytes < 1:
         raise PipelineError(f"chunk_bytes must be >= 1, got {cfg.chunk_bytes}")
-    params = {"input": stage.file_identity(cfg.input), "articles_per_part": cfg.articles_per_part}
+    params = {stage.VERSION_KEY: FORMAT_VERSION, "input": stage.file_identity(cfg.input),
+              "articles_per_part": cfg.articles_per_part}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return ExtractResult(**done)
@@ -606,7 +611,9 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
                 first_article += known[index]
 
     with tqdm(desc="extract", total=offsets[-1] // bits, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
-        for index, result in enumerate(bounded_map(_clean_chunk_or_skip, tasks(), cfg.workers)):
+        # tasks() is a generator: bounded_map cannot count it, and with fork every worker starts.
+        workers = min(cfg.workers, len(bounds))
+        for index, result in enumerate(bounded_map(_clean_chunk_or_skip, tasks(), workers)):
             if isinstance(result, int):
                 writer.add(None, result)
             else:

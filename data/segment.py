@@ -17,6 +17,7 @@ from pathlib import Path
 import blingfire
 from tqdm import tqdm
 
+from data import extract as extract_stage
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
 from data.extract import list_parts
@@ -90,7 +91,7 @@ def segment(cfg: SegmentConfig) -> SegmentResult:
     sources = list_parts(cfg.input_dir)
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete extraction; run data.extract into it first")
-    params = {stage.VERSION_KEY: FORMAT_VERSION, "extracted": stage.fingerprint(cfg.input_dir),
+    params = {stage.VERSION_KEY: FORMAT_VERSION, "extracted": stage.fingerprint(cfg.input_dir, extract_stage.FORMAT_VERSION),
               "parts": len(sources)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:

@@ -173,6 +173,16 @@ def test_finished_output_of_another_version_of_its_stage_is_refused(phase1_shard
                                       "(output format 0; this code reads format 1)\n")
 
 
+def test_extracted_text_of_another_version_of_extraction_is_refused(phase1_shards, sample_dump, bert_vocab, tmp_path):
+    out = copy_run(phase1_shards, tmp_path / "out")
+    extracted = out / "text" / "extracted"
+    edit_record(extracted / COMPLETE_FILE, lambda r: r["params"].pop("format_version", None))
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(extracted))} holds output made with other settings:\n"
+                                            r"  made by another version of this stage .*\nUse another output "
+                                            rf"directory, or delete {re.escape(str(extracted))}, "):
+        prepare(settings(sample_dump, out, bert_vocab))
+
+
 def test_unfinished_output_of_another_version_of_its_stage_is_started_afresh(phase1_shards, sample_dump, bert_vocab,
                                                                              tmp_path, capsys):
     out = copy_run(phase1_shards, tmp_path / "out")
@@ -335,12 +345,14 @@ def test_an_output_directory_without_write_permission_is_a_one_line_error(sample
 # --- 7: no more worker processes than tasks ---------------------------------------------------------------------
 
 
-def test_no_more_workers_are_started_than_there_are_parts_or_shards(phase1_shards, bert_vocab, tmp_path):
-    """--workers 8 forked 8 processes for each stage of the sample's 3 parts (and 3 shards); the output is the same."""
+def test_no_more_workers_are_started_than_there_are_parts_or_shards(phase1_shards, bert_vocab, sample_dump, tmp_path):
+    """--workers 8 forked 8 processes for each stage of the sample's 3 parts (and 3 shards), and --workers 64 as
+    many for the extraction of its 7 chunks; the output is the same."""
     script = f"""
 import json, os, sys
 from pathlib import Path
 from data.create import CreateConfig, create
+from data.extract import ExtractConfig, extract
 from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, shard
 from data.tokens import TokenizeConfig, tokenize
@@ -357,11 +369,16 @@ for name, run in [
     forks.clear()
     run()
     counts[name] = len(forks)
+forks.clear()  # the extraction's chunks come from a generator, which bounded_map cannot count
+extract(ExtractConfig(Path({str(sample_dump)!r}), out / "extracted", 64, 40))
+counts["extract"] = len(forks)
+counts["chunks"] = len(json.loads((out / "extracted" / "_chunk_articles.json").read_text())["articles"])
 print(json.dumps(counts))
 """
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1]) == {"segment": 3, "tokens": 3, "create": 3, "shard": 3}
+    counts = json.loads(proc.stdout.splitlines()[-1])
+    assert counts == {"segment": 3, "tokens": 3, "create": 3, "shard": 3, "extract": 7, "chunks": 7}
     for name in ("training/wikicorpus_en_training_0.hdf5", "training/wikicorpus_en_training_1.hdf5",
                  "test/wikicorpus_en_test_0.hdf5"):
         with h5py.File(tmp_path / "hdf5" / name) as f, h5py.File(phase1_shards / "hdf5" / name) as g:
