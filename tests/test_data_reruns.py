@@ -333,13 +333,20 @@ def test_an_output_directory_that_cannot_be_one_is_a_one_line_error(sample_dump,
                                "created if missing)")
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root may write into any directory")
 def test_an_output_directory_without_write_permission_is_a_one_line_error(sample_dump, bert_vocab, tmp_path):
     locked = tmp_path / "locked"
-    locked.mkdir(mode=0o555)
-    with pytest.raises(SystemExit) as exc:
-        prepare_main(["--input", str(sample_dump), "--vocab_file", str(bert_vocab), "--output_dir", str(locked)])
-    assert error_line(exc) == f"error: --output_dir {locked} is not writable; pass a directory you can write to"
+    locked.mkdir()
+    # Root may write into a directory of any mode, but not into an immutable one (as CI runs).
+    lock, unlock = (["chattr", "+i", str(locked)], ["chattr", "-i", str(locked)]) if os.geteuid() == 0 else (
+        ["chmod", "555", str(locked)], ["chmod", "755", str(locked)])
+    subprocess.run(lock, check=True)
+    try:
+        with pytest.raises(SystemExit) as exc:
+            prepare_main(["--input", str(sample_dump), "--vocab_file", str(bert_vocab), "--output_dir", str(locked)])
+        assert error_line(exc) == f"error: --output_dir {locked} is not writable; pass a directory you can write to"
+        assert list(locked.iterdir()) == []
+    finally:
+        subprocess.run(unlock, check=True)
 
 
 # --- 7: no more worker processes than tasks ---------------------------------------------------------------------
