@@ -291,7 +291,8 @@ def _prepare_wikitext(wikitext: str) -> str:
     text = _INLINE.sub("", text)
     text = _EMPTY_ELEMENT.sub("", text)
     text = _empty_placeholders(text)
-    text = _SWITCH_CANDIDATE.sub(lambda m: "" if _is_switch(m[1]) else m[0], text)
+    if "__" in text:  # rare: the scan below tries every position
+        text = _SWITCH_CANDIDATE.sub(lambda m: "" if _is_switch(m[1]) else m[0], text)
     return "\n".join(_mark_line(line) for line in text.split("\n"))
 
 
