@@ -166,10 +166,10 @@ def test_an_unconfirmable_end_without_a_checksum_is_an_error(wiki_mirror, multis
 def test_md5sums_are_used_when_there_is_no_sha1sums_file(wiki_mirror, multistream_sample, tmp_path):
     mirror, site = wiki_mirror
     del site.files[f"/enwiki/{DATE}/enwiki-{DATE}-sha1sums.txt"]
-    site.files[f"/enwiki/{DATE}/enwiki-{DATE}-md5sums.txt"] = f"{'0' * 32}  {NAME}\n".encode()
+    site.files[_md5s_path()] = f"{'0' * 32}  {NAME}\n".encode()
     with pytest.raises(PipelineError, match="md5 checksum mismatch"):
         download(_cfg(mirror, tmp_path))
-    site.files[f"/enwiki/{DATE}/enwiki-{DATE}-md5sums.txt"] = (
+    site.files[_md5s_path()] = (
         f"{hashlib.md5(multistream_sample.read_bytes()).hexdigest()}  {NAME}\n".encode())
     assert download(_cfg(mirror, tmp_path)).read_bytes() == multistream_sample.read_bytes()
 
@@ -178,17 +178,16 @@ def test_a_good_download_removes_the_copies_kept_by_mismatches_of_either_checksu
                                                                                 tmp_path):
     mirror, site = wiki_mirror
     data = multistream_sample.read_bytes()
-    md5_path = f"/enwiki/{DATE}/enwiki-{DATE}-md5sums.txt"
     site.files[_sums_path()] = f"{'f' * 40}  {NAME}\n".encode()
     with pytest.raises(PipelineError, match="sha1 checksum mismatch"):
         download(_cfg(mirror, tmp_path))
     del site.files[_sums_path()]
-    site.files[md5_path] = f"{'0' * 32}  {NAME}\n".encode()
+    site.files[_md5s_path()] = f"{'0' * 32}  {NAME}\n".encode()
     with pytest.raises(PipelineError, match="md5 checksum mismatch"):
         download(_cfg(mirror, tmp_path))
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"{NAME}.md5-{hashlib.md5(data).hexdigest()}",
                                                           f"{NAME}.sha1-{hashlib.sha1(data).hexdigest()}"]
-    del site.files[md5_path]  # now nothing is published: the download is taken unverified
+    del site.files[_md5s_path()]  # now nothing is published: the download is taken unverified
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
     assert list(tmp_path.iterdir()) == [tmp_path / NAME]
 
@@ -202,6 +201,10 @@ def test_dump_url_pins_a_date_and_rejects_a_bad_one():
 
 def _sums_path() -> str:
     return f"/enwiki/{DATE}/enwiki-{DATE}-sha1sums.txt"
+
+
+def _md5s_path() -> str:
+    return f"/enwiki/{DATE}/enwiki-{DATE}-md5sums.txt"
 
 
 def _dump_path() -> str:
@@ -392,15 +395,14 @@ def test_a_checksum_list_that_omits_the_file_falls_back_to_the_other_list(wiki_m
                                                                           tmp_path):
     mirror, site = wiki_mirror
     data = multistream_sample.read_bytes()
-    md5s = f"/enwiki/{DATE}/enwiki-{DATE}-md5sums.txt"
     site.files[_sums_path()] = f"{'0' * 40}  enwiki-{DATE}-stub-articles.xml.gz\n".encode()
-    site.files[md5s] = f"{'0' * 32}  {NAME}\n".encode()
+    site.files[_md5s_path()] = f"{'0' * 32}  {NAME}\n".encode()
     with pytest.raises(PipelineError, match="md5 checksum mismatch"):
         download(_cfg(mirror, tmp_path))
-    del site.files[md5s]
+    del site.files[_md5s_path()]
     with pytest.raises(PipelineError, match=rf"{re.escape(mirror + _sums_path())} does not list {NAME}"):
         download(_cfg(mirror, tmp_path))
-    site.files[md5s] = f"{hashlib.md5(data).hexdigest()}  {NAME}\n".encode()
+    site.files[_md5s_path()] = f"{hashlib.md5(data).hexdigest()}  {NAME}\n".encode()
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
 
 
