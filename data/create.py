@@ -416,7 +416,7 @@ def check_tokens_vocab(tokens_dir: Path, vocab_file: Path) -> None:
     """Refuse a vocab other than the one the tokens were made with: its ids would name other tokens."""
     record = stage.finished_record(tokens_dir)
     made_with, given = record["params"].get("vocab_sha1"), stage.file_sha1(vocab_file)
-    if made_with is None or made_with == given:
+    if made_with == given:
         return
     path = record.get("inputs", {}).get("vocab_file")
     then = f"the vocab {path} (sha1 {made_with[:10]}...)" if path else f"a vocab of sha1 {made_with[:10]}..."

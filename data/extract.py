@@ -68,18 +68,17 @@ class ExtractResult:
     parts: int
     text_bytes: int
     seconds: float
-    # Every <page> of the dump, and those that are not articles. None in the record of an extraction
-    # made before they were counted.
-    pages: int | None = None
-    redirects: int | None = None
-    other_namespaces: int | None = None
-    empty: int | None = None  # articles that cleaning leaves without text
-    no_namespace: int | None = None  # pages without <ns> in a dump whose <siteinfo> lists no namespaces
+    # Every <page> of the dump, and those that are not articles.
+    pages: int
+    redirects: int
+    other_namespaces: int
+    empty: int  # articles that cleaning leaves without text
+    no_namespace: int  # pages without <ns> in a dump whose <siteinfo> lists no namespaces
 
     def line(self) -> str:
         """What the stage did, in one line."""
-        pages = "" if self.pages is None else f" of {self.pages} pages (not counted: {self.skipped_pages()})"
-        return f"{self.articles} articles{pages}, {self.parts} parts, {self.text_bytes / 1e6:.1f} MB of text"
+        return (f"{self.articles} articles of {self.pages} pages (not counted: {self.skipped_pages()}), "
+                f"{self.parts} parts, {self.text_bytes / 1e6:.1f} MB of text")
 
     def skipped_pages(self) -> str:
         unknown = (f", {_plural(self.no_namespace, 'page')} of unknown namespace (no <ns> element, and no "
@@ -88,7 +87,7 @@ class ExtractResult:
                 f"namespace{unknown}, {_plural(self.empty, 'article')} empty once cleaned")
 
 
-def _plural(count: int | None, noun: str) -> str:
+def _plural(count: int, noun: str) -> str:
     return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
@@ -593,8 +592,7 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
     bounds = multistream.chunk_bounds(offsets, chunk_bytes * bits)
     record_path = cfg.output_dir / CHUNK_RECORD
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
-    # A record without the skipped pages (an older version's) is not used: its chunks are read again.
-    usable = record.get("chunk_bytes") == chunk_bytes and "skipped" in record
+    usable = record.get("chunk_bytes") == chunk_bytes
     known: list[int] = record["articles"] if usable else []
     counts, skipped = list(known), list(record["skipped"] if usable else [])
     writer = _PartWriter(cfg.output_dir, cfg.articles_per_part)
@@ -627,8 +625,9 @@ def _extract_chunks(cfg: ExtractConfig, offsets: list[int], level: int | None) -
                 if index >= len(counts):
                     counts.append(len(result.docs))
                     skipped.append(result.skipped)
+                    # Rewritten after every chunk (thousands for a full dump), so compact.
                     stage.write_json_atomic(record_path, {"chunk_bytes": chunk_bytes, "articles": counts,
-                                                          "skipped": skipped})
+                                                          "skipped": skipped}, compact=True)
             first, end = bounds[index]
             bar.update(offsets[end] // bits - offsets[first] // bits)
     writer.close()
@@ -649,7 +648,12 @@ def _head_namespaces(path: Path, offsets: list[int], level: int | None) -> dict[
             if b"</siteinfo>" in head or b"<page>" in head:
                 break
     siteinfo = _SITEINFO.search(head.split(b"<page>", 1)[0])
-    return _site_namespaces(ET.fromstring(siteinfo[0])) if siteinfo else None
+    if not siteinfo:
+        return None
+    try:
+        return _site_namespaces(ET.fromstring(siteinfo[0]))
+    except ET.ParseError as exc:
+        raise PipelineError(f"{path} is not well-formed MediaWiki XML: its <siteinfo> does not parse ({exc})") from exc
 
 
 def _clean_chunk_or_skip(task: _Chunk | int) -> _ChunkText | int:

@@ -127,9 +127,8 @@ class PrepareResult:
             f"{self.instances['training']} training + {self.instances['test']} test "
             f"instances in {self.shards['training']} + {self.shards['test']} shards "
             f"({self.hdf5_bytes / 1e6:.1f} MB) under {self.output_dir / 'hdf5'}"]
-        if self.extracted.pages is not None:
-            lines.append(f"  of the dump's {self.extracted.pages} pages, not counted as articles: "
-                         f"{self.extracted.skipped_pages()}")
+        lines.append(f"  of the dump's {self.extracted.pages} pages, not counted as articles: "
+                     f"{self.extracted.skipped_pages()}")
         lines.append(f"  this run: {self.run_line()}")
         if self.unknown_warning:
             lines.append(self.unknown_warning)

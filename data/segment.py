@@ -66,21 +66,12 @@ def segment_text(text: str) -> tuple[str, int, int]:
     return "".join(out), documents, sentences
 
 
-def _read_text(path: Path, fix: str) -> tuple[str, int]:
-    """A part's text and its size in bytes; text that is not UTF-8 is named with `fix`."""
-    data = path.read_bytes()
-    try:
-        return data.decode("utf-8"), len(data)
-    except UnicodeDecodeError as exc:
-        raise PipelineError(f"{path} is not UTF-8 text ({exc}); it was damaged after it was written: {fix}") from exc
-
-
 def _segment_part(task: tuple[Path, Path]) -> tuple[int, int, int]:
     src, dst = task
     if dst.is_file():
-        text, _ = _read_text(dst, "delete it and rerun to segment its part again")
+        text, _ = stage.read_utf8(dst, "delete it and rerun to segment its part again")
         return text.count("\n\n"), text.count("\n") - text.count("\n\n"), src.stat().st_size
-    source, size = _read_text(src, f"delete {src.parent} and the directories made from it, and extract again")
+    source, size = stage.read_utf8(src, f"delete {src.parent} and the directories made from it, and extract again")
     text, documents, sentences = segment_text(source)
     with stage.atomic_path(dst) as tmp:
         tmp.write_text(text, encoding="utf-8")

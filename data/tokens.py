@@ -221,7 +221,8 @@ def _tokenize_part(task: tuple[Path, Path, Path, bool, int]) -> tuple[int, int, 
     if dst.is_file():
         part = load_part(dst)
     else:
-        part = tokenize_text(src.read_text(encoding="utf-8"), WordPieceTokenizer(vocab_file, lower_case))
+        text, _ = stage.read_utf8(src, f"delete {src.parent} and the directories made from it, and segment again")
+        part = tokenize_text(text, WordPieceTokenizer(vocab_file, lower_case))
         with stage.atomic_path(dst) as tmp, tmp.open("wb") as f:
             np.savez(f, ids=part.ids, sentence_lengths=part.sentence_lengths, doc_sentences=part.doc_sentences)
     unknown = int(np.count_nonzero(part.ids == unk_id))

@@ -202,9 +202,6 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
             tmp.mkdir()
             tokenizer.save_model(str(tmp))
         done = stage.finish(stage_dir, params, {"vocab_size": load_vocab(trained).size, "sha1": stage.file_sha1(trained)})
-    if "sha1" not in done or not trained.is_file():
-        raise PipelineError(f"{stage_dir} was written by an earlier version of data.vocab, which did not keep "
-                            f"the trained vocab there; delete {stage_dir} to train it again")
     if not target.is_file():
         with stage.atomic_path(target) as tmp:
             shutil.copyfile(trained, tmp)
@@ -214,11 +211,8 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
 
 
 def _count_characters(path: Path) -> collections.Counter[str]:
-    counts: collections.Counter[str] = collections.Counter()
-    with path.open(encoding="utf-8") as f:
-        while block := f.read(1 << 24):
-            counts.update(block)
-    return counts
+    text, _ = stage.read_utf8(path, f"delete {path.parent} and the directories made from it, and segment again")
+    return collections.Counter(text)
 
 
 def corpus_alphabet(files: list[Path], tokenizer: BertWordPieceTokenizer, limit: int, workers: int) -> list[str]:

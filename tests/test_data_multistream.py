@@ -292,6 +292,12 @@ def test_damaged_or_truncated_plain_xml_is_named(plain_sample, tmp_path):
     commented.write_bytes(b'<?xml version="1.0"?>\n<!-- <mediawiki> -->\n<feed>' + xml[xml.index(b"<siteinfo>"):])
     with pytest.raises(PipelineError, match="XML but not a MediaWiki dump: its root element is <feed>"):
         extract(ExtractConfig(commented, tmp_path / "c"))
+    # An entity XML does not define in <siteinfo>: the workers' reader named it with a ParseError traceback.
+    bad_site = tmp_path / "bad-siteinfo.xml"
+    bad_site.write_bytes(xml.replace(b"<sitename>", b"<sitename>&nbsp;", 1))
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(bad_site))} is not well-formed MediaWiki XML: its "
+                                            r"<siteinfo> does not parse \(undefined entity"):
+        extract(ExtractConfig(bad_site, tmp_path / "d", workers=2))
 
 
 

@@ -276,6 +276,28 @@ def test_a_finished_file_damaged_at_its_size_is_named_when_read(phase1_shards, t
                         rf"data\.\w+ wrote it: {re.escape(redo)}", error_line(exc))
 
 
+@pytest.mark.parametrize("stage_main", ["tokens", "vocab"])
+def test_sentences_damaged_at_their_size_are_named_by_the_stages_that_read_them(phase1_shards, bert_vocab, tmp_path,
+                                                                                stage_main):
+    """Text that is not UTF-8 any more: data.tokens and data.vocab ended in a UnicodeDecodeError traceback."""
+    import importlib
+
+    sentences = tmp_path / "sentences"
+    shutil.copytree(phase1_shards / "text" / "sentences", sentences)
+    part = sentences / "part-00001.txt"
+    data = bytearray(part.read_bytes())
+    data[100] = 0xFF
+    part.write_bytes(bytes(data))
+    main = importlib.import_module(f"data.{stage_main}").main
+    args = (["--input_dir", str(sentences), "--vocab_file", str(bert_vocab)] if stage_main == "tokens"
+            else ["--corpus_dir", str(sentences), "--vocab_size", "2000"])
+    with pytest.raises(SystemExit) as exc:
+        main([*args, "--output_dir", str(tmp_path / "out"), "--workers", "1"])
+    assert re.fullmatch(rf"error: {re.escape(str(part))} is not UTF-8 text \(.*0xff in position 100.*\); it was "
+                        rf"damaged after it was written: delete {re.escape(str(sentences))} and the directories made "
+                        "from it, and segment again", error_line(exc))
+
+
 # --- 5: a refusal names the setting that differs and every directory to delete -------------------------------
 
 
