@@ -78,7 +78,7 @@ class ExtractResult:
     def line(self) -> str:
         """What the stage did, in one line."""
         return (f"{self.articles} articles of {self.pages} pages (not counted: {self.skipped_pages()}), "
-                f"{self.parts} parts, {self.text_bytes / 1e6:.1f} MB of text")
+                f"{_plural(self.parts, 'part')}, {self.text_bytes / 1e6:.1f} MB of text")
 
     def skipped_pages(self) -> str:
         unknown = (f", {_plural(self.no_namespace, 'page')} of unknown namespace (no <ns> element, and no "
