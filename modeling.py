@@ -534,16 +534,13 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int) -> 
     `BertTokenizerFast(vocab_file=...)` silently ignores the file in transformers 5.x (every token
     becomes [UNK]). `model_max_length` (the model's positions) is what `truncation=True` cuts to."""
     from tokenizers import BertWordPieceTokenizer
-    from tokenizers.normalizers import BertNormalizer
     from transformers import BertTokenizerFast
+
+    from data.vocab import cased_tokens
 
     lines = vocab_file.read_text(encoding="utf-8").splitlines()
     words = [w for w in lines if w and not w.startswith("[")]
-    # BERT's uncased normalisation lower-cases and strips accents and combining marks, so an uncased
-    # vocab holds no token it would change. Text kept as it is (data.prepare --no_lower_case) gives
-    # tokens with capitals or, in a script without capitals, with marks.
-    uncased = BertNormalizer(clean_text=False, handle_chinese_chars=False, strip_accents=True, lowercase=True)
-    lower = all(uncased.normalize_str(w) == w for w in words)
+    lower = not cased_tokens(words)  # as data.prepare checks a given vocab's case
     wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
     tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
                                   sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",

@@ -412,13 +412,13 @@ def stage_params(cfg: CreateConfig) -> dict:
     return params
 
 
-def check_tokens_vocab(tokens_dir: Path, vocab_file: Path) -> None:
-    """Refuse a vocab other than the one the tokens were made with: its ids would name other tokens."""
-    record = stage.finished_record(tokens_dir)
-    made_with, given = record["params"].get("vocab_sha1"), stage.file_sha1(vocab_file)
+def check_tokens_vocab(tokens_dir: Path, vocab_file: Path, params: dict) -> None:
+    """Refuse a vocab other than the one the tokens were made with: its ids would name other tokens.
+    `params`: the stage's (`stage_params`), which hold both vocabs' sha1."""
+    made_with, given = params["tokens"]["params"]["vocab_sha1"], params["vocab_sha1"]
     if made_with == given:
         return
-    path = record.get("inputs", {}).get("vocab_file")
+    path = stage.finished_record(tokens_dir).get("inputs", {}).get("vocab_file")
     then = f"the vocab {path} (sha1 {made_with[:10]}...)" if path else f"a vocab of sha1 {made_with[:10]}..."
     raise PipelineError(
         f"{tokens_dir} was tokenized with {then}, not with --vocab_file {vocab_file} (sha1 {given[:10]}...), "
@@ -431,9 +431,9 @@ def create(cfg: CreateConfig) -> CreateResult:
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete tokenization; run data.tokens into it first")
     load_vocab(cfg.vocab_file)
-    check_tokens_vocab(cfg.input_dir, cfg.vocab_file)
-    sources = sorted(cfg.input_dir.glob("part-*.npz"))
     params = stage_params(cfg)
+    check_tokens_vocab(cfg.input_dir, cfg.vocab_file, params)
+    sources = sorted(cfg.input_dir.glob("part-*.npz"))
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return CreateResult(**done)

@@ -159,8 +159,9 @@ def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint:
         except (*_NETWORK_ERRORS, _RangeMismatch) as exc:
             if not _is_transient(exc):
                 raise
-            if progress() > most:
-                most, attempt = progress(), 0
+            now = progress()
+            if now > most:
+                most, attempt = now, 0
             if attempt >= cfg.retries:
                 raise PipelineError(
                     f"{url}: failed after {attempt + 1} attempts in a row without progress (last: "
@@ -292,6 +293,7 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end:
                              f"file holds {have} bytes") from exc
     with response:
         total = None  # the whole file's size, when the response states it
+        length = _content_length(response.headers)
         if response.status == 206:
             header = response.headers.get("Content-Range")
             first, total = _content_range(header)
@@ -302,11 +304,10 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end:
             return UNCONFIRMED  # it would send the whole file again, which says nothing of the end
         elif have:
             # The whole file (200): the server ignores Range, or If-Range found that the file changed.
-            change = _changed(recorded, _validators(response.headers, _content_length(response.headers)))
+            change = _changed(recorded, _validators(response.headers, length))
             if change:
                 bar.write(f"download: {url} changed on the server ({change}); downloading it again from byte 0")
             have = 0
-        length = _content_length(response.headers)
         end = None if length is None else have + length  # where this body ends
         if response.status == 200:
             total = end

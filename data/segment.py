@@ -20,7 +20,6 @@ from tqdm import tqdm
 from data import extract as extract_stage
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
-from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
 
@@ -79,7 +78,7 @@ def _segment_part(task: tuple[Path, Path]) -> tuple[int, int, int]:
 
 
 def segment(cfg: SegmentConfig) -> SegmentResult:
-    sources = list_parts(cfg.input_dir)
+    sources = extract_stage.list_parts(cfg.input_dir)
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete extraction; run data.extract into it first")
     params = {stage.VERSION_KEY: FORMAT_VERSION, "extracted": stage.fingerprint(cfg.input_dir, extract_stage.FORMAT_VERSION),

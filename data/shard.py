@@ -128,8 +128,8 @@ def check_shard_counts(num_shards: int, num_test_shards: int, test_fraction: flo
 def shard(cfg: ShardConfig) -> ShardResult:
     if not (cfg.instances_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.instances_dir} is not a complete data.create output; run data.create first")
-    instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION)
     created = stage.finished_record(cfg.instances_dir)
+    instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION, created)
     cp, summary = created["params"], created["summary"]
     check_shard_counts(cfg.num_shards, cfg.num_test_shards)
     counts = {"training": cfg.num_shards, "test": cfg.num_test_shards}

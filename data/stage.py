@@ -426,11 +426,12 @@ def file_sha1(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
-def fingerprint(stage_dir: Path, version: int | None = None) -> dict[str, Any]:
+def fingerprint(stage_dir: Path, version: int | None = None, record: dict[str, Any] | None = None) -> dict[str, Any]:
     """Identifies a complete upstream stage's output: the sha1 of its parameters and summary, with its
     parameters, so that a downstream stage refused for it can say which of them differ. With `version`
-    (the upstream stage's FORMAT_VERSION), output of another version of that stage is refused."""
-    record = finished_record(stage_dir)
+    (the upstream stage's FORMAT_VERSION), output of another version of that stage is refused. `record`:
+    its `finished_record`, when the caller has read it already."""
+    record = finished_record(stage_dir) if record is None else record
     made = record["params"].get(VERSION_KEY)
     if version is not None and made != version:
         made_by = f"format {made}" if made is not None else "from before format versions were recorded"

@@ -115,19 +115,24 @@ def _check_lines(path: Path, lines: list[str], tokens: list[str]) -> None:
         first[token] = number
 
 
+def cased_tokens(tokens: list[str]) -> list[str]:
+    """The tokens (special ones aside) that BERT's uncased normalisation would change: it lower-cases and
+    strips accents and combining marks, so an uncased vocab holds none, and a cased one holds capitals,
+    or marks in a script without capitals."""
+    uncased = BertNormalizer(clean_text=False, handle_chinese_chars=False, strip_accents=True, lowercase=True)
+    return [t for t in tokens if t not in SPECIAL_TOKENS and uncased.normalize_str(t) != t]
+
+
 def check_case(vocab: Vocab, lower_case: bool) -> None:
     """Refuse a vocab whose case contradicts the tokenization's (Google's validate_case_matches_checkpoint).
 
-    BERT's uncased normalisation lower-cases and strips accents and combining marks, so an uncased vocab
-    holds no token it would change, and a cased one does: capitals, or marks in a script without capitals
-    (the export infers the case the same way, `modeling.save_tokenizer`). Cased text against an uncased
-    vocab turns every capitalised or accented word into [UNK]; uncased text against a cased vocab can never
-    produce its cased tokens. A few stray cased tokens in a custom vocab pass. A vocab with neither (Han
-    alone, say) counts as uncased: lower-casing then changes nothing the vocab could tell apart.
+    Cased or uncased is decided by `cased_tokens`, as the export decides it (`modeling.save_tokenizer`).
+    Cased text against an uncased vocab turns every capitalised or accented word into [UNK]; uncased text
+    against a cased vocab can never produce its cased tokens. A few stray cased tokens in a custom vocab
+    pass. A vocab with neither (Han alone, say) counts as uncased: lower-casing then changes nothing the
+    vocab could tell apart.
     """
-    uncased = BertNormalizer(clean_text=False, handle_chinese_chars=False, strip_accents=True, lowercase=True)
-    words = [t for t in vocab.tokens if t not in SPECIAL_TOKENS]
-    cased = [t for t in words if uncased.normalize_str(t) != t]
+    cased = cased_tokens(vocab.tokens)
     if not lower_case and not cased:
         raise PipelineError(
             f"{vocab.path} is an uncased vocab (no token has a capital letter, an accent or a combining mark), but "
