@@ -277,6 +277,12 @@ def run_identity(args: argparse.Namespace, train_set, sizes: BatchSizes, config:
 
 
 def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path) -> None:
+    if set(saved) != set(now):
+        # Not damage (its files passed their checks): the code that wrote it recorded other things.
+        raise RunConfigError(f"{tag_dir} was saved by another version of run_pretraining.py, which recorded "
+                             f"{', '.join(sorted(saved))} for a resume to check, where this one checks "
+                             f"{', '.join(sorted(now))}. Resume the run with the version that wrote it, or start a "
+                             "new phase from its weights in another --output_dir with --phase2 --init_checkpoint")
     if saved["train_batch_size"] != now["train_batch_size"]:
         raise RunConfigError(
             f"{tag_dir} was trained with a global batch (train_batch_size) of {saved['train_batch_size']} sequences; "
@@ -288,14 +294,13 @@ def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path
             raise RunConfigError(f"{tag_dir} was trained with --{flag} {saved[flag]}; resuming with --{flag} "
                                  f"{now[flag]} would not continue that run. Pass --{flag} {saved[flag]}, or use a "
                                  "new --output_dir (--phase2 --init_checkpoint starts from this run's weights)")
-    # Checkpoints saved before the model config and precision were recorded lack them.
     new_phase = "or start a new phase in another --output_dir with --phase2 --init_checkpoint"
-    if "bf16" in saved and saved["bf16"] != now["bf16"]:
+    if saved["bf16"] != now["bf16"]:
         then, this = ("bf16", "fp32") if saved["bf16"] else ("fp32", "bf16")
         raise RunConfigError(f"{tag_dir} was trained in {then}; this DeepSpeed JSON trains in {this}, whose optimizer "
                              f"partitions are laid out otherwise. Resume with a {then} DeepSpeed JSON (bf16.enabled "
                              f"{str(saved['bf16']).lower()}), {new_phase}")
-    if "model" in saved and saved["model"] != now["model"]:
+    if saved["model"] != now["model"]:
         differ = config_differences(saved["model"], now["model"], sorted(set(saved["model"]) | set(now["model"])))
         raise RunConfigError(f"{tag_dir} was trained with another model config ({'; '.join(differ)}). Resume with "
                              f"the run's config ({tag_dir.parent.parent / 'model_config.json'}), {new_phase}")

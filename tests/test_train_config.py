@@ -173,6 +173,17 @@ def test_resume_refuses_another_optimizer_weight_decay_data_model_or_precision(n
         check_resume_identity(Path("out/checkpoints/step00000008"), _identity(), now, Path("in"))
 
 
+def test_resume_refuses_a_checkpoint_that_recorded_other_checks():
+    # Saved before the model config and precision were recorded: resuming it would check neither.
+    old = {k: v for k, v in _identity(bf16=False, hidden_act="relu").items() if k not in ("model", "bf16")}
+    with pytest.raises(RunConfigError, match=r"step00000008 was saved by another version of run_pretraining.py, which "
+                                             r"recorded optimizer, train_batch_size, training_shards, weight_decay for "
+                                             r"a resume to check, where this one checks bf16, model, optimizer, "
+                                             r"train_batch_size, training_shards, weight_decay. Resume the run with the "
+                                             r"version that wrote it, or start a new phase"):
+        check_resume_identity(Path("out/checkpoints/step00000008"), old, _identity(), Path("in"))
+
+
 def test_deepspeed_flag_is_required(capsys):
     with pytest.raises(SystemExit):
         parse_args(REQUIRED[1:])
