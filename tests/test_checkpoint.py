@@ -218,6 +218,16 @@ def test_recover_leaves_what_the_user_rewound_past(tmp_path, monkeypatch):
     assert complete_tags(tmp_path) == ["step00000010", "step00000020", "step00000030"]
 
 
+def test_recover_does_not_commit_a_tag_whose_files_do_not_check_out(tmp_path, monkeypatch):
+    _save(tmp_path, 10)
+    _killed_before_latest(tmp_path, 20, monkeypatch)
+    (tmp_path / "step00000020" / "mp_rank_00_model_states.pt").write_bytes(b"m" * 7)  # damaged after the manifest
+    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt has 7 bytes but was saved with 120"):
+        recover(tmp_path, keep=2)
+    assert read_latest(tmp_path) == "step00000010"
+    assert (tmp_path / "step00000020" / COMMIT_PENDING).exists()
+
+
 def test_recover_finishes_a_commit_killed_after_latest(tmp_path):
     for step in (10, 20, 30):
         _save(tmp_path, step, keep=3)
@@ -287,6 +297,9 @@ def test_garbled_run_state_is_a_loud_error(tmp_path):
     with pytest.raises(CheckpointError, match=r"run_state.json was written by another version of run_pretraining.py "
                                               r"\(fields missing: identity; unknown: format\); resume the run with "
                                               "the version that wrote it"):
+        find_resume(tmp_path)
+    state_file.write_text(json.dumps(saved | {"identity": {}, "format": 3}))  # a field of a newer version only
+    with pytest.raises(CheckpointError, match=r"\(fields missing: none; unknown: format\)"):
         find_resume(tmp_path)
     del saved["skipped_steps"]  # absent before it was counted: still readable
     state_file.write_text(json.dumps(saved | {"identity": {}}))
@@ -361,6 +374,42 @@ def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_p
     assert read_latest(tmp_path) == "step00000010"
 
 
+def _record_fsyncs(monkeypatch) -> list[tuple[str, str]]:
+    """Record ("fsync", path) for every os.fsync and ("replace", destination) for every os.replace, in order."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events
+
+
+def test_saved_files_reach_the_disk_before_latest_names_them(tmp_path, monkeypatch):
+    """A power cut after `latest` names a tag must find the tag's files and manifest on disk: every file is
+    fsynced when it is described, run_state.json and `latest` before their rename, their directory after it."""
+    tag_dir = _fake_deepspeed_tag(tmp_path, 10)
+    names = sorted(p.name for p in tag_dir.iterdir())
+    events = _record_fsyncs(monkeypatch)
+    files = describe_files(tag_dir, names)
+    assert events == [("fsync", str(tag_dir / name)) for name in names]
+    events.clear()
+    commit(tmp_path, tag_for(10), _state(10), 2, files)
+    # a temporary file (.<name>.<pid>.<12 hex>.tmp) stands for the file it becomes
+    written = [(kind, re.sub(r"/\.([^/]+)\.\d+\.[0-9a-f]{12}\.tmp$", r"/\1 (temporary)", path))
+               for kind, path in events]
+    run_state, latest = str(tag_dir / RUN_STATE), str(tmp_path / LATEST)
+    assert written == [("fsync", f"{run_state} (temporary)"), ("replace", run_state), ("fsync", str(tag_dir)),
+                       ("fsync", f"{latest} (temporary)"), ("replace", latest), ("fsync", str(tmp_path))]
+
+
 def test_small_files_are_replaced_whole_and_get_the_users_umask(tmp_path):
     from training.atomic import atomic_write_text
 
@@ -410,6 +459,18 @@ def test_init_weights_from_a_hugging_face_directory(tmp_path):
     (tmp_path / "hf" / "model.safetensors").write_bytes(b"not weights")
     with pytest.raises(CheckpointError, match="cannot load it as a Hugging Face BERT"):
         weights.load_initial_weights(model, tmp_path / "hf")
+
+
+def test_export_checks_every_files_crc_not_only_its_size(tmp_path):
+    from scripts.export_hf import ExportError, check_complete, locate
+
+    _save(tmp_path / "checkpoints", 10)
+    check_complete(locate(tmp_path))
+    path = tmp_path / "checkpoints" / "step00000010" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path.write_bytes(b"o" * 20 + b"x" + b"o" * 29)  # same size
+    with pytest.raises(ExportError, match=rf"{path}: CRC-32 differs from the one saved: the checkpoint is corrupt.*"
+                                          "or export another tag with --tag"):
+        check_complete(locate(tmp_path))
 
 
 def test_a_load_that_fails_after_the_checksums_passed_is_not_called_corrupt(tmp_path):

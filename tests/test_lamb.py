@@ -278,7 +278,22 @@ def test_rejects_bad_hyperparameters():
         Lamb(params, betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="eps"):
         Lans(params, eps=0.0)
+    with pytest.raises(ValueError, match=r"lr must be >= 0, got -0.001"):
+        Lamb(params, lr=-1e-3)
+    with pytest.raises(ValueError, match=r"weight_decay must be >= 0, got -0.01"):
+        Lans(params, weight_decay=-0.01)
     assert math.isclose(Lamb(params).defaults["eps"], 1e-6)
+
+
+@pytest.mark.parametrize("cls", [Lamb, Lans])
+def test_sparse_gradients_are_refused(cls):
+    embedding = nn.Embedding(10, 4, sparse=True)
+    opt = cls(build_param_groups(embedding, 0.01), lr=1e-2)
+    before = embedding.weight.detach().clone()
+    embedding(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match=f"{cls.__name__} does not support sparse gradients"):
+        opt.step()
+    assert torch.equal(embedding.weight.detach(), before)
 
 
 # ------------------------------------------------------------------ 2 ranks under DeepSpeed

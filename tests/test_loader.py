@@ -89,6 +89,10 @@ def test_every_epoch_visits_every_row_once_in_a_seeded_order(phase1_shards):
     assert [again.locate(p) for p in range(0, 2 * n, 7)] == [ds.locate(p) for p in range(0, 2 * n, 7)]
     other_seed = training_set(phase1_shards, seed=2)
     assert [other_seed.locate(p) for p in range(50)] != epoch0[:50]
+    # the shards are shuffled anew each epoch too, not only the rows within them
+    first_shards = [ds.locate(epoch * n)[0] for epoch in range(8)]
+    assert first_shards == [int(np.random.default_rng([1, epoch]).permutation(2)[0]) for epoch in range(8)]
+    assert set(first_shards) == {0, 1}
 
 
 def test_static_masks_come_from_the_file(phase1_shards):
@@ -256,6 +260,42 @@ def test_vocab_size_mismatch_is_caught_in_reference_shards_without_attributes(ph
     with pytest.raises(DataConfigError, match=r"ref_training_0\.hdf5: row \d+ holds token id \d+, outside"):
         for position in range(50):
             ds[position]
+    # the boundary: an id equal to vocab_size is outside the embedding table already
+    with h5py.File(tmp_path / "ref_training_0.hdf5", "r") as f:
+        ids = f["input_ids"][()]
+    largest = int(ids.max())
+    row = int(np.nonzero((ids == largest).any(axis=1))[0][0])
+    ds = training_set(tmp_path, vocab_size=largest)
+    position = next(p for p in range(len(ds)) if ds.locate(p)[1] == row)
+    with pytest.raises(DataConfigError, match=rf"row {row} holds token id {largest}, outside the model's vocab_size "
+                                              rf"{largest}"):
+        ds[position]
+    assert training_set(tmp_path, vocab_size=largest + 1)[position]["input_ids"].max() == largest
+
+
+def test_static_and_dynamic_shards_are_not_mixed(phase1_shards, dynamic_shards, tmp_path):
+    (tmp_path / "training").mkdir()
+    (tmp_path / "training" / "a_training_0.hdf5").write_bytes(find_shards(phase1_shards, "training")[0].read_bytes())
+    (tmp_path / "training" / "b_training_0.hdf5").write_bytes(find_shards(dynamic_shards, "training")[0].read_bytes())
+    (tmp_path / "vocab.txt").write_bytes((dynamic_shards / "vocab.txt").read_bytes())
+    with pytest.raises(DataConfigError, match="the input mixes shards with static masks and shards without; "
+                                              "use one kind per --input_dir"):
+        training_set(tmp_path)
+
+
+def test_open_files_are_not_reused_across_a_fork(phase1_shards, monkeypatch):
+    """A DataLoader worker forked after the main process read a sample opens its own HDF5 handles."""
+    import training.loader
+
+    ds = training_set(phase1_shards)
+    before = ds[0]
+    parents = dict(ds._files)
+    assert parents
+    monkeypatch.setattr(training.loader.os, "getpid", lambda: -7)  # as in a forked worker
+    after = ds[0]
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+    assert list(ds._files) == list(parents) and all(ds._files[k] is not parents[k] for k in parents)
+    assert all(handle.id.valid for handle in parents.values())  # the parent's handles are left to the parent
 
 
 def test_missing_dataset_and_non_integer_dtype_are_clear(tmp_path):

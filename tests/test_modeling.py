@@ -117,6 +117,10 @@ def test_save_hf_load_hf_round_trip(tmp_path, pre_layer_norm):
     # ...and load_hf gives back a model with identical outputs.
     loaded = modeling.load_hf(tmp_path / "hf").eval()
     assert loaded.config == config
+    # the padded vocab rows (not exported) come back as zeros, not as a fresh model's random rows
+    assert loaded.bert.embeddings.word_embeddings.weight.shape[0] == 1008
+    assert not loaded.bert.embeddings.word_embeddings.weight[1001:].any()
+    assert not loaded.cls.predictions.bias[1001:].any()
     with torch.no_grad():
         a, b = model(*batch), loaded(*batch)
     assert torch.equal(a.mlm_logits, b.mlm_logits)

@@ -23,6 +23,16 @@ def test_gaudi_1p5b_shape_warmup_constant_linear_decay():
     assert all(a > b for a, b in zip(lrs, lrs[1:]))
 
 
+def test_warmup_steps_round_to_the_nearest_step():
+    # NVIDIA's phase 1: 7,038 steps with warm-up 0.2843 is 2,000.9 steps: 2,001, not 2,000
+    cfg = ScheduleConfig(base_lr=6e-3, total_steps=7038, warmup_proportion=0.2843)
+    assert cfg.warmup_steps == 2001
+    assert lr_at(cfg, 0) == pytest.approx(6e-3 / 2001)
+    assert lr_at(cfg, 2000) == 6e-3
+    assert ScheduleConfig(base_lr=1.0, total_steps=16, warmup_proportion=0.1).warmup_steps == 2  # 1.6
+    assert ScheduleConfig(base_lr=1.0, total_steps=10, constant_proportion=0.36).constant_end == 4  # 3.6
+
+
 def test_polynomial_power_and_no_constant_phase():
     cfg = ScheduleConfig(base_lr=2.0, total_steps=100, warmup_proportion=0.0, constant_proportion=0.0, power=0.5)
     assert cfg.warmup_steps == 0 and cfg.constant_end == 0

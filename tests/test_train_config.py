@@ -119,6 +119,13 @@ def test_flags_parse_with_reference_names():
     assert args.constant_proportion == 0.3 and args.poly_power == 1.0 and args.optimizer == "lamb"
 
 
+@pytest.mark.parametrize("flag", ["--max_steps", "--num_steps_per_checkpoint", "--keep_checkpoints", "--log_freq",
+                                  "--max_nonfinite_steps", "--max_seq_length", "--max_predictions_per_seq"])
+def test_counts_below_one_are_refused(flag):
+    with pytest.raises(RunConfigError, match=f"^{flag} must be >= 1, got 0$"):
+        parse_args(REQUIRED + [flag, "0"])  # a flag given twice: argparse takes the last value
+
+
 @pytest.mark.parametrize("extra, message", [
     (["--phase2"], "--phase2 and --init_checkpoint go together"),
     (["--init_checkpoint", "x"], "--phase2 and --init_checkpoint go together"),
@@ -171,6 +178,35 @@ def test_resume_refuses_another_optimizer_weight_decay_data_model_or_precision(n
     check_resume_identity(Path("out/checkpoints/step00000008"), _identity(), _identity(), Path("in"))
     with pytest.raises(RunConfigError, match=message):
         check_resume_identity(Path("out/checkpoints/step00000008"), _identity(), now, Path("in"))
+
+
+def test_run_identity_records_what_a_resume_checks(tmp_path):
+    """The shards by their path under --input_dir (a moved --input_dir resumes), and the model config
+    without initializer_range (the weights are loaded, not initialised)."""
+    from types import SimpleNamespace
+
+    from modeling import BertConfig
+    from run_pretraining import run_identity
+    from training.loader import ShardInfo
+
+    config = BertConfig.from_dict(TINY_MODEL)
+    train_set = SimpleNamespace(shards=[
+        ShardInfo(str(tmp_path / "in" / "training" / "w_training_0.hdf5"), 40, True),
+        ShardInfo(str(tmp_path / "in" / "w_training_1.hdf5"), 9, True)])
+    args = parse_args(REQUIRED + ["--input_dir", str(tmp_path / "in"), "--optimizer", "lans", "--weight_decay", "0.02"])
+    identity = run_identity(args, train_set, BatchSizes(64, 4, 8), config, bf16=False)
+    assert identity == {"optimizer": "lans", "weight_decay": 0.02, "train_batch_size": 64,
+                        "training_shards": [["training/w_training_0.hdf5", 40], ["w_training_1.hdf5", 9]],
+                        "model": {k: v for k, v in config.to_dict().items() if k != "initializer_range"},
+                        "bf16": False}
+    assert "hidden_size" in identity["model"] and "initializer_range" not in identity["model"]
+    # the same run from a copy of the shards elsewhere, with another initializer_range: resumes
+    moved = SimpleNamespace(shards=[ShardInfo(s.path.replace(str(tmp_path / "in"), str(tmp_path / "moved")),
+                                              s.num_samples, True) for s in train_set.shards])
+    args.input_dir = tmp_path / "moved"
+    again = run_identity(args, moved, BatchSizes(64, 8, 4), BertConfig.from_dict(TINY_MODEL | {"initializer_range": 0.05}),
+                         bf16=False)
+    check_resume_identity(Path("out/checkpoints/step00000008"), identity, again, args.input_dir)
 
 
 def test_resume_refuses_a_checkpoint_that_recorded_other_checks():

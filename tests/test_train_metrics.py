@@ -88,6 +88,16 @@ def tensorboard_scalars(tb_dir) -> dict[str, list[tuple[int, float]]]:
     return scalars
 
 
+def test_eta_extrapolates_this_runs_pace_to_the_steps_left(tmp_path, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    writer = MetricsWriter(tmp_path, total_steps=100, start_step=40, enabled=True)  # resumed at step 40
+    clock[0] += 50.0  # 10 steps in 50 s: 5 s per step, 50 steps left
+    line = writer.progress_line({"step": 50, "loss": 1.0}, "train")
+    writer.close()
+    assert line == "train step 50/100 | loss 1.0000 | ETA 0:04:10"
+
+
 def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     writer = MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=True)
     for step in range(1, 8):
@@ -95,13 +105,16 @@ def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     writer.log({"step": 5, "loss": 6.0}, prefix="eval")
     writer.close()
     with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write("a line that is no record\n")  # kept where it is
         f.write('{"step": 8, "lo')  # killed mid-write
     # killed after step 7; the checkpoint was at step 4: steps 5-7 are trained again
     writer = MetricsWriter(tmp_path, total_steps=10, start_step=4, enabled=True)
     for step in range(5, 11):
         writer.log({"step": step, "loss": 20.0 - step})
     writer.close()
-    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert lines[4] == "a line that is no record"  # after the kept records of steps 1-4
+    steps = [json.loads(x)["step"] for x in lines[:4] + lines[5:]]
     assert steps == list(range(1, 11))
     assert (tmp_path / "eval.jsonl").read_text() == ""
     # what was dropped is kept aside (a rewound run's records are not lost); the cut-short line is not
@@ -156,3 +169,56 @@ def test_other_ranks_write_nothing(tmp_path):
 
 def test_duration_format_beyond_a_day():
     assert format_duration(3 * 86400 + 3661) == "73:01:01"
+
+
+def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards, tmp_path, monkeypatch):
+    """run_pretraining in this process (1 rank, fp32, 2 micro batches of 2 per step): the throughput window
+    gets the step's whole global batch, and the logged rates follow from its sequences per second."""
+    import signal
+
+    import torch.distributed as dist
+
+    import run_pretraining
+    from modeling import BertConfig
+    from tests.conftest import free_port
+    from training.planner import training_flops_per_sequence
+
+    counted: list[int] = []
+
+    class Counting(Throughput):
+        def update(self, sequences: int) -> None:
+            counted.append(sequences)
+            super().update(sequences)
+
+        def take(self) -> float | None:
+            return None if super().take() is None else 100.0  # a fixed rate: the derived figures are exact
+
+    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port())}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(run_pretraining, "Throughput", Counting)
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
+                              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
+                              "steps_per_print": 10**6}))
+    model = run_pretraining.ROOT / "configs" / "models" / "bert-tiny.json"
+    out = tmp_path / "run"
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}  # the run sets its own
+    try:
+        args = run_pretraining.parse_args([
+            "--deepspeed", "--deepspeed_config", str(ds), "--input_dir", str(phase1_shards), "--output_dir", str(out),
+            "--config_file", str(model), "--max_steps", "4", "--log_freq", "1", "--num_workers", "0",
+            "--num_eval_samples", "0", "--optimizer", "adamw", "--learning_rate", "1e-4"])
+        run_pretraining.train(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    assert counted == [4, 4, 4, 4]  # 2 micro batches x 2 sequences x 1 rank per step
+    records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert [records[s]["seq_per_s"] for s in (1, 2, 3, 4)] == [None, None, 100.0, 100.0]  # warm-up: 2 steps
+    flops = training_flops_per_sequence(BertConfig.from_json_file(model), 128, 20)
+    assert records[3]["tokens_per_s"] == 100.0 * 128
+    assert records[3]["tflops_per_device"] == flops * 100.0 / 1 / 1e12
+    assert [records[s]["consumed_samples"] for s in (1, 2, 3, 4)] == [4, 8, 12, 16]

@@ -24,6 +24,7 @@ from conftest import ROOT, free_port
 
 from modeling import BertConfig, BertForPreTraining
 from training.checkpoint import read_latest
+from training.planner import training_flops_per_sequence
 
 TINY = json.loads((ROOT / "configs" / "models" / "bert-tiny.json").read_text())
 
@@ -131,6 +132,9 @@ def test_bf16_zero1_two_ranks_trains(bf16_run):
         assert key in recs[16]
     assert recs[16]["consumed_samples"] == 16 * 16
     assert recs[16]["tokens_per_s"] == pytest.approx(recs[16]["seq_per_s"] * 128)
+    # the model FLOPs of the run's sequences per second, shared by its 2 devices
+    flops = training_flops_per_sequence(BertConfig.from_json_file(bf16_run / "model_config.json"), 128, 20)
+    assert recs[16]["tflops_per_device"] == pytest.approx(flops * recs[16]["seq_per_s"] / 2 / 1e12, rel=1e-12)
     assert recs[16]["mfu"] is None  # no known peak for a CPU
     assert recs[1]["lr"] == pytest.approx(2e-2 * 1 / 2)  # warm-up: 10% of 16 steps = 2 steps
     evals = records(bf16_run, "eval.jsonl")
@@ -454,6 +458,20 @@ def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shard
     result = run(1, with_flag(args(phase1_shards, out), "--deepspeed_config", str(bf16)))
     assert result.returncode == 1 and "step00000012 was trained in fp32; this DeepSpeed JSON trains in bf16" in result.stderr
     assert json.loads((out / "model_config.json").read_text())["hidden_act"] == "gelu"  # not overwritten
+    # Another --seed would change the data order, masks and dropout of the rest of the run.
+    result = run(1, args(phase1_shards, out) + ["--seed", "7"])
+    assert result.returncode == 1
+    assert "step00000012 was trained with --seed 12439; resuming with --seed 7 would change the data order. " \
+           "Pass --seed 12439" in result.stderr
+    # A run state whose step disagrees with the checkpoint's lr schedule is inconsistent, not resumed from.
+    edited = tmp_path / "inconsistent"
+    shutil.copytree(reference, edited)
+    run_state = edited / "checkpoints" / "step00000012" / "run_state.json"
+    run_state.write_text(json.dumps(json.loads(run_state.read_text()) | {"step": 11}))
+    result = run(1, args(phase1_shards, edited))
+    assert result.returncode == 1
+    assert "step00000012: lr schedule is at step 12 but the run state says 11; the checkpoint is inconsistent" \
+        in result.stderr
     # A longer schedule is refused by the schedule, not reported as a corrupt checkpoint.
     result = run(1, with_flag(args(phase1_shards, out), "--max_steps", "16"))
     assert result.returncode == 1 and "corrupt" not in result.stderr
