@@ -171,50 +171,51 @@ def test_duration_format_beyond_a_day():
     assert format_duration(3 * 86400 + 3661) == "73:01:01"
 
 
-def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards, tmp_path, monkeypatch):
-    """run_pretraining in this process (1 rank, fp32, 2 micro batches of 2 per step): the throughput window
-    gets the step's whole global batch, and the logged rates follow from its sequences per second."""
-    import signal
+# run_pretraining.train on 1 rank with a Throughput that records what it is fed and reports a fixed rate,
+# in a child process: DeepSpeed keeps its process group in module globals, which the test process must not hold.
+COUNTED_RUN = """
+import json, sys
+import run_pretraining
+from training.metrics import Throughput
+counted = []
+class Counting(Throughput):
+    def update(self, sequences):
+        counted.append(sequences)
+        super().update(sequences)
+    def take(self):
+        return None if super().take() is None else 100.0  # a fixed rate: the derived figures are exact
+run_pretraining.Throughput = Counting
+run_pretraining.train(run_pretraining.parse_args(sys.argv[1:]))
+print("COUNTED", json.dumps(counted))
+"""
 
-    import torch.distributed as dist
 
-    import run_pretraining
+def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards, tmp_path):
+    """1 rank, fp32, 2 micro batches of 2 per step: the throughput window gets the step's whole global batch,
+    and the logged rates follow from its sequences per second."""
+    import os
+    import subprocess
+    import sys
+
     from modeling import BertConfig
-    from tests.conftest import free_port
+    from tests.conftest import ROOT, free_port
     from training.planner import training_flops_per_sequence
 
-    counted: list[int] = []
-
-    class Counting(Throughput):
-        def update(self, sequences: int) -> None:
-            counted.append(sequences)
-            super().update(sequences)
-
-        def take(self) -> float | None:
-            return None if super().take() is None else 100.0  # a fixed rate: the derived figures are exact
-
-    for name, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_port())}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.setattr(run_pretraining, "Throughput", Counting)
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2,
                               "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True,
                               "steps_per_print": 10**6}))
-    model = run_pretraining.ROOT / "configs" / "models" / "bert-tiny.json"
+    model = ROOT / "configs" / "models" / "bert-tiny.json"
     out = tmp_path / "run"
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}  # the run sets its own
-    try:
-        args = run_pretraining.parse_args([
-            "--deepspeed", "--deepspeed_config", str(ds), "--input_dir", str(phase1_shards), "--output_dir", str(out),
-            "--config_file", str(model), "--max_steps", "4", "--log_freq", "1", "--num_workers", "0",
-            "--num_eval_samples", "0", "--optimizer", "adamw", "--learning_rate", "1e-4"])
-        run_pretraining.train(args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        for sig, handler in handlers.items():
-            signal.signal(sig, handler)
+    env = os.environ | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                        "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNTED_RUN, "--deepspeed", "--deepspeed_config", str(ds), "--input_dir",
+         str(phase1_shards), "--output_dir", str(out), "--config_file", str(model), "--max_steps", "4",
+         "--log_freq", "1", "--num_workers", "0", "--num_eval_samples", "0", "--optimizer", "adamw",
+         "--learning_rate", "1e-4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counted = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("COUNTED ")).split(" ", 1)[1])
     assert counted == [4, 4, 4, 4]  # 2 micro batches x 2 sequences x 1 rank per step
     records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     assert [records[s]["seq_per_s"] for s in (1, 2, 3, 4)] == [None, None, 100.0, 100.0]  # warm-up: 2 steps
