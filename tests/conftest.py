@@ -91,12 +91,16 @@ class MirrorSite:
     no_length: bool = False  # send no Content-Length: a body ends when the connection closes (HTTP/1.0)
     ignore_range: bool = False  # answer every request with 200 and the whole file
     validators: bool = False  # send ETag (the body's sha1) and Last-Modified, and honour If-Range
+    weak_etag: bool = False  # the ETag is weak (W/"..."), which If-Range may not use: it never matches there
     honour_if_range: bool = True
     cap: int = 0  # answer every request for a .bz2 file, ranged or not, with a 206 of at most this many bytes
     bad_length: bool = False  # send "Content-Length: abc" (and end the body by closing the connection)
     bare_416: bool = False  # a 416 without Content-Range (which RFC 9110 only recommends)
     requests: list[tuple[str, str | None]] = field(default_factory=list)
     if_ranges: list[str | None] = field(default_factory=list)  # the If-Range header of each request
+
+
+LAST_MODIFIED = "Sun, 01 Dec 2024 00:00:00 GMT"  # what the mirror sends with validators, whatever the file
 
 
 def _mirror_handler(site: MirrorSite):
@@ -113,8 +117,11 @@ def _mirror_handler(site: MirrorSite):
             if body is None:
                 self.send_error(404)
                 return
-            etag = f'"{hashlib.sha1(body).hexdigest()}"'
-            if rng and site.validators and site.honour_if_range and self.headers.get("If-Range") not in (None, etag):
+            etag = f'{"W/" if site.weak_etag else ""}"{hashlib.sha1(body).hexdigest()}"'
+            if_range = self.headers.get("If-Range")
+            # If-Range holds for the strong ETag of this body, or its Last-Modified date (RFC 9110 13.1.5)
+            current = if_range is None or if_range == LAST_MODIFIED or (if_range == etag and not site.weak_etag)
+            if rng and site.validators and site.honour_if_range and not current:
                 rng = None  # the file changed since the client's bytes: it gets the whole file
             if site.statuses.get(path):
                 self.send_response(site.statuses[path].pop(0))
@@ -140,7 +147,7 @@ def _mirror_handler(site: MirrorSite):
                 self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(body)}")
             if site.validators:
                 self.send_header("ETag", etag)
-                self.send_header("Last-Modified", "Sun, 01 Dec 2024 00:00:00 GMT")
+                self.send_header("Last-Modified", LAST_MODIFIED)
             if site.bad_length:
                 self.send_header("Content-Length", "abc")
                 self.close_connection = True

@@ -188,6 +188,19 @@ def test_whole_word_choice_equals_the_reference_greedy_loop(phase1_shards):
     assert (ours.sum(1) == n_pred).mean() > 0.8
 
 
+def test_masking_vocab_of_the_bert_vocab(bert_vocab):
+    """A random replacement is any token but the five special ones; "##" pieces join the word before them."""
+    vocab = MaskingVocab.from_file(bert_vocab)
+    assert (vocab.cls, vocab.sep, vocab.mask, vocab.size) == (101, 102, 103, 30522)
+    # [PAD] 0, [UNK] 100, [CLS] 101, [SEP] 102, [MASK] 103 are never drawn
+    assert vocab.replacements.dtype == np.int32
+    assert np.array_equal(vocab.replacements, np.setdiff1d(np.arange(30522), [0, 100, 101, 102, 103]))
+    tokens = bert_vocab.read_text(encoding="utf-8").splitlines()
+    pieces = np.flatnonzero(vocab.is_continuation)
+    assert len(pieces) == 5828 and all(tokens[i].startswith("##") and len(tokens[i]) > 2 for i in pieces)
+    assert not vocab.is_continuation[tokens.index("#")]
+
+
 def _synthetic_part(n_docs: int, sentences_per_doc: int = 12, sentence_len: int = 20) -> TokenizedPart:
     """Documents whose token ids tell where they come from: document d uses ids 1000 + 500 d ... + 499."""
     rng = np.random.default_rng(0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import os
 import re
@@ -13,7 +14,7 @@ import pytest
 from data.download import DownloadConfig, download, dump_url
 from data.download import main as download_main
 from data.stage import PipelineError
-from tests.conftest import free_port
+from tests.conftest import LAST_MODIFIED, free_port
 
 DATE = "20241201"
 NAME = f"enwiki-{DATE}-pages-articles-multistream.xml.bz2"
@@ -163,6 +164,38 @@ def test_an_unconfirmable_end_without_a_checksum_is_an_error(wiki_mirror, multis
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
 
 
+def test_only_the_newest_mismatching_download_is_kept(wiki_mirror, multistream_sample, tmp_path):
+    """Each kept copy is a whole dump (22 GB): a second mismatch with other bytes replaces the first."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    site.files[_sums_path()] = f"{'f' * 40}  {NAME}\n".encode()
+    with pytest.raises(PipelineError, match="sha1 checksum mismatch"):
+        download(_cfg(mirror, tmp_path))
+    other = data + b"trailing bytes"  # the mirror's file changed, its checksum file did not
+    site.files[_dump_path()] = other
+    newest = tmp_path / f"{NAME}.sha1-{hashlib.sha1(other).hexdigest()}"
+    with pytest.raises(PipelineError, match=rf"sha1 checksum mismatch \(got .*kept as {re.escape(str(newest))}\. Rerun"):
+        download(_cfg(mirror, tmp_path))
+    assert list(tmp_path.iterdir()) == [newest] and newest.read_bytes() == other
+
+
+def test_a_checksum_line_of_sha1sum_binary_mode_in_capitals_is_read(wiki_mirror, multistream_sample, tmp_path):
+    """`sha1sum -b` marks the file name with "*"; some tools write the digest in capitals."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    site.files[_sums_path()] = f"{hashlib.sha1(data).hexdigest().upper()} *{NAME}\n".encode()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert [p for p, _ in site.requests] == [_sums_path(), _dump_path()]
+
+
+def test_410_gone_is_a_clear_error_too(wiki_mirror, tmp_path):
+    mirror, site = wiki_mirror
+    site.statuses[_dump_path()] = [410]
+    with pytest.raises(PipelineError, match="HTTP 410, no such dump"):
+        download(_cfg(mirror, tmp_path))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_md5sums_are_used_when_there_is_no_sha1sums_file(wiki_mirror, multistream_sample, tmp_path):
     mirror, site = wiki_mirror
     del site.files[f"/enwiki/{DATE}/enwiki-{DATE}-sha1sums.txt"]
@@ -236,6 +269,17 @@ def test_transient_http_errors_are_retried_honouring_retry_after(wiki_mirror, mu
     assert [p for p, _ in site.requests].count(_dump_path()) == 2
 
 
+def test_retry_after_as_an_http_date_is_honoured(wiki_mirror, multistream_sample, tmp_path):
+    """Retry-After may be an HTTP date instead of seconds (RFC 9110 10.2.3)."""
+    mirror, site = wiki_mirror
+    site.statuses[_dump_path()] = [503]
+    site.retry_after = email.utils.formatdate(time.time() + 2, usegmt=True)  # whole seconds: 1 to 2 s from now
+    start = time.monotonic()
+    assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == multistream_sample.read_bytes()
+    assert time.monotonic() - start >= 0.8  # not the 0.01 s back-off
+    assert [p for p, _ in site.requests].count(_dump_path()) == 2
+
+
 def test_retry_after_is_bounded_and_retries_run_out(wiki_mirror, tmp_path):
     mirror, site = wiki_mirror
     site.statuses[_dump_path()], site.retry_after = [429, 429, 429], "3600"
@@ -268,6 +312,11 @@ def test_negative_retries_are_refused(wiki_mirror, tmp_path, capsys):
     mirror, site = wiki_mirror
     with pytest.raises(PipelineError, match="retries must be >= 0"):
         download(_cfg(mirror, tmp_path, retries=-1))
+    # a timeout of 0 would make every socket non-blocking; a negative wait is no wait
+    for bad, message in (({"timeout_s": 0, "backoff_s": 0.01}, "timeout_s must be > 0, got 0"),
+                         ({"backoff_s": -1}, "backoff_s and max_retry_after_s must be >= 0, got -1 and 300.0")):
+        with pytest.raises(PipelineError, match=re.escape(message)):
+            download(DownloadConfig(dump_url(mirror, DATE), tmp_path, **bad))
     with pytest.raises(SystemExit) as exc:
         download_main(["--url", dump_url(mirror, DATE), "--output_dir", str(tmp_path), "--retries", "-1"])
     assert exc.value.code == 2 and "--retries: must be >= 0" in capsys.readouterr().err
@@ -327,6 +376,34 @@ def test_a_file_that_changed_on_the_server_is_downloaded_again_not_spliced(wiki_
     assert list(tmp_path.iterdir()) == [tmp_path / NAME]
 
 
+def test_a_file_that_changed_size_on_a_server_without_validators_is_downloaded_again(wiki_mirror, multistream_sample,
+                                                                                    tmp_path):
+    """A server that sends neither ETag nor Last-Modified: the total in Content-Range is what tells that the file
+    changed since the part file's bytes, and without a published checksum nothing else would."""
+    mirror, site = wiki_mirror
+    old = multistream_sample.read_bytes()
+    new = old[:250_000] + b"an edit" + old[250_000:]
+    del site.files[_sums_path()]
+    site.cut_after, site.cuts = 400_000, 1
+    with pytest.raises(PipelineError, match="rerun to resume from the 400000 bytes"):
+        download(_cfg(mirror, tmp_path, retries=0))
+    site.files[_dump_path()] = new
+    site.requests.clear()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == new
+    assert [r for p, r in site.requests if p == _dump_path()] == ["bytes=400000-", None]
+
+
+def test_a_weak_etag_is_not_sent_as_if_range_last_modified_is(wiki_mirror, multistream_sample, tmp_path):
+    """If-Range takes a strong ETag only: a server compares a weak one as a mismatch and sends the whole file
+    again (22 GB for a full dump). The part file's Last-Modified stands in."""
+    mirror, site = wiki_mirror
+    site.validators, site.weak_etag = True, True
+    site.cut_after, site.cuts = 400_000, 1
+    assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == multistream_sample.read_bytes()
+    dump = [(r, i) for (p, r), i in zip(site.requests, site.if_ranges) if p == _dump_path()]
+    assert dump == [(None, None), ("bytes=400000-", LAST_MODIFIED)]
+
+
 def test_a_206_to_a_request_without_range_is_followed_to_the_end(wiki_mirror, multistream_sample, tmp_path):
     """A server that answers every request with a 206 of at most 300,000 bytes, the first one too: the
     Content-Range total, not the Content-Length, is the file's size (it was taken as the whole file)."""
@@ -368,11 +445,11 @@ def test_a_malformed_content_length_is_read_as_no_length(wiki_mirror, multistrea
 
 def test_the_back_off_is_capped(wiki_mirror, tmp_path):
     mirror, site = wiki_mirror
-    site.statuses[_dump_path()] = [500] * 4
+    site.statuses[_dump_path()] = [500] * 6
     start = time.monotonic()
-    with pytest.raises(PipelineError, match=r"failed after 4 attempts.*HTTP 500"):
-        download(DownloadConfig(dump_url(mirror, DATE), tmp_path, retries=3, backoff_s=0.2, max_backoff_s=0.3))
-    assert 0.2 + 0.3 + 0.3 <= time.monotonic() - start < 3  # uncapped: 0.2 + 0.4 + 0.8
+    with pytest.raises(PipelineError, match=r"failed after 6 attempts.*HTTP 500"):
+        download(DownloadConfig(dump_url(mirror, DATE), tmp_path, retries=5, backoff_s=0.2, max_backoff_s=0.3))
+    assert 0.2 + 4 * 0.3 <= time.monotonic() - start < 3.5  # uncapped: 0.2 + 0.4 + 0.8 + 1.6 + 3.2 = 6.2
 
 
 def test_disk_errors_are_one_line_errors_naming_the_path(wiki_mirror, tmp_path):

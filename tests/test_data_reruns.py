@@ -23,6 +23,7 @@ from data.create import main as create_main
 from data.extract import ExtractConfig, extract
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
+from data.segment import SegmentConfig, segment
 from data.segment import main as segment_main
 from data.shard import main as shard_main
 from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError
@@ -150,6 +151,62 @@ def test_a_run_into_a_directory_another_run_is_writing_is_refused_and_takes_noth
     assert not (out / stage.LOCK_FILE).exists()  # a finished stage keeps no lock file
 
 
+def test_a_resumed_segmentation_counts_the_parts_an_earlier_run_wrote(phase1_shards, tmp_path):
+    """Parts on disk are reused, and counted as the run that wrote them counted them."""
+    whole = phase1_shards / "text" / "sentences"
+    sentences = tmp_path / "sentences"
+    shutil.copytree(whole, sentences)
+    (sentences / COMPLETE_FILE).unlink()
+    (sentences / "part-00001.txt").unlink()  # killed before the stage wrote its second part
+    result = segment(SegmentConfig(phase1_shards / "text" / "extracted", sentences))
+    summary = json.loads((whole / COMPLETE_FILE).read_text())["summary"]
+    assert (result.documents, result.sentences) == (summary["documents"], summary["sentences"]) == (105, 18587)
+    assert result.text_bytes == summary["text_bytes"]
+    assert [p.read_bytes() for p in sorted(sentences.glob("part-*.txt"))] == [
+        p.read_bytes() for p in sorted(whole.glob("part-*.txt"))]
+
+
+def test_a_directory_of_files_this_stage_did_not_make_is_refused(sample_dump, tmp_path):
+    """Starting afresh deletes a stage directory's files: files without the stage's parameter record were not made
+    by it (a directory given by mistake), so they are refused, not deleted."""
+    out = tmp_path / "extracted"
+    out.mkdir()
+    for name in ("notes.txt", "part-00000.txt", "thesis.tex", "zeta"):
+        (out / name).write_text(name)
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(out))} holds files \(notes.txt, part-00000.txt, "
+                                            rf"thesis.tex, \.\.\.\) but no {PARAMS_FILE}, so this stage did not make "
+                                            "them; pass a new or empty directory$"):
+        extract(ExtractConfig(sample_dump, out, articles_per_part=40))
+    # (a failed stage keeps its lock file, this one too)
+    assert {p.name: p.read_text() for p in out.iterdir() if p.name != stage.LOCK_FILE} == {
+        name: name for name in ("notes.txt", "part-00000.txt", "thesis.tex", "zeta")}
+
+
+def test_a_write_that_fails_leaves_no_temporary_behind(phase1_shards, tmp_path):
+    """A shard or part whose write fails (a full disk) must not keep its partial bytes on the disk until a rerun."""
+    shard = tmp_path / "training" / "wikicorpus_en_training_0.hdf5"
+    with pytest.raises(OSError, match="No space left"), stage.atomic_path(shard) as tmp:
+        tmp.write_bytes((phase1_shards / "hdf5" / "training" / shard.name).read_bytes()[:100_000])
+        raise OSError(28, "No space left on device")
+    part = tmp_path / "training" / "part-00000"  # data.create writes a directory of arrays
+    with pytest.raises(OSError, match="No space left"), stage.atomic_path(part) as tmp:
+        tmp.mkdir()
+        (tmp / "input_ids.npy").write_bytes(b"\x93NUMPY")
+        raise OSError(28, "No space left on device")
+    assert list((tmp_path / "training").iterdir()) == []
+
+
+def test_a_dump_that_differs_only_in_its_last_bytes_is_another_input(sample_dump, tmp_path):
+    """A dump is known by its name, size and the sha1 of its first and last MiB (not of all 22 GB of it)."""
+    data = sample_dump.read_bytes()
+    assert len(data) > 1 << 20
+    other = tmp_path / sample_dump.name
+    other.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    ours, theirs = stage.file_identity(sample_dump), stage.file_identity(other)
+    assert (ours["name"], ours["bytes"]) == (theirs["name"], theirs["bytes"]) == (sample_dump.name, len(data))
+    assert ours["ends_sha1"] != theirs["ends_sha1"]
+
+
 # --- 3: output of another version of a stage is not reused ---------------------------------------------------
 
 
@@ -224,6 +281,19 @@ def test_a_finished_file_cut_short_is_named_with_what_to_delete(phase1_shards, s
         f"{redo_dirs[0]} was finished, but its files changed since: {path} is 1000 bytes, not the {size} it had\n"
         f"Use another output directory, or delete {', '.join(map(str, redo_dirs))} to redo "
         f"{'it' if len(redo_dirs) == 1 else 'them'}.")
+
+
+def test_a_finished_file_grown_since_is_named(phase1_shards, tmp_path):
+    """Sizes are compared both ways: a shard replaced by a longer file (another run's) is not the one finished."""
+    hdf5 = tmp_path / "hdf5"
+    shutil.copytree(phase1_shards / "hdf5", hdf5)
+    shard = hdf5 / "training" / "wikicorpus_en_training_0.hdf5"
+    size = shard.stat().st_size
+    with shard.open("ab") as f:
+        f.write(bytes(10))
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(hdf5))} was finished, but its files changed since: "
+                                            rf"{re.escape(str(shard))} is {size + 10} bytes, not the {size} it had\n"):
+        stage.finished_record(hdf5)
 
 
 def test_a_tokens_part_cut_short_is_named_by_data_create_alone(phase1_shards, bert_vocab, tmp_path):

@@ -8,10 +8,14 @@ import h5py
 import numpy as np
 import pytest
 
-from data.create import DTYPES, CreateConfig, create
+from data.create import CreateConfig, create
+from data.shard import ShardConfig, shard
 from data.stage import COMPLETE_FILE
 
 CLS, SEP, MASK = 101, 102, 103
+# The shard format's dtypes (docs/ARCHITECTURE.md), which the training loader reads.
+FORMAT_DTYPES = {"input_ids": np.int32, "input_mask": np.int8, "segment_ids": np.int8,
+                 "masked_lm_positions": np.int32, "masked_lm_ids": np.int32, "next_sentence_labels": np.int8}
 
 
 def _read(directory: Path, split: str = "training") -> dict[str, np.ndarray]:
@@ -43,12 +47,13 @@ def test_layout_keys_dtypes_shapes_and_attributes(phase1_shards, dynamic_shards)
         assert [p.name for p in test] == ["wikicorpus_en_test_0.hdf5"]
         for path in training + test:
             with h5py.File(path, "r") as f:
-                expected = set(DTYPES) if masking == "static" else set(DTYPES) - {"masked_lm_positions", "masked_lm_ids"}
+                expected = set(FORMAT_DTYPES) if masking == "static" else (
+                    set(FORMAT_DTYPES) - {"masked_lm_positions", "masked_lm_ids"})
                 assert set(f) == expected
                 n = len(f["next_sentence_labels"])
                 assert n > 100
                 for key in f:
-                    assert f[key].dtype == DTYPES[key], key
+                    assert f[key].dtype == FORMAT_DTYPES[key], key
                     width = {"next_sentence_labels": None, "masked_lm_positions": 20, "masked_lm_ids": 20}.get(key, 128)
                     assert f[key].shape == ((n,) if width is None else (n, width)), key
                 assert dict(f.attrs) == {"max_seq_length": 128, "max_predictions_per_seq": 20, "vocab_size": 30522,
@@ -80,6 +85,16 @@ def test_sequence_structure_and_padding(static, dynamic):
     assert np.array_equal(seg.astype(bool), (col > first_sep[:, None]) & dynamic["input_mask"].astype(bool))
     # Both segments hold at least one token.
     assert (first_sep >= 2).all() and (dynamic["input_mask"].sum(1) - first_sep >= 3).all()
+
+
+def test_short_seq_prob_makes_a_tenth_of_the_targets_shorter(static, dynamic):
+    """With probability short_seq_prob (0.1) an instance is packed to a random shorter target. On the sample,
+    6.5% of the instances then have fewer than 64 tokens; documents' ends alone give 1.1% (short_seq_prob 0),
+    and 0.2 gives 15%."""
+    for d in (static, dynamic):
+        length = d["input_mask"].sum(1)
+        assert 0.05 < np.mean(length < 64) < 0.08
+        assert 0.78 < np.mean(length == 128) < 0.85
 
 
 def test_masking_statistics(static, dynamic):
@@ -153,7 +168,7 @@ def test_whole_word_masking_masks_whole_words(phase1_shards, tmp_path):
     vocab_file = phase1_shards / "vocab.txt"
     out = tmp_path / "wwm"
     result = create(CreateConfig(tokens_dir, vocab_file, out, dupe_factor=1, whole_word_masking=True,
-                                 test_fraction=0.1, workers=1))
+                                 masked_lm_prob=0.1, test_fraction=0.1, workers=1))
     assert (out / COMPLETE_FILE).is_file() and result.instances["training"] > 1000
     vocab = vocab_file.read_text().splitlines()
     is_piece = np.array([t.startswith("##") for t in vocab])
@@ -173,4 +188,11 @@ def test_whole_word_masking_masks_whole_words(phase1_shards, tmp_path):
     assert piece[masked].sum() > 100
     assert masked[:, :-1][piece[:, 1:] & masked[:, 1:]].all()
     assert masked[:, 1:][piece[:, 1:] & masked[:, :-1]].all()
-    assert 0.12 < real.sum() / (ids != 0).sum() < 0.16
+    # round(10%) of the tokens, [CLS] and [SEP]s counted, less what whole words that do not fit leave out
+    assert 0.09 < real.sum() / (ids != 0).sum() < 0.105
+    # The shards say how their masks were drawn.
+    shard(ShardConfig(out, tmp_path / "hdf5", num_shards=1, num_test_shards=1))
+    with h5py.File(tmp_path / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
+        assert dict(f.attrs) == {"max_seq_length": 128, "max_predictions_per_seq": 20, "vocab_size": 30522,
+                                 "masking": "static", "masked_lm_prob": 0.1, "whole_word_masking": 1}
+        assert len(f["input_ids"]) == result.instances["training"]

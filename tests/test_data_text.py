@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import bz2
+import contextlib
+import dataclasses
 import re
 
 import pytest
 
 from data.create import CreateConfig, validate
 from data.extract import ExtractConfig, clean_article, extract, iter_articles
+from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
-from data.stage import PipelineError
+from data.stage import COMPLETE_FILE, PipelineError
 from data.tokens import TokenizeConfig, tokenize_with_given_vocab
 from data.vocab import VocabConfig, build_vocab, check_case, load_vocab
 
@@ -86,6 +89,9 @@ def test_prose_starting_with_a_hash_is_kept_and_list_items_are_dropped():
     lists = "Intro.\n* bullet\n# numbered\n## nested\n; term\n:* indented bullet\n::# indented number\n: indent"
     assert clean_article("T", lists) == ["Intro.", "indent"]
     assert clean_article("T", "== Heading ==\n'''[[*NSYNC]]''' was a boy band.") == ["*NSYNC was a boy band."]
+    # Residues of a table whose markup is gone: rows ("| ..."), as wikiextractor's own line rules drop them.
+    assert clean_article("T", "Intro.\n| a row of a table || its second cell\n{{x}}| a cell after a template\nEnd.") == [
+        "Intro.", "End."]
 
 
 # Localized behaviour switches: German, Russian, Japanese (a script without case), and upper-case words in
@@ -142,6 +148,12 @@ def test_trained_vocab_is_valid_and_case_is_configurable(phase1_shards, tmp_path
     assert sum(t != t.lower() for t in cased.tokens) > 100
     check_case(uncased, lower_case=True)
     check_case(cased, lower_case=False)
+    # A few stray cased tokens in an uncased vocab pass (15 of its 1,500); more than 1% make it a cased one.
+    words = [i for i, t in enumerate(uncased.tokens) if t.isascii() and t.isalpha()][-16:]
+    for n, refused in ((15, False), (16, True)):
+        tokens = [t.capitalize() if i in words[:n] else t for i, t in enumerate(uncased.tokens)]
+        with pytest.raises(PipelineError, match="is a cased vocab") if refused else contextlib.nullcontext():
+            check_case(dataclasses.replace(uncased, tokens=tokens), lower_case=True)
     with pytest.raises(PipelineError, match=f"{re.escape(str(cased.path))} is a cased vocab .* Pass --no_lower_case"):
         tokenize_with_given_vocab(TokenizeConfig(corpus, cased.path, tmp_path / "tokens", lower_case=True))
     assert not (tmp_path / "tokens").exists()
@@ -221,6 +233,43 @@ def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_pa
         extract(ExtractConfig(only_redirects, tmp_path / "d"))
 
 
+def test_a_corpus_too_small_for_a_sentence_pair_is_named(bert_vocab, tmp_path):
+    """One article of one sentence makes no pair: data.create says so, instead of finishing with no instances."""
+    dump = tmp_path / "one.xml"
+    dump.write_text("<mediawiki><page><title>Alpha</title><ns>0</ns><id>1</id><revision><id>1</id><text>The alpha "
+                    "river flows north through the valley.</text></revision></page></mediawiki>\n", encoding="utf-8")
+    out = tmp_path / "out"
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(out / 'text'))}/tokens_\w+: the corpus yields no "
+                                            "training instances$"):
+        prepare(PrepareConfig(input=dump, output_dir=out, vocab_file=bert_vocab, num_shards=1, num_test_shards=0,
+                              test_fraction=0.0, workers=1))
+    assert not (out / "instances" / COMPLETE_FILE).exists()
+
+
+def test_pages_of_every_other_namespace_are_skipped_and_counted(tmp_path):
+    """Only namespace 0 holds articles: talk (1), user (2), project (4), file (6), template (10) and category (14)
+    pages are counted as outside it."""
+    pages = "".join(f"<page><title>{prefix}River</title><ns>{ns}</ns><id>{k}</id><revision><id>{k}</id><text>The "
+                    "river flows north through the valley.</text></revision></page>"
+                    for k, (ns, prefix) in enumerate([(0, ""), (1, "Talk:"), (2, "User:"), (4, "Wikipedia:"),
+                                                      (6, "File:"), (10, "Template:"), (14, "Category:")], 1))
+    dump = tmp_path / "dump.xml"
+    dump.write_text(f"\ufeff<mediawiki>{pages}</mediawiki>\n", encoding="utf-8")  # with a byte-order mark, as XML may
+    result = extract(ExtractConfig(dump, tmp_path / "out"))
+    assert (result.pages, result.articles, result.other_namespaces, result.redirects) == (7, 1, 6, 0)
+    assert (tmp_path / "out" / "part-00000.txt").read_text(encoding="utf-8") == (
+        "The river flows north through the valley.\n\n")
+
+
+@pytest.mark.parametrize("setting, value", [("articles_per_part", 0), ("chunk_bytes", 0)])
+def test_settings_below_one_are_refused_before_any_work(sample_dump, tmp_path, setting, value):
+    """A part of no article or chunks of no byte: a division by zero or a hang, after the stage began (workers:
+    test_data_multistream.py)."""
+    with pytest.raises(PipelineError, match=rf"^{setting} must be >= 1, got 0$"):
+        extract(ExtractConfig(sample_dump, tmp_path / "out", **{setting: value}))
+    assert not (tmp_path / "out").exists()
+
+
 def test_an_empty_dump_is_named_empty(sample_dump, tmp_path):
     """It was "neither bz2-compressed nor XML"."""
     empty = tmp_path / sample_dump.name
@@ -245,6 +294,10 @@ def test_vocab_without_special_tokens_is_refused_before_any_work(sample_dump, be
 def test_impossible_max_predictions_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path, capsys):
     with pytest.raises(PipelineError, match="max_predictions_per_seq 126 is not possible at max_seq_length 128"):
         validate(CreateConfig(tmp_path, bert_vocab, tmp_path, max_seq_length=128, max_predictions_per_seq=126))
+    validate(CreateConfig(tmp_path, bert_vocab, tmp_path, max_seq_length=128, max_predictions_per_seq=125))  # all
+    for name in ("short_seq_prob", "masked_lm_prob", "test_fraction"):  # probabilities below 1
+        with pytest.raises(PipelineError, match=rf"^{name} must be in \[0, 1\), got 1.0$"):
+            validate(CreateConfig(tmp_path, bert_vocab, tmp_path, **{name: 1.0}))
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match="max_predictions_per_seq 200 is not possible"):
         prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab),

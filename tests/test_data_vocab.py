@@ -151,6 +151,14 @@ def test_vocab_lines_are_numbered_as_the_rust_tokenizer_numbers_them(bert_vocab,
         load_vocab(split)
 
     tokens = bert_vocab.read_text(encoding="utf-8").split("\n")
+    tokens[0], tokens[1] = tokens[1], tokens[0]  # [PAD] at id 1: the shards' padding 0 would be "[unused0]"
+    moved = tmp_path / "moved.txt"
+    moved.write_text("\n".join(tokens), encoding="utf-8")
+    with pytest.raises(PipelineError, match=r"moved.txt: \[PAD\] must be the first line \(id 0\), since the HDF5 "
+                                            "shards pad with 0"):
+        load_vocab(moved)
+
+    tokens = bert_vocab.read_text(encoding="utf-8").split("\n")
     tokens[2000] = tokens[1999] + "\t"
     twice = tmp_path / "twice.txt"
     twice.write_text("\n".join(tokens), encoding="utf-8")

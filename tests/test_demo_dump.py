@@ -8,18 +8,23 @@ from pathlib import Path
 
 import pytest
 
-from data.demo_dump import generate_demo_dump
+from data.demo_dump import DumpStats, generate_demo_dump
 from data.multistream import stream_offsets
 
 NS = "{http://www.mediawiki.org/xml/export-0.10/}"
 
 
 @pytest.fixture(scope="module")
-def dump(tmp_path_factory) -> Path:
-    return generate_demo_dump(tmp_path_factory.mktemp("dump") / "demo.xml.bz2", articles=60, seed=7).path
+def stats(tmp_path_factory) -> DumpStats:
+    return generate_demo_dump(tmp_path_factory.mktemp("dump") / "demo.xml.bz2", articles=60, seed=7)
 
 
-def test_is_a_mediawiki_export_with_markup_redirects_and_other_namespaces(dump: Path):
+@pytest.fixture(scope="module")
+def dump(stats: DumpStats) -> Path:
+    return stats.path
+
+
+def test_is_a_mediawiki_export_with_markup_redirects_and_other_namespaces(dump: Path, stats: DumpStats):
     raw = bz2.decompress(dump.read_bytes())
     root = ET.fromstring(raw)
     assert root.tag == f"{NS}mediawiki" and root.get("version") == "0.10"
@@ -28,6 +33,10 @@ def test_is_a_mediawiki_export_with_markup_redirects_and_other_namespaces(dump: 
     redirects = [p for p in pages if p.find(f"{NS}redirect") is not None]
     others = [p for p in pages if p.findtext(f"{NS}ns") != "0"]
     assert len(articles) == 60 and len(redirects) > 10 and len(others) >= 4
+    # What the generator reports is what it wrote: a template and a category page every 25 articles.
+    assert (stats.articles, stats.redirects, stats.other_namespace) == (len(articles), len(redirects), len(others))
+    assert len(others) == 6 and stats.bytes_xml == len(raw) - raw.index(b"  <page>") - len(b"</mediawiki>\n")
+    assert dump.stat().st_mode & 0o777 == 0o644  # an ordinary shared file, not mkstemp's 0600
     titles = [p.findtext(f"{NS}title") for p in pages]
     assert len(titles) == len(set(titles)), "page titles must be unique, as in a real dump"
     article_titles = {p.findtext(f"{NS}title") for p in articles}
