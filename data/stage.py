@@ -353,10 +353,12 @@ def _unlock(stage_dir: Path) -> None:
 
 
 def _release(stage_dir: Path, fd: int) -> None:
-    """Close the descriptor that holds the lock. A finished stage needs no lock file: it is removed
-    first, so that a run that locks it meanwhile sees that it is gone (and finds the stage finished)."""
+    """Close the descriptor that holds the lock. A finished stage needs no lock file, nor a directory
+    this stage has not begun (one refused for holding files of its own): it is removed first, so that a
+    run that locks it meanwhile sees that it is gone (and finds the stage finished, or locks anew)."""
     path = stage_dir / LOCK_FILE
-    if (stage_dir / COMPLETE_FILE).is_file() and _same_file(fd, path):
+    done_or_not_begun = (stage_dir / COMPLETE_FILE).is_file() or not (stage_dir / PARAMS_FILE).is_file()
+    if done_or_not_begun and _same_file(fd, path):
         path.unlink(missing_ok=True)  # missing: a run that locked it meanwhile removed it
     os.close(fd)
 

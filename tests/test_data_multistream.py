@@ -252,6 +252,19 @@ def test_byte_ranges_own_each_page_once(plain_sample, unit_bytes, chunk_bytes):
     assert pages == expected and len(pages) == 206
 
 
+@pytest.mark.parametrize("cut", range(7))
+def test_a_page_tag_cut_by_a_range_boundary_belongs_to_the_range_it_starts_in(plain_sample, cut):
+    """A boundary `cut` bytes into the 100th page's "<page>": from 1 to 5 the tag starts in the first range, which
+    reads on to see the whole tag; at 0 it starts the second range (and 6 is just past the tag)."""
+    xml = plain_sample.read_bytes()
+    expected = [page.strip() for page in multistream.split_pages(xml)[1]]
+    start = xml.index(expected[99])
+    offsets = (0, start + cut, len(xml))
+    first = list(multistream.chunk_pages(plain_sample, offsets, 1, multistream.PLAIN_XML))
+    second = list(multistream.chunk_pages(plain_sample, offsets[1:], 1, multistream.PLAIN_XML))
+    assert len(first) == (99 if cut == 0 else 100) and first + second == expected
+
+
 @pytest.mark.parametrize("workers, chunk_bytes, chunks", [(1, 1, 24), (2, 300_000, 12), (2, 4 << 20, 4)])
 def test_plain_xml_read_by_byte_ranges_gives_the_serial_text(plain_sample, serial_text, tmp_path, workers,
                                                              chunk_bytes, chunks):
@@ -299,6 +312,20 @@ def test_damaged_or_truncated_plain_xml_is_named(plain_sample, tmp_path):
                                             r"<siteinfo> does not parse \(undefined entity"):
         extract(ExtractConfig(bad_site, tmp_path / "d", workers=2))
 
+
+
+def test_plain_xml_cut_short_after_its_ranges_were_laid_out_is_named(plain_sample, tmp_path):
+    """The byte ranges follow from the file's size when extraction begins; a file that shrinks afterwards (a copy
+    still being written) is named, not read as a short last range."""
+    xml = plain_sample.read_bytes()
+    offsets = multistream.plain_offsets(len(xml))
+    cut = tmp_path / "cut.xml"
+    cut.write_bytes(xml[:offsets[-2] + 10])
+    with cut.open("rb") as f:
+        assert multistream.decompress_units(f, offsets, 0, 1, multistream.PLAIN_XML, cut) == xml[:offsets[1]]
+        with pytest.raises(PipelineError, match=rf"^{re.escape(str(cut))} ends before byte {len(xml)}, where it went "
+                                                "on when extraction began: it changed since; extract it again$"):
+            multistream.decompress_units(f, offsets, len(offsets) - 2, len(offsets) - 1, multistream.PLAIN_XML, cut)
 
 
 # ----------------------------------------------------------------------------- pages that are not articles

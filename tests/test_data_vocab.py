@@ -215,3 +215,18 @@ def test_a_vocab_size_without_room_for_pieces_is_refused_before_any_stage_runs(s
     with pytest.raises(SystemExit, match="--vocab_size -5 leaves no room"):
         prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_size", "-5"])
     assert not out.exists()
+
+
+def test_the_alphabet_breaks_ties_by_code_point_not_by_first_appearance(tmp_path):
+    """The characters kept at --limit_alphabet's cut-off are the same in every run: among equally frequent
+    characters the lowest code points, not the ones a part happens to show first."""
+    from tokenizers import BertWordPieceTokenizer
+
+    from data.vocab import corpus_alphabet
+
+    part = tmp_path / "part-00000.txt"
+    part.write_text("zzzz ÉÉÉ cba\nc b a\nD\n")  # z 4; é 3 (accent stripped, lower-cased); a, b, c 2 each; d 1
+    tokenizer = BertWordPieceTokenizer(lowercase=True)
+    assert corpus_alphabet([part], tokenizer, limit=4, workers=1) == ["a", "b", "e", "z"]
+    assert corpus_alphabet([part], tokenizer, limit=3, workers=1) == ["a", "e", "z"]
+    assert corpus_alphabet([part], tokenizer, limit=10, workers=1) == ["a", "b", "c", "d", "e", "z"]
