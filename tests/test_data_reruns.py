@@ -21,12 +21,14 @@ from test_data_resume import assert_same_output
 from data import stage
 from data.create import main as create_main
 from data.extract import ExtractConfig, extract
+from data.parallel import bounded_map
 from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.segment import SegmentConfig, segment
 from data.segment import main as segment_main
 from data.shard import main as shard_main
 from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError
+from data.tokens import TokenizeConfig, tokenize
 
 ROOT = Path(__file__).resolve().parents[1]
 # The phase1_shards fixture's settings (tests/conftest.py), but the dump and the output directory.
@@ -166,6 +168,22 @@ def test_a_resumed_segmentation_counts_the_parts_an_earlier_run_wrote(phase1_sha
         p.read_bytes() for p in sorted(whole.glob("part-*.txt"))]
 
 
+def test_a_resumed_tokenization_counts_the_parts_an_earlier_run_wrote(phase1_shards, tmp_path):
+    """Parts on disk are reused, and their tokens and [UNK]s counted as the run that wrote them counted them."""
+    whole = tokens_dir(phase1_shards)
+    tokens = tmp_path / "tokens"
+    shutil.copytree(whole, tokens)
+    (tokens / COMPLETE_FILE).unlink()
+    (tokens / "part-00002.npz").unlink()  # killed before the stage wrote its last part; parts 0 and 1 hold 10 [UNK]s
+    result = tokenize(TokenizeConfig(phase1_shards / "text" / "sentences", phase1_shards / "vocab.txt", tokens))
+    summary = json.loads((whole / COMPLETE_FILE).read_text())["summary"]
+    assert (result.documents, result.sentences, result.tokens, result.unknown_tokens) == (
+        summary["documents"], summary["sentences"], summary["tokens"], summary["unknown_tokens"]) == (
+        105, 18587, 538619, 11)
+    assert [p.read_bytes() for p in sorted(tokens.glob("part-*.npz"))] == [
+        p.read_bytes() for p in sorted(whole.glob("part-*.npz"))]
+
+
 def test_a_directory_of_files_this_stage_did_not_make_is_refused(sample_dump, tmp_path):
     """Starting afresh deletes a stage directory's files: files without the stage's parameter record were not made
     by it (a directory given by mistake), so they are refused, not deleted."""
@@ -214,13 +232,19 @@ def test_finished_output_of_another_version_of_its_stage_is_refused(phase1_shard
                                                                       tmp_path):
     out = copy_run(phase1_shards, tmp_path / "out")
     sentences, tokens = out / "text" / "sentences", tokens_dir(out)
+    # The sentences tokenized with a second vocab too: those tokens are made from them as well.
+    other_vocab = tmp_path / "other-vocab.txt"
+    other_vocab.write_text(bert_vocab.read_text(encoding="utf-8") + "zzyzx\n", encoding="utf-8")
+    other = out / "text" / f"tokens_{stage.file_sha1(other_vocab)[:10]}_uncased"
+    tokenize(TokenizeConfig(sentences, other_vocab, other))
     edit_record(sentences / COMPLETE_FILE, lambda r: r["params"].pop("format_version", None))  # as older code wrote it
     with pytest.raises(PipelineError) as exc:
         prepare(settings(sample_dump, out, bert_vocab))
     assert str(exc.value) == (
         f"{sentences} holds output made with other settings:\n  made by another version of this stage (output "
         "format from before format versions were recorded; this code writes format 1)\nUse another output "
-        f"directory, or delete {sentences}, {tokens}, {out / 'instances'}, {out / 'hdf5'} to redo them.")
+        f"directory, or delete {sentences}, {', '.join(map(str, sorted([tokens, other])))}, {out / 'instances'}, "
+        f"{out / 'hdf5'} to redo them.")
     # data.create alone refuses tokens of another version of data.tokens
     edit_record(tokens / COMPLETE_FILE, lambda r: r["params"].update(format_version=0))
     with pytest.raises(SystemExit) as exc:
@@ -452,6 +476,7 @@ import json, os, sys
 from pathlib import Path
 from data.create import CreateConfig, create
 from data.extract import ExtractConfig, extract
+from data.parallel import bounded_map
 from data.segment import SegmentConfig, segment
 from data.shard import ShardConfig, shard
 from data.tokens import TokenizeConfig, tokenize
@@ -482,3 +507,25 @@ print(json.dumps(counts))
                  "test/wikicorpus_en_test_0.hdf5"):
         with h5py.File(tmp_path / "hdf5" / name) as f, h5py.File(phase1_shards / "hdf5" / name) as g:
             assert set(f) == set(g) and all(np.array_equal(f[key][:], g[key][:]) for key in f)
+
+
+def _square_late_if_even(x: int) -> int:
+    """x * x, the even ones 50 ms late: the results of later items are ready before theirs."""
+    time.sleep(0.05 if x % 2 == 0 else 0)
+    return x * x
+
+
+def test_bounded_map_yields_in_input_order_and_reads_at_most_twice_workers_ahead():
+    """A generator over a 90 GB dump must not be read ahead of the workers: when the first result is taken,
+    2 * workers items have been read, no more; and results come in input order, whichever finishes first."""
+    read: list[int] = []
+
+    def items():
+        for i in range(12):
+            read.append(i)
+            yield i
+
+    results = bounded_map(_square_late_if_even, items(), 2)
+    assert next(results) == 0 and read == [0, 1, 2, 3]
+    assert next(results) == 1 and read == [0, 1, 2, 3, 4]
+    assert list(results) == [i * i for i in range(2, 12)] and len(read) == 12

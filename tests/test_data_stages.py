@@ -127,6 +127,20 @@ def test_prepare_cli_downloads_a_pinned_dump_date_from_a_mirror(wiki_mirror, ber
     assert "--mirror applies to --dump_date" in capsys.readouterr().err
 
 
+def test_prepare_cli_passes_its_masking_flags_and_a_phase_preset_with_an_override(phase1_shards, sample_dump,
+                                                                                   bert_vocab, tmp_path):
+    """--phase 2 gives the 80 predictions that --max_seq_length 256 leaves it; the masking flags reach the shards."""
+    out = tmp_path / "out"
+    prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab), "--text_dir",
+                  str(phase1_shards / "text"), "--phase", "2", "--max_seq_length", "256", "--dynamic_masking",
+                  "--whole_word_masking", "--masked_lm_prob", "0.2", "--dupe_factor", "1", "--num_shards", "1",
+                  "--test_fraction", "0.1", "--articles_per_part", "40", "--workers", "1"])
+    with h5py.File(out / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
+        assert dict(f.attrs) == {"max_seq_length": 256, "max_predictions_per_seq": 80, "vocab_size": 30522,
+                                 "masking": "dynamic", "masked_lm_prob": 0.2, "whole_word_masking": 1}
+        assert f["input_ids"].shape[1] == 256 and "masked_lm_positions" not in f
+
+
 def test_gzip_shards_hold_the_same_arrays(phase1_shards, tmp_path):
     shard_stage.main(["--instances_dir", str(phase1_shards / "instances"), "--output_dir", str(tmp_path),
                       "--num_shards", "2", "--hdf5_compression", "gzip", "--workers", "2"])
@@ -195,6 +209,22 @@ def test_prepare_wikicorpus_script_takes_no_option_for_its_output_dir(arg, code,
     assert list(tmp_path.iterdir()) == []
 
 
+def test_help_gives_the_defaults_that_say_something(capsys):
+    """Each option's default is appended to its help, except a switch's on/off state, a default of None and a
+    default the help names itself."""
+    with pytest.raises(SystemExit) as exc:
+        prepare_main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no_lower_case keep case and accents --phase {1,2} 1: seq 128 / 20 predictions, 2: seq 512 / 80 " \
+           "(explicit flags override) (default: 1) --max_seq_length" in text
+    assert "--whole_word_masking mask all pieces of a word together --dynamic_masking write no static masks (no " \
+           "masked_lm_* keys); the loader masks at load time --test_fraction" in text
+    assert "--output_dir OUTPUT_DIR hdf5/{training,test}/, vocab.txt, instances/ --text_dir" in text
+    assert f"--workers WORKERS worker processes (default: the cores, {os.cpu_count()} here); the output does not " \
+           "depend on it" in text and text.count("(default: ") == 15
+
+
 def test_another_dump_of_the_same_name_and_size_is_not_taken_for_the_extracted_one(tmp_path):
     def dump(directory: str, word: str) -> Path:
         page = (f"<page><title>{word}</title><ns>0</ns><id>1</id><revision><id>1</id><text>The {word} river "
@@ -248,6 +278,11 @@ def test_the_summary_gives_time_and_mb_per_s_of_this_runs_work_only(sample_dump,
                     flags=re.M)
     assert run and abs(2.58 / float(run[2]) - float(run[1])) < 0.05 * float(run[1]) + 0.01
     assert "skipped" not in out and "warning" not in out
+    # The summary's figures are the tokens stage's, the shard stage's and the shards' size on disk.
+    hdf5 = tmp_path / "out" / "hdf5"
+    megabytes = sum(p.stat().st_size for p in hdf5.rglob("*.hdf5")) / 1e6
+    assert f"\nprepare: 105 articles, 105 documents, 18587 sentences, 538619 tokens (0.002% [UNK]) -> 10899 training " \
+           f"+ 378 test instances in 2 + 1 shards ({megabytes:.1f} MB) under {hdf5}\n" in out and megabytes > 10
 
     prepare_main(args)  # nothing left to do
     out = capsys.readouterr().out
@@ -277,6 +312,7 @@ def test_long_runs_give_hours_and_minutes_as_well_as_seconds(phase1_shards, samp
     assert [duration(s) for s in (0.04, 12.34, 59.94, 125, 3725.4, 90061)] == [
         "0.0 s", "12.3 s", "59.9 s", "2 min 05 s", "1 h 02 min 05 s", "25 h 01 min 01 s"]
     assert long_duration(3725.0) == "3725.0 s = 1 h 02 min 05 s" and long_duration(12.3) == "12.3 s"
+    assert long_duration(60.0) == "60.0 s = 1 min 00 s" and long_duration(59.9) == "59.9 s"
     # A real run's summary with the stage times of a full-size one.
     out = tmp_path / "out"
     shutil.copytree(phase1_shards, out)
@@ -289,6 +325,12 @@ def test_long_runs_give_hours_and_minutes_as_well_as_seconds(phase1_shards, samp
     assert dataclasses.replace(result, stages=hours).run_line() == (
         "0.00 MB/s (2.6 MB of text in 3660.6 s = 1 h 01 min 01 s); 3660.6 s = 1 h 01 min 01 s (extract 7 min 00 s, "
         "segment 55.5 s, vocab 0.1 s, tokens 2 min 05 s, create 1 min 00 s, shard 50 min 00 s)")
+    # The download is no text stage: its time is beside the rate, not in it, and a resumed download leaves the rate.
+    download = dataclasses.replace(hours[0], name="download", state="resumed", seconds=1000.0)
+    assert dataclasses.replace(result, stages=[download, *hours]).run_line() == (
+        "0.00 MB/s (2.6 MB of text in 3660.6 s = 1 h 01 min 01 s); 4660.6 s = 1 h 17 min 41 s (download (resumed) "
+        "16 min 40 s, extract 7 min 00 s, segment 55.5 s, vocab 0.1 s, tokens 2 min 05 s, create 1 min 00 s, "
+        "shard 50 min 00 s)")
 
 
 def test_a_failing_run_has_printed_what_its_stages_did(phase1_shards, sample_dump, bert_vocab, tmp_path, capsys):
@@ -316,3 +358,23 @@ def test_a_vocab_that_leaves_many_unknown_tokens_is_warned_of(phase1_shards, sam
                         "fits the text leaves under 1%")
     assert len(re.findall(f"^{warning}", printed, flags=re.M)) == 2  # when the tokens stage ends, and in the summary
     assert printed.rstrip("\n").splitlines()[-1].startswith("warning: 6.06% of the tokens are [UNK]")
+
+
+def test_the_unknown_warning_names_the_vocab_file_given(tmp_path, capsys):
+    """With --vocab_file, the warning names that file (the one to replace), not its copy beside the shards."""
+    pages = "".join(f"<page><title>{name}</title><ns>0</ns><id>{k}</id><revision><id>{k}</id><text>The {name} river "
+                    f"flows north. It meets the sea at {k}0 old ports.\n\nA bridge crosses it near the town."
+                    "</text></revision></page>" for k, name in enumerate(["alpha", "beta", "gamma"], 1))
+    dump = tmp_path / "dump.xml"
+    dump.write_text(f"<mediawiki>{pages}</mediawiki>\n", encoding="utf-8")
+    digits = tmp_path / "digits-vocab.txt"  # no letters: every word but the numbers is [UNK]
+    digits.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *"0123456789", "."]) + "\n")
+    out = tmp_path / "out"
+    prepare_main(["--input", str(dump), "--output_dir", str(out), "--vocab_file", str(digits), "--num_shards", "1",
+                  "--num_test_shards", "0", "--test_fraction", "0", "--workers", "1"])
+    printed = capsys.readouterr().out
+    # 23 tokens an article (20 words, each [UNK] since "10" needs "##0", and 3 full stops): 60 of 69 are [UNK]
+    assert re.search(r"^prepare: 3 articles, 3 documents, 9 sentences, 69 tokens \(86\.957% \[UNK\]\)", printed,
+                     flags=re.M)
+    warning = f"warning: 86.96% of the tokens are [UNK] with the vocab {digits} (a vocab that fits the text leaves"
+    assert [line[:len(warning)] for line in printed.splitlines() if line.startswith("warning")] == [warning] * 2

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+import shutil
+
 import numpy as np
 import pytest
 
+from data.stage import PipelineError
 from data.tokens import (
     TokenizeConfig,
     WordPieceTokenizer,
@@ -72,6 +76,17 @@ def test_tokenize_stage_counts_unknown_tokens(phase1_shards, bert_vocab, tmp_pat
     assert capsys.readouterr().out.splitlines()[-1].startswith(
         f"warning: {poor.unknown_share:.2%} of the tokens are [UNK] with the vocab {small} (a vocab that fits the text "
         "leaves under 1%")
+
+
+def test_tokens_made_uncased_are_refused_to_a_cased_run(phase1_shards, bert_vocab, tmp_path):
+    """The case is a setting of the tokens: data.tokens alone names it, as data.prepare names the directory by it."""
+    tokens = tmp_path / "tokens"
+    shutil.copytree(next((phase1_shards / "text").glob("tokens_*_uncased")), tokens)
+    sentences = phase1_shards / "text" / "sentences"
+    assert tokenize(TokenizeConfig(sentences, bert_vocab, tokens)).tokens == 538619  # the same settings: complete
+    with pytest.raises(PipelineError, match=f"^{re.escape(str(tokens))} holds output made with other settings:\n"
+                                            "  lower_case: made with true, now false\n"):
+        tokenize(TokenizeConfig(sentences, bert_vocab, tokens, lower_case=False))
 
 
 EDGE_CASES = [

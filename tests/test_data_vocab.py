@@ -210,6 +210,18 @@ def test_bad_flags_are_refused_before_any_stage_runs(flags, message, sample_dump
     assert not out.exists()
 
 
+@pytest.mark.parametrize("flag, value", [("--vocab_size", "3000"), ("--limit_alphabet", "500")])
+def test_a_trained_vocab_setting_with_a_given_vocab_is_refused(flag, value, sample_dump, bert_vocab, tmp_path, capsys):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab), flag,
+                      value])
+    assert exc.value.code == 2
+    assert "error: --vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given " \
+           "--vocab_file" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_a_vocab_size_without_room_for_pieces_is_refused_before_any_stage_runs(sample_dump, tmp_path):
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match="--vocab_size -5 leaves no room"):
