@@ -155,7 +155,7 @@ class PrepareResult:
 
 def duration(seconds: float) -> str:
     """12.3 s, 2 min 05 s, 1 h 02 min 05 s."""
-    if seconds < 60:
+    if round(seconds, 1) < 60:  # 59.96 s is "1 min 00 s", not "60.0 s"
         return f"{seconds:.1f} s"
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
@@ -164,7 +164,7 @@ def duration(seconds: float) -> str:
 
 def long_duration(seconds: float) -> str:
     """Seconds, and hours and minutes too when there are any: 3725.0 s = 1 h 02 min 05 s."""
-    return f"{seconds:.1f} s" + (f" = {duration(seconds)}" if seconds >= 60 else "")
+    return f"{seconds:.1f} s" + (f" = {duration(seconds)}" if round(seconds, 1) >= 60 else "")
 
 
 def _stage_state(stage_dir: Path) -> str:

@@ -313,6 +313,8 @@ def test_long_runs_give_hours_and_minutes_as_well_as_seconds(phase1_shards, samp
         "0.0 s", "12.3 s", "59.9 s", "2 min 05 s", "1 h 02 min 05 s", "25 h 01 min 01 s"]
     assert long_duration(3725.0) == "3725.0 s = 1 h 02 min 05 s" and long_duration(12.3) == "12.3 s"
     assert long_duration(60.0) == "60.0 s = 1 min 00 s" and long_duration(59.9) == "59.9 s"
+    # what rounds to 60.0 s is a minute
+    assert (duration(59.96), long_duration(59.96), duration(59.949)) == ("1 min 00 s", "60.0 s = 1 min 00 s", "59.9 s")
     # A real run's summary with the stage times of a full-size one.
     out = tmp_path / "out"
     shutil.copytree(phase1_shards, out)
