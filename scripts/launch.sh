@@ -124,7 +124,9 @@ case "$LAUNCHER" in
     NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}"
     NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set inside the srun task}"
     if [[ -z "$MASTER_ADDR_ARG" ]]; then
-      MASTER_ADDR_ARG="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | head -n 1)"
+      # awk reads the whole list: `head -n 1` would exit early, and under pipefail a later write of
+      # scontrol's (SIGPIPE, status 141) would end launch.sh without a message.
+      MASTER_ADDR_ARG="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | awk 'NR == 1')"
     fi ;;
   aws-batch)
     NNODES="${AWS_BATCH_JOB_NUM_NODES:?AWS_BATCH_JOB_NUM_NODES is not set: run this as an AWS Batch multi-node parallel job}"

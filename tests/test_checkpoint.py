@@ -426,6 +426,32 @@ def test_small_files_are_replaced_whole_and_get_the_users_umask(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["run_info.json"]
 
 
+def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
+    from training.atomic import remove_stale_temporaries
+
+    path = tmp_path / "run_info.json"
+    path.write_text("{}\n")
+    for name in (".run_info.json.123.0123456789ab.tmp", ".run_info.json.swp", ".run_info.json.bak.tmp.keep",
+                 ".other.json.123.0123456789ab.tmp"):
+        (tmp_path / name).write_text("x")
+    remove_stale_temporaries(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.json.123.0123456789ab.tmp",
+                                                         ".run_info.json.bak.tmp.keep", ".run_info.json.swp",
+                                                         "run_info.json"]
+
+
+def test_a_gap_in_the_optimizer_partitions_is_an_incomplete_checkpoint(tmp_path):
+    tag = tmp_path / "step00000010"
+    tag.mkdir()
+    torch.save({"module": {"w": torch.zeros(2)}, "param_shapes": [{"w": torch.Size([2])}]},
+               tag / "mp_rank_00_model_states.pt")
+    for rank in (0, 2):  # rank 1's partition is missing
+        (tag / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"step00000010: partitions of ranks \[0, 2\] are present, not 0\.\.2; "
+                                              r"the checkpoint is incomplete"):
+        weights.read_fp32_weights(tag)
+
+
 def test_init_weights_from_a_hugging_face_directory(tmp_path):
     """--phase2 --init_checkpoint <an HF BERT directory>: continued pretraining from published weights."""
     import modeling

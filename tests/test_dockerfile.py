@@ -135,6 +135,25 @@ def test_only_the_cpu_variant_installs_a_compiler(tmp_path: Path):
     assert "g++" not in common and "PROJECT_EXTRAS" not in common
 
 
+def test_sshd_and_ssh_client_use_the_ssh_port(tmp_path: Path):
+    """The sshd step run on a stock Ubuntu sshd_config in a scratch root: the server listens on SSH_PORT and the
+    client (pdsh's ssh) connects to it, with key-only root login."""
+    run = _the_run("sshd_config")
+    for path in ("/run/sshd", "/root/.ssh", "/etc/ssh"):
+        run = run.replace(path, f"{tmp_path}{path}")
+    (tmp_path / "etc" / "ssh").mkdir(parents=True)
+    (tmp_path / "etc" / "ssh" / "sshd_config").write_text(
+        "Include /etc/ssh/sshd_config.d/*.conf\n#Port 22\n#PermitRootLogin prohibit-password\n"
+        "#PasswordAuthentication yes\n")
+    ssh_port = re.search(r"^ARG SSH_PORT=(\d+)$", DOCKERFILE.read_text(), re.M).group(1)
+    proc = _shell(run, tmp_path, "/usr/bin:/bin", SSH_PORT=ssh_port)
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "etc/ssh/sshd_config").read_text().splitlines()[1:] == [
+        "Port 3022", "PermitRootLogin prohibit-password", "PasswordAuthentication no"]
+    client = (tmp_path / "etc/ssh/ssh_config.d/bert-pretraining.conf").read_text().splitlines()
+    assert client[:2] == ["Host *", "    Port 3022"]
+
+
 @pytest.mark.slow
 def test_cpu_smoke_test_starts_distributed_and_needs_the_compiler(tmp_path: Path):
     """The CPU build's smoke test runs deepspeed.init_distributed on gloo, which compiles DeepSpeed's shm op:

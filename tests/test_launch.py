@@ -105,14 +105,18 @@ def test_real_two_node_launch_both_ranks_train(two_node_run):
 def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     out = tmp_path / "run"
     proc = _launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "gaudi-a,gaudi-b", "--input_dir",
-                    str(tmp_path), "--output_dir", str(out), "--dry_run", "--", "--log_freq", "50"])
+                    str(tmp_path), "--output_dir", str(out), "--dry_run", "--", "--log_freq", "50"],
+                   env=_env(HCCL_SOCKET_IFNAME="eth7"))
     cmd = _command(proc)
     assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
     assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--num_gpus"), _flag(cmd, "--master_addr")) == ("2", "8", "gaudi-a")
+    assert _flag(cmd, "--master_port") == "29500"  # the documented default
+    assert _flag(cmd, "--hostfile") == str(out / "launch" / "hostfile")
     assert (_flag(cmd, "--launcher"), _flag(cmd, "--ssh_port")) == ("pdsh", "3022")
     assert (out / "launch" / "hostfile").read_text() == "gaudi-a slots=8\ngaudi-b slots=8\n"
     env_file = (out / "launch" / "deepspeed_env").read_text().splitlines()
     assert "PT_HPU_LAZY_MODE=1" in env_file
+    assert "HCCL_SOCKET_IFNAME=eth7" in env_file  # a site variable the user exported reaches the other nodes
     # the recipe cache: on local disk, one directory per user (another user's would not be writable)
     assert f"PT_HPU_RECIPE_CACHE_CONFIG=/tmp/bert_pretraining_recipe_cache_{os.getuid()},false,8192" in env_file
     script = cmd.index(str(ROOT / "run_pretraining.py"))
@@ -121,6 +125,35 @@ def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     assert _flag(run_args, "--learning_rate") == "0.0015" and _flag(run_args, "--poly_power") == "1.0"
     ds = json.loads(Path(_flag(run_args, "--deepspeed_config")).read_text())
     assert ds["gradient_accumulation_steps"] == 24  # 12288 / (32 x 16 devices)
+
+
+def test_deepspeed_launcher_starts_in_the_root_with_the_env_file_exported(tmp_path: Path):
+    """Not a dry run: the interpreter is a stand-in that records what the launcher was started with. DeepSpeed's
+    runner reads DS_ENV_FILE from its environment, so launch.sh must export it, not only set it; and it starts
+    the remote ranks in its own working directory, which must be the project root wherever launch.sh is called."""
+    real = sys.executable
+    stub = tmp_path / "python"
+    record = tmp_path / "started.txt"
+    stub.write_text(f'#!/usr/bin/env bash\nif [[ "$1 $2" == "-m training.presets" ]]; then exec {real} "$@"; fi\n'
+                    f'printf "%s\\n" "DS_ENV_FILE=${{DS_ENV_FILE:-}}" "PWD=$PWD" "$@" > {record}\n')
+    stub.chmod(0o755)
+    out = tmp_path / "run"
+    proc = subprocess.run(["bash", str(LAUNCH), "--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts",
+                           "gaudi-a,gaudi-b", "--input_dir", ".", "--output_dir", "run"], capture_output=True, text=True,
+                          env=_env(PYTHON=str(stub)), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    started = record.read_text().splitlines()
+    assert started[:2] == [f"DS_ENV_FILE={out / 'launch' / 'deepspeed_env'}", f"PWD={ROOT}"]
+    assert started[2:4] == ["-m", "deepspeed.launcher.runner"]
+
+
+def test_hostfile_comments_and_blank_lines_are_skipped(tmp_path: Path):
+    """The master is the first host the hostfile lists, not a comment above it; a path with a space stays one."""
+    hostfile = tmp_path / "cluster hosts"
+    hostfile.write_text("# the cluster\n\nnode-a slots=8\nnode-b slots=8\n")
+    cmd = _command(_launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hostfile", str(hostfile),
+                            "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"]))
+    assert (_flag(cmd, "--master_addr"), _flag(cmd, "--hostfile")) == ("node-a", str(hostfile))
 
 
 def test_path_flags_after_the_separator_are_relative_to_the_callers_directory(tmp_path: Path):
@@ -207,6 +240,10 @@ def test_aws_batch_mode_maps_the_job_variables(tmp_path: Path):
     cmd = _command(_launch(common, env=main))
     own = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
     assert (_flag(cmd, "--node_rank"), _flag(cmd, "--master_addr")) == ("0", own)
+    # The job definition may make another node the main one: that node, whatever its index, uses its own address.
+    main3 = _env(AWS_BATCH_JOB_NUM_NODES="4", AWS_BATCH_JOB_NODE_INDEX="3", AWS_BATCH_JOB_MAIN_NODE_INDEX="3")
+    cmd = _command(_launch(common, env=main3))
+    assert (_flag(cmd, "--node_rank"), _flag(cmd, "--master_addr")) == ("3", own)
     wrong = _launch(common, env=_env(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX="1",
                                      AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS="10.0.3.7"))
     assert wrong.returncode == 2 and "--nodes is 4 but the aws-batch job has 2 nodes" in wrong.stderr
@@ -225,10 +262,25 @@ def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     assert (_flag(inner, "--nnodes"), _flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("2", "1", "node-a")
     outside = _launch(common)
     assert outside.returncode == 2 and "runs inside an allocation" in outside.stderr
+    # Without --master_addr the master is the allocation's first host, as scontrol expands the node list. The
+    # stand-in writes its hosts one at a time, as a long list reaches the pipe: launch.sh must read past the first
+    # (under pipefail, `head -n 1` made the later write end launch.sh with SIGPIPE, status 141, and no message).
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text('#!/usr/bin/env bash\n[[ "$*" == "show hostnames gpu[07-08]" ]] || exit 1\n'
+                        'echo gpu07\nsleep 0.5\necho gpu08\n')
+    scontrol.chmod(0o755)
+    listed = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="0", SLURM_JOB_NUM_NODES="2",
+                  SLURM_JOB_NODELIST="gpu[07-08]", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    inner = _command(_launch(common, env=listed))
+    assert (_flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("0", "gpu07")
 
 
 def test_clear_errors(tmp_path: Path):
     base = ["--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run")]
+    one_host = tmp_path / "one_host"
+    one_host.write_text("a slots=2\n")
     cases = [
         (["--preset", "demo", "--nodes", "2", "--launcher", "torchrun", *base], "needs --node_rank"),
         (["--preset", "demo", "--nodes", "2", *base], "2 nodes need --master_addr, --hosts or --hostfile"),
@@ -241,11 +293,19 @@ def test_clear_errors(tmp_path: Path):
         (["--preset", "demo", "--nodes", "1", "--launcher", "mpi", *base], "--launcher must be"),
         (["--preset", "demo", "--nodes", "1", "--max_steps", "3", *base], "unknown option '--max_steps'"),
         (["--preset", "demo", "--nodes", "2", "--hostfile", str(tmp_path / "hosts"), *base], "does not exist"),
+        (["--preset", "demo", "--nodes", "2", "--hostfile", str(one_host), "--hosts", "a,b", *base],
+         "give --hostfile or --hosts, not both"),
+        (["--preset", "demo", "--nodes", "2", "--devices_per_node", "1", "--hostfile", str(one_host), *base],
+         f"hostfile {one_host} lists 1 host(s), fewer than --nodes 2"),
+        (["--preset", "demo", "--nodes", "2", "--launcher", "torchrun", "--node_rank", "2", "--master_addr", "a",
+          *base], "node rank '2' is not in 0..1"),
         (["--preset", "demo", "--nodes", "1", "--launcher", "torchrun", "--ssh_port", "22", *base],
          "--ssh_port is for the deepspeed launcher"),
         (["--preset", "demo", "--nodes", "1", "--ssh_port", "22", *base],
          "--ssh_port is for pdsh, which the deepspeed launcher uses only with --hostfile or --hosts"),
         (["--preset", "demo", "--nodes", "1", "--node_rank", "0", *base], "--node_rank is for torchrun"),
+        (["--preset", "demo", "--nodes", "1", "--launcher", "aws-batch", "--hosts", "a", *base],
+         "--hostfile/--hosts are not used by the aws-batch launcher, which gets its nodes from the job"),
     ]
     for args, message in cases:
         proc = _launch([*args, "--dry_run"])

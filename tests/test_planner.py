@@ -322,6 +322,9 @@ def test_time_and_mfu_are_consistent():
     assert seconds == pytest.approx(37_556, rel=1e-3)
     with pytest.raises(ValueError, match="mfu"):
         planner.training_seconds(1, flops, devices=1, peak_tflops=60.0, mfu=1.5)
+    # MFU 1 (the peak itself) is a valid bound
+    assert planner.training_seconds(10**8, flops, devices=128, peak_tflops=60.0, mfu=1.0) == \
+        pytest.approx(seconds * 0.4)
 
 
 def test_device_table():
@@ -330,6 +333,57 @@ def test_device_table():
     assert planner.device_peak_tflops("gaudi", "fp32") is None
     assert planner.device_peak_tflops("cuda", "bf16") is None
     assert {"gaudi", "gaudi2", "gaudi3", "a100", "h100", "h200"} <= set(planner.DEVICES)
+    # The datasheet figures (dense, no sparsity) and memory, as the comments above DEVICES cite them.
+    table = {name: (d.memory_bytes, d.peak_tflops) for name, d in planner.DEVICES.items() if name != "cpu"}
+    assert table == {
+        "gaudi": (32 * 10**9, {"bf16": 60.0}), "gaudi2": (96 * 10**9, {"bf16": 432.0}),
+        "gaudi3": (128 * 10**9, {"bf16": 1835.0}),
+        "a100": (80 * 10**9, {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
+        "h100": (80 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+        "h200": (141 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    }
+    assert planner.get_device("dl1") is planner.DEVICES["gaudi"]
+
+
+def test_default_predictions_are_berts_20_and_80():
+    assert [planner.default_max_predictions(s) for s in (128, 512, 8)] == [20, 80, 2]
+
+
+def test_recomputation_adds_the_encoder_forward_only():
+    config = _config("bert-large")
+    h, i, s, L = 1024, 4096, 128, 24
+    encoder_forward = L * (2 * s * (4 * h * h + 2 * h * i) + 4 * s * s * h)  # no head: it is not checkpointed
+    assert planner.training_flops_per_sequence(config, 128, 20, recompute=True) - \
+        planner.training_flops_per_sequence(config, 128, 20) == encoder_forward
+
+
+def test_checkpoint_segments_round_up():
+    """24 layers in segments of 5 are 5 segments (the last of 4 layers), each keeping its input."""
+    config = _config("bert-large")
+    gaudi = planner.get_device("gaudi")
+    saved = {k: planner.activation_bytes(config, 8, 128, 20, "bf16", gaudi, True, checkpoint_interval=k).saved
+             for k in (5, 24)}
+    assert saved[5] - saved[24] == (5 - 1) * 8 * 128 * 1024 * 2
+
+
+def test_zero2_partitions_the_later_layers_gradients_and_holds_a_reduce_bucket():
+    config = _config("bert-large")
+    kwargs = dict(device=planner.get_device("gaudi2"), zero_stage=2, micro_batch=8, seq_len=512,
+                  checkpoint_activations=True)
+    one, eight = (planner.plan_memory(config, devices=n, **kwargs) for n in (1, 8))
+    assert one.buffers == eight.buffers == 500_000_000 * 2  # reduce_bucket_size elements in bf16
+    h, i, L = 1024, 4096, 24
+    later = (4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h) * (L - 1) * 2  # bf16 gradients of 23 layers
+    assert one.transient - eight.transient == later - later // 8
+
+
+def test_largest_micro_batch_reaches_its_limit_and_seq_len_is_checked():
+    config = _config("bert-tiny")
+    kwargs = dict(device=planner.get_device("gaudi3"), seq_len=128)
+    assert planner.largest_micro_batch(config, 10**15, limit=8, **kwargs) == 8
+    assert planner.plan_memory(config, micro_batch=1, device=kwargs["device"], seq_len=512).peak > 0
+    with pytest.raises(ValueError, match="seq_len 513 exceeds the model's max_position_embeddings 512"):
+        planner.plan_memory(config, micro_batch=1, device=kwargs["device"], seq_len=513)
 
 
 def test_cli_prints_breakdown_verdict_and_published_mfu(capsys):
@@ -357,6 +411,13 @@ def test_cli_rejects_bad_sizes_and_says_what_fits(capsys):
     assert rc == 0
     assert "DOES NOT FIT; largest micro batch that fits: 0" in capsys.readouterr().out
 
+
+
+def test_cli_headroom_reduces_the_usable_memory(capsys):
+    args = ["--config_file", str(ROOT / "configs/models/bert-large.json"), "--micro_batch", "8",
+            "--device_memory", "10GiB", "--headroom", "0.5"]
+    assert planner.main(args) == 0
+    assert "of    10.00 GiB (5.00 GiB usable with 50% headroom)" in capsys.readouterr().out
 
 
 def test_cli_refuses_a_checkpoint_interval_without_checkpointing(capsys):

@@ -102,6 +102,9 @@ def test_nvidia_bert_large_phase2_figures(tmp_path: Path):
     assert (preset.max_seq_length, preset.max_predictions_per_seq, preset.max_steps) == (512, 80, 1563)
     with pytest.raises(PresetError, match="phase-2 recipe; pass the phase-1 output"):
         run.run_args(tmp_path / "ds.json")
+    phase1 = resolve(load_preset("bert-large-phase1"), 1)
+    with pytest.raises(PresetError, match="is phase 1 and starts from scratch; --init_checkpoint is only for phase-2"):
+        phase1.run_args(tmp_path / "ds.json", init_checkpoint=str(tmp_path))
 
 
 def test_gradient_accumulation_that_cannot_divide():
@@ -134,6 +137,10 @@ def _write(tmp_path: Path, **changes) -> Path:
     ({"global_btach_size": 4}, "global_btach_size", "unknown field"),
     ({"model_config": "configs/models/nope.json"}, "model_config", "does not exist"),
     ({"max_predictions_per_seq": 200}, "max_predictions_per_seq", "more than a sequence of 128 can hold"),
+    # [CLS] and two [SEP] are never masked: 126 of 128 is one too many
+    ({"max_predictions_per_seq": 126}, "max_predictions_per_seq", "(125 maskable tokens)"),
+    ({"global_batch_size": True}, "global_batch_size", "must be an integer >= 1, got True"),
+    ({"poly_power": 0}, "poly_power", "must be a number > 0"),
     ({"warmup_proportion": 1.5}, "warmup_proportion", "in [0, 1]"),
     ({"warmup_proportion": 0.1, "constant_proportion": 0.05}, "constant_proportion", "where the constant phase ENDS"),
     # the removed per-node-count form: the message says why and what to write instead
@@ -157,6 +164,15 @@ def test_bad_presets_name_file_and_field(tmp_path: Path, changes: dict, field: s
     assert str(path) in text and field in text and message in text
 
 
+def test_boundary_values_that_are_valid(tmp_path: Path):
+    """The limits themselves load: every maskable token predicted, a constant phase that ends with the warm-up
+    (no constant phase)."""
+    preset = load_preset(_write(tmp_path, max_predictions_per_seq=125))
+    assert (preset.max_seq_length, preset.max_predictions_per_seq) == (128, 125)
+    preset = load_preset(_write(tmp_path, warmup_proportion=0.1, constant_proportion=0.1))
+    assert (preset.warmup_proportion, preset.constant_proportion) == (0.1, 0.1)
+
+
 def test_bad_json_and_unknown_names(tmp_path: Path):
     path = tmp_path / "broken.json"
     path.write_text('{"name": "x",\n "phase": }')
@@ -173,6 +189,14 @@ def test_bad_json_and_unknown_names(tmp_path: Path):
             resolve(load_preset("bert-1.5b-phase1"), 1, devices_per_node=devices)
 
 
+def test_a_shipped_preset_is_named_as_its_file(tmp_path: Path, monkeypatch):
+    path = _write(tmp_path)  # custom.json holding "name": "bert-large-phase1"
+    assert load_preset(path).name == "bert-large-phase1"  # a file of the user's may have any name
+    monkeypatch.setattr(presets, "PRESET_DIR", tmp_path)
+    with pytest.raises(PresetError, match=r"field 'name' is 'bert-large-phase1' but the file is custom.json; make them"):
+        load_preset("custom")
+
+
 def test_overrides_are_validated_like_the_file():
     preset = load_preset("bert-large-phase1", {"max_steps": 10, "learning_rate": 0.001})
     assert (preset.max_steps, preset.learning_rate) == (10, 0.001)
@@ -183,6 +207,9 @@ def test_overrides_are_validated_like_the_file():
     with pytest.raises(PresetError, match="cannot override max_seq_length"):
         load_preset("bert-large-phase1", {"max_seq_length": 64})
     assert presets.parse_override("max_steps=7") == ("max_steps", 7)
+    # every schedule field can be changed for a run, the constant phase included
+    preset = load_preset("bert-1.5b-phase1", {"constant_proportion": 0.0, "warmup_proportion": 0.1, "poly_power": 0.5})
+    assert (preset.warmup_proportion, preset.constant_proportion, preset.poly_power) == (0.1, 0.0, 0.5)
     assert presets.parse_override("model_config=configs/models/bert-tiny.json") == \
         ("model_config", "configs/models/bert-tiny.json")
 
