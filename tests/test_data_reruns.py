@@ -153,35 +153,38 @@ def test_a_run_into_a_directory_another_run_is_writing_is_refused_and_takes_noth
     assert not (out / stage.LOCK_FILE).exists()  # a finished stage keeps no lock file
 
 
+def _killed_before_part(whole: Path, copy: Path, part: str) -> dict:
+    """A copy of the finished stage directory `whole` as a run killed before it wrote `part` left it; returns the
+    summary the uninterrupted run recorded."""
+    shutil.copytree(whole, copy)
+    (copy / COMPLETE_FILE).unlink()
+    (copy / part).unlink()
+    return json.loads((whole / COMPLETE_FILE).read_text())["summary"]
+
+
+def _same_parts(a: Path, b: Path, pattern: str) -> bool:
+    return [p.read_bytes() for p in sorted(a.glob(pattern))] == [p.read_bytes() for p in sorted(b.glob(pattern))]
+
+
 def test_a_resumed_segmentation_counts_the_parts_an_earlier_run_wrote(phase1_shards, tmp_path):
     """Parts on disk are reused, and counted as the run that wrote them counted them."""
-    whole = phase1_shards / "text" / "sentences"
-    sentences = tmp_path / "sentences"
-    shutil.copytree(whole, sentences)
-    (sentences / COMPLETE_FILE).unlink()
-    (sentences / "part-00001.txt").unlink()  # killed before the stage wrote its second part
+    whole, sentences = phase1_shards / "text" / "sentences", tmp_path / "sentences"
+    summary = _killed_before_part(whole, sentences, "part-00001.txt")  # killed before its second part
     result = segment(SegmentConfig(phase1_shards / "text" / "extracted", sentences))
-    summary = json.loads((whole / COMPLETE_FILE).read_text())["summary"]
     assert (result.documents, result.sentences) == (summary["documents"], summary["sentences"]) == (105, 18587)
     assert result.text_bytes == summary["text_bytes"]
-    assert [p.read_bytes() for p in sorted(sentences.glob("part-*.txt"))] == [
-        p.read_bytes() for p in sorted(whole.glob("part-*.txt"))]
+    assert _same_parts(sentences, whole, "part-*.txt")
 
 
 def test_a_resumed_tokenization_counts_the_parts_an_earlier_run_wrote(phase1_shards, tmp_path):
     """Parts on disk are reused, and their tokens and [UNK]s counted as the run that wrote them counted them."""
-    whole = tokens_dir(phase1_shards)
-    tokens = tmp_path / "tokens"
-    shutil.copytree(whole, tokens)
-    (tokens / COMPLETE_FILE).unlink()
-    (tokens / "part-00002.npz").unlink()  # killed before the stage wrote its last part; parts 0 and 1 hold 10 [UNK]s
+    whole, tokens = tokens_dir(phase1_shards), tmp_path / "tokens"
+    summary = _killed_before_part(whole, tokens, "part-00002.npz")  # its last part; parts 0 and 1 hold 10 [UNK]s
     result = tokenize(TokenizeConfig(phase1_shards / "text" / "sentences", phase1_shards / "vocab.txt", tokens))
-    summary = json.loads((whole / COMPLETE_FILE).read_text())["summary"]
     assert (result.documents, result.sentences, result.tokens, result.unknown_tokens) == (
         summary["documents"], summary["sentences"], summary["tokens"], summary["unknown_tokens"]) == (
         105, 18587, 538619, 11)
-    assert [p.read_bytes() for p in sorted(tokens.glob("part-*.npz"))] == [
-        p.read_bytes() for p in sorted(whole.glob("part-*.npz"))]
+    assert _same_parts(tokens, whole, "part-*.npz")
 
 
 def test_a_directory_of_files_this_stage_did_not_make_is_refused(sample_dump, tmp_path):
