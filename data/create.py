@@ -408,7 +408,7 @@ def stage_params(cfg: CreateConfig) -> dict:
     for path_field in ("vocab_file", "input_dir", "output_dir"):
         params.pop(path_field)
     params["vocab_sha1"] = stage.file_sha1(cfg.vocab_file)
-    params["tokens"] = stage.fingerprint(cfg.input_dir, tokens_stage.FORMAT_VERSION)
+    params["tokens"] = stage.fingerprint(cfg.input_dir, tokens_stage.FORMAT_VERSION, writer="data.tokens")
     return params
 
 

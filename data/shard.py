@@ -129,7 +129,7 @@ def shard(cfg: ShardConfig) -> ShardResult:
     if not (cfg.instances_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.instances_dir} is not a complete data.create output; run data.create first")
     created = stage.finished_record(cfg.instances_dir)
-    instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION, created)
+    instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION, created, "data.create")
     cp, summary = created["params"], created["summary"]
     check_shard_counts(cfg.num_shards, cfg.num_test_shards)
     counts = {"training": cfg.num_shards, "test": cfg.num_test_shards}

@@ -428,12 +428,37 @@ def file_sha1(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
-def fingerprint(stage_dir: Path, version: int | None = None, record: dict[str, Any] | None = None) -> dict[str, Any]:
+# The setting under which each stage records its input, which tells its output from another stage's, and
+# where data.prepare puts that output.
+_INPUT_KEYS = {
+    "data.extract": ("input", "<text_dir>/extracted"),
+    "data.segment": ("extracted", "<text_dir>/sentences"),
+    "data.tokens": ("sentences", "<text_dir>/tokens_*"),
+    "data.create": ("tokens", "<output_dir>/instances"),
+    "data.shard": ("instances", "<output_dir>/hdf5"),
+}
+
+
+def _check_writer(stage_dir: Path, params: dict[str, Any], writer: str) -> None:
+    """Refuse the finished output of another stage than `writer` (the extracted text given for the sentences,
+    say): its files may even parse, as both are text, and give nonsense."""
+    made_by = next((name for name, (key, _) in _INPUT_KEYS.items() if key in params), writer)
+    if made_by == writer:
+        return
+    raise PipelineError(f"{stage_dir} was made by {made_by}, not by {writer}; pass the directory "
+                        f"{writer} wrote ({_INPUT_KEYS[writer][1]} of data.prepare)")
+
+
+def fingerprint(stage_dir: Path, version: int | None = None, record: dict[str, Any] | None = None,
+                writer: str | None = None) -> dict[str, Any]:
     """Identifies a complete upstream stage's output: the sha1 of its parameters and summary, with its
-    parameters, so that a downstream stage refused for it can say which of them differ. With `version`
-    (the upstream stage's FORMAT_VERSION), output of another version of that stage is refused. `record`:
-    its `finished_record`, when the caller has read it already."""
+    parameters, so that a downstream stage refused for it can say which of them differ. With `writer` (the
+    upstream stage, "data.segment"), another stage's output is refused, and with `version` (the upstream
+    stage's FORMAT_VERSION), output of another version of that stage. `record`: its `finished_record`, when
+    the caller has read it already."""
     record = finished_record(stage_dir) if record is None else record
+    if writer is not None:
+        _check_writer(stage_dir, record["params"], writer)
     made = record["params"].get(VERSION_KEY)
     if version is not None and made != version:
         made_by = f"format {made}" if made is not None else "from before format versions were recorded"

@@ -193,7 +193,8 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     if not files:
         raise PipelineError(f"{cfg.corpus_dir}: no part-*.txt files to train a vocab on; run data.segment first")
     params = {stage.VERSION_KEY: FORMAT_VERSION,
-              "corpus": stage.fingerprint(cfg.corpus_dir, segment_stage.FORMAT_VERSION), "vocab_size": cfg.vocab_size,
+              "corpus": stage.fingerprint(cfg.corpus_dir, segment_stage.FORMAT_VERSION, writer="data.segment"),
+              "vocab_size": cfg.vocab_size,
               "lower_case": cfg.lower_case, "min_frequency": cfg.min_frequency, "limit_alphabet": cfg.limit_alphabet}
     stage_dir = cfg.output_dir / "vocab_training"
     trained = stage_dir / "model" / "vocab.txt"
