@@ -22,7 +22,7 @@ from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from data import segment as segment_stage
 from data import stage
-from data.cli import HelpFormatter, add_workers_argument
+from data.cli import HelpFormatter, add_workers_argument, non_negative_int
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--vocab_file", type=Path, help="use this BERT vocab.txt")
     src.add_argument("--corpus_dir", type=Path, help="train a WordPiece vocab on this data.segment output")
     p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
-    p.add_argument("--min_frequency", type=int, default=2, help="minimum pair frequency when training")
+    p.add_argument("--min_frequency", type=non_negative_int, default=2, help="minimum pair frequency when training")
     p.add_argument("--limit_alphabet", type=int, default=1000,
                    help="characters kept as tokens when training: the most frequent ones")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",

@@ -19,6 +19,7 @@ from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
 from data.vocab import VocabConfig, build_vocab, load_vocab
+from data.vocab import main as vocab_main
 
 
 def _settings(dump, out, **kw) -> dict:
@@ -226,6 +227,17 @@ def test_a_vocab_size_without_room_for_pieces_is_refused_before_any_stage_runs(s
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match="--vocab_size -5 leaves no room"):
         prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_size", "-5"])
+    assert not out.exists()
+
+
+def test_a_negative_min_frequency_is_refused_by_the_vocab_command(phase1_shards, tmp_path, capsys):
+    """It was an OverflowError traceback from the tokenizers trainer, after the characters were counted."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        vocab_main(["--corpus_dir", str(phase1_shards / "text" / "sentences"), "--output_dir", str(out),
+                    "--vocab_size", "3000", "--min_frequency", "-3"])
+    assert exc.value.code == 2
+    assert "error: argument --min_frequency: must be >= 0, got -3" in capsys.readouterr().err
     assert not out.exists()
 
 
