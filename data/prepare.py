@@ -47,6 +47,7 @@ from data.shard import (
     ShardConfig,
     ShardResult,
     add_compression_argument,
+    check_name,
     check_shard_counts,
     compression_filter,
     shard,
@@ -226,6 +227,7 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
     validate(create_cfg)  # before any long stage runs, like the given vocab's special tokens
     check_shard_counts(cfg.num_shards, cfg.num_test_shards, cfg.test_fraction)
+    check_name(cfg.name)
     if cfg.vocab_file is not None:
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:

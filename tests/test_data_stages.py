@@ -64,6 +64,25 @@ def test_shard_cli_reshards_the_same_instances(phase1_shards, tmp_path, capsys):
     assert not (tmp_path / "no_test").exists()
 
 
+@pytest.mark.parametrize("name, why", [("../escaped", "it holds a /"), ("", "it is empty")])
+def test_a_shard_name_that_is_no_file_name_prefix_is_refused(phase1_shards, sample_dump, bert_vocab, tmp_path, name,
+                                                             why):
+    """'../escaped' wrote every shard beside the output directory, then failed with a KeyError traceback."""
+    message = (f"error: --name {name!r} cannot start the shards' file names ({why}); pass a file name prefix "
+               "without '/', such as wikicorpus_en")
+    out = tmp_path / "run" / "hdf5"
+    with pytest.raises(SystemExit) as exc:
+        shard_stage.main(["--instances_dir", str(phase1_shards / "instances"), "--output_dir", str(out),
+                          "--num_shards", "3", "--name", name, "--workers", "1"])
+    assert str(exc.value.code) == message
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as exc:  # data.prepare refuses it before any stage runs
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(tmp_path / "prepared"), "--vocab_file",
+                      str(bert_vocab), "--name", name])
+    assert str(exc.value.code) == message
+    assert not (tmp_path / "prepared").exists()
+
+
 def test_a_shard_mixes_its_parts(phase1_shards, tmp_path):
     """Each shard takes a slice of every part; its rows are shuffled, not one part's slice after the other."""
     shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "hdf5", 1, 1, workers=1))
