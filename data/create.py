@@ -93,7 +93,10 @@ def validate(cfg: CreateConfig) -> None:
     if cfg.max_seq_length < 8:
         raise PipelineError(f"max_seq_length must be at least 8, got {cfg.max_seq_length}")
     maskable = cfg.max_seq_length - 3
-    if not 1 <= cfg.max_predictions_per_seq <= maskable:
+    if cfg.max_predictions_per_seq < 1:
+        raise PipelineError(f"max_predictions_per_seq must be at least 1, got {cfg.max_predictions_per_seq}: every "
+                            "instance masks at least one token; use 20 at 128 or 80 at 512")
+    if cfg.max_predictions_per_seq > maskable:
         raise PipelineError(
             f"max_predictions_per_seq {cfg.max_predictions_per_seq} is not possible at max_seq_length "
             f"{cfg.max_seq_length}: at most {maskable} tokens can be masked ([CLS] and two [SEP] never are); "
