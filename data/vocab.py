@@ -82,6 +82,11 @@ def load_vocab(path: Path) -> Vocab:
             f"{path} starts with a UTF-8 byte-order mark (bytes EF BB BF, as some Windows editors save), which "
             f"readers of a vocab.txt take as part of the first token ({text.split(chr(10), 1)[0]!r}); remove it, "
             f"e.g. with: sed -i '1s/^\\xEF\\xBB\\xBF//' {shlex.quote(str(path))}")
+    if text.lstrip().startswith("{"):
+        # A vocab.txt starts with [PAD]; this one's lines would be refused as repeats or as lacking it.
+        raise PipelineError(
+            f"{path} is JSON (a tokenizer.json or vocab.json?), not a vocab.txt of one token per line in id "
+            "order; pass the vocab.txt saved with the model (tokenizer.save_pretrained writes one)")
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()

@@ -186,6 +186,24 @@ def test_a_vocab_with_a_byte_order_mark_is_named_with_the_fix(sample_dump, bert_
     assert load_vocab(bom).tokens[0] == "[PAD]"
 
 
+def test_a_tokenizer_json_given_as_the_vocab_is_named_json(sample_dump, bert_vocab, tmp_path):
+    """It was "line 15 repeats the token '    {' of line 6 ...: remove one of the two lines"."""
+    from tokenizers import BertWordPieceTokenizer
+
+    tokenizer_json = tmp_path / "tokenizer.json"
+    BertWordPieceTokenizer(str(bert_vocab)).save(str(tokenizer_json))
+    message = (f"{tokenizer_json} is JSON (a tokenizer.json or vocab.json?), not a vocab.txt of one token per line "
+               "in id order; pass the vocab.txt saved with the model (tokenizer.save_pretrained writes one)")
+    with pytest.raises(PipelineError) as exc:
+        load_vocab(tokenizer_json)
+    assert str(exc.value) == message
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(tokenizer_json)])
+    assert exit_.value.code == f"error: {message}"
+    assert not out.exists()
+
+
 def test_a_directory_given_as_the_vocab_is_named_a_directory(sample_dump, tmp_path):
     """It was "no such vocab file"."""
     with pytest.raises(PipelineError, match=rf"^{re.escape(str(tmp_path))}: is a directory, not a vocab file"):
