@@ -391,7 +391,8 @@ def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any],
 
 def cli_call(fn: Callable[[Any], Any], cfg: Any) -> Any:
     """Run a stage from its CLI: a PipelineError becomes a one-line message and exit status 1, Ctrl-C
-    a line saying how to go on and exit status 130, instead of a traceback."""
+    a line saying how to go on and exit status 130, and a disk error (`cfg.output_dir` full or not
+    writable) a line naming the path, instead of a traceback."""
     try:
         return fn(cfg)
     except PipelineError as exc:
@@ -399,6 +400,19 @@ def cli_call(fn: Callable[[Any], Any], cfg: Any) -> Any:
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to continue where it stopped", file=sys.stderr)
         raise SystemExit(130) from None
+    except OSError as exc:
+        raise SystemExit(disk_error(exc, getattr(cfg, "output_dir", None))) from exc
+
+
+def disk_error(exc: OSError, output_dir: Path | None) -> str:
+    """The line for an OSError that reached a stage's CLI: a write that failed (the input files' errors are
+    PipelineErrors). Every file is written to a temporary name first, so the rerun goes on from the files
+    written before it."""
+    # errno's words, not h5py's message of many lines; numpy's short write ("N requested and M written") has none.
+    reason = os.strerror(exc.errno) if exc.errno else f"a write failed ({exc})"
+    where = exc.filename2 or exc.filename or output_dir  # filename2: the destination of a copy or rename
+    return (f"error: {f'{where}: ' if where else ''}{reason}; free space there (or fix its permissions) and rerun "
+            "the same command to continue where it stopped")
 
 
 def file_identity(path: Path, sample_bytes: int = 1 << 20) -> dict[str, Any]:

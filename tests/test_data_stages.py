@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -212,6 +214,27 @@ def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
         stage.cli_call(interrupted, None)
     assert exc.value.code == 130
     assert capsys.readouterr().err == "interrupted; rerun the same command to continue where it stopped\n"
+
+
+@pytest.mark.parametrize("error, where, reason", [
+    # shutil.copyfile of the vocab: the path is the copy's destination, not the vocab given
+    (OSError(errno.ENOSPC, "No space left on device", "vocab.txt", None, "out/.vocab.txt.tmp-1"),
+     "out/.vocab.txt.tmp-1", "No space left on device"),
+    # h5py: errno's words, not its message of many lines
+    (OSError(errno.ENOSPC, "Can't synchronously write data (file write failed: time = ...\n, errno = 28, ...)"),
+     "out", "No space left on device"),
+    # numpy's short write in data.create, with no errno and no path: the stage's output directory
+    (OSError("3635456 requested and 126848 written"), "out", "a write failed (3635456 requested and 126848 written)"),
+])
+def test_a_disk_error_in_a_stage_command_is_a_line_naming_the_path(error, where, reason):
+    """A full disk in any stage (python -m data.prepare on an 8 MB file system) ended in a traceback."""
+    def fails(cfg):
+        raise error
+
+    with pytest.raises(SystemExit) as exc:
+        stage.cli_call(fails, argparse.Namespace(output_dir=Path("out")))
+    assert exc.value.code == (f"error: {where}: {reason}; free space there (or fix its permissions) and rerun the "
+                              "same command to continue where it stopped")
 
 
 @pytest.mark.parametrize("arg, code", [("--help", 0), ("-h", 0), ("--output_dir", 2)])
