@@ -309,6 +309,21 @@ def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
         articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression)))
 
 
+def preset_predictions_problem(a: argparse.Namespace) -> str | None:
+    """Why the --phase preset's predictions, taken for a --max_seq_length or --masked_lm_prob given without
+    --max_predictions_per_seq, would cap the masking below --masked_lm_prob (phase 1's 20 at 512 masks 4%)."""
+    seq, pred = PHASES[a.phase]
+    seq = seq if a.max_seq_length is None else a.max_seq_length
+    if a.max_predictions_per_seq is not None or seq < 1 or not 0 <= a.masked_lm_prob < 1:
+        return None  # an explicit cap is kept; impossible values are refused by create.validate
+    wanted = round(a.masked_lm_prob * seq)
+    if wanted <= pred:
+        return None
+    return (f"--phase {a.phase}'s --max_predictions_per_seq {pred} would mask at most {pred} of {seq} tokens "
+            f"({pred / seq:.1%}), fewer than --masked_lm_prob {a.masked_lm_prob} asks for ({wanted}); pass "
+            f"--max_predictions_per_seq {wanted} or more (given explicitly, a smaller cap is kept)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -340,6 +355,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.vocab_file and (a.vocab_size != 30522 or a.limit_alphabet != 1000):
         p.error("--vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given "
                 "--vocab_file")
+    problem = preset_predictions_problem(a)
+    if problem:
+        p.error(problem)
     result = cli_call(prepare_from_args, a)
     print(result.summary())
 

@@ -20,7 +20,7 @@ import pytest
 from data import shard as shard_stage
 from data import stage
 from data.extract import ExtractConfig, extract
-from data.prepare import PrepareConfig, duration, long_duration, prepare
+from data.prepare import PrepareConfig, duration, long_duration, prepare, preset_predictions_problem
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
 
@@ -160,6 +160,29 @@ def test_prepare_cli_passes_its_masking_flags_and_a_phase_preset_with_an_overrid
         assert dict(f.attrs) == {"max_seq_length": 256, "max_predictions_per_seq": 80, "vocab_size": 30522,
                                  "masking": "dynamic", "masked_lm_prob": 0.2, "whole_word_masking": 1}
         assert f["input_ids"].shape[1] == 256 and "masked_lm_positions" not in f
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max_seq_length", "512"], "--phase 1's --max_predictions_per_seq 20 would mask at most 20 of 512 tokens (3.9%), "
+                                  "fewer than --masked_lm_prob 0.15 asks for (77)"),
+    (["--masked_lm_prob", "0.2"], "--phase 1's --max_predictions_per_seq 20 would mask at most 20 of 128 tokens "
+                                  "(15.6%), fewer than --masked_lm_prob 0.2 asks for (26)"),
+])
+def test_a_phase_preset_that_would_cap_the_masking_is_refused(flags, message, sample_dump, bert_vocab, tmp_path, capsys):
+    """--max_seq_length 512 alone took phase 1's 20 predictions: shards masked 4.6% of their tokens while their
+    masked_lm_prob attribute said 0.15."""
+    out = tmp_path / "out"
+    argv = ["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab), *flags]
+    with pytest.raises(SystemExit) as exc:
+        prepare_main(argv)
+    assert exc.value.code == 2
+    wanted = message.rsplit("(", 1)[1].rstrip(")")
+    assert (f"error: {message}; pass --max_predictions_per_seq {wanted} or more (given explicitly, a smaller cap is "
+            "kept)") in capsys.readouterr().err
+    assert not out.exists()
+    # an explicit cap is taken as given
+    assert preset_predictions_problem(argparse.Namespace(phase=1, max_seq_length=512, max_predictions_per_seq=20,
+                                                         masked_lm_prob=0.15)) is None
 
 
 def test_gzip_shards_hold_the_same_arrays(phase1_shards, tmp_path):
