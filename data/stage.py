@@ -235,11 +235,22 @@ def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     if record is None:
         return None
     params = _normalise(params)
+    _check_own_directory(stage_dir, record.get("params"), params)
     if record.get("params") != params:
         raise StageConflict(stage_dir, f"{stage_dir} holds output made with other settings:\n  "
                                        + "\n  ".join(differences(record.get("params"), params)))
     _check_files(stage_dir, record)
     return record["summary"]
+
+
+def _check_own_directory(stage_dir: Path, stored: Any, params: dict[str, Any]) -> None:
+    """Refuse an output directory that another stage made (a stage's --input_dir given as its --output_dir,
+    say): it would be refused as made with other settings, with the advice to delete it, or, unfinished,
+    emptied."""
+    made_by, writer = _made_by(stored), _made_by(params)
+    if made_by and writer and made_by != writer:
+        raise PipelineError(f"{stage_dir} holds the output of {made_by}, not of {writer}; pass {writer} another "
+                            f"--output_dir (data.prepare writes it to {_INPUT_KEYS[writer][1]})")
 
 
 def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -282,6 +293,7 @@ def _start(stage_dir: Path, params: dict[str, Any]) -> None:
             reasons = differences(stored, params)
         except StageConflict:
             stored, reasons = None, [f"its {PARAMS_FILE} is unreadable"]
+        _check_own_directory(stage_dir, stored, params)
         if stored != params:
             # Its parts would mix with parts made with these settings, and a finished stage with them.
             print(f"{stage_dir}: discarding the unfinished output of an earlier run with other settings "
@@ -450,14 +462,22 @@ _INPUT_KEYS = {
     "data.tokens": ("sentences", "<text_dir>/tokens_*"),
     "data.create": ("tokens", "<output_dir>/instances"),
     "data.shard": ("instances", "<output_dir>/hdf5"),
+    "data.vocab": ("corpus", "<output_dir>/vocab_training"),
 }
+
+
+def _made_by(params: Any) -> str | None:
+    """The stage whose parameters `params` are, by the key it records its input under (None: not known)."""
+    if not isinstance(params, dict):
+        return None
+    return next((name for name, (key, _) in _INPUT_KEYS.items() if key in params), None)
 
 
 def _check_writer(stage_dir: Path, params: dict[str, Any], writer: str) -> None:
     """Refuse the finished output of another stage than `writer` (the extracted text given for the sentences,
     say): its files may even parse, as both are text, and give nonsense."""
-    made_by = next((name for name, (key, _) in _INPUT_KEYS.items() if key in params), writer)
-    if made_by == writer:
+    made_by = _made_by(params)
+    if made_by in (None, writer):
         return
     raise PipelineError(f"{stage_dir} was made by {made_by}, not by {writer}; pass the directory "
                         f"{writer} wrote ({_INPUT_KEYS[writer][1]} of data.prepare)")

@@ -226,6 +226,35 @@ def test_a_stage_given_another_stages_directory_names_it_and_the_stage_that_made
     assert not (out / COMPLETE_FILE).exists()
 
 
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != stage.LOCK_FILE}
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["finished", "unfinished"])
+def test_a_stage_given_another_stages_directory_as_its_output_refuses_it_and_keeps_it(phase1_shards, tmp_path,
+                                                                                      finished):
+    """data.segment --output_dir <its --input_dir> was refused as 'made with other settings' with the advice to
+    delete its input; data.shard --output_dir <an unfinished instances directory> emptied it to start afresh."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    if finished:
+        command, target = segment_main, out / "text" / "extracted"
+        argv = ["--input_dir", str(target)]
+        message = (f"error: {target} holds the output of data.extract, not of data.segment; pass data.segment "
+                   "another --output_dir (data.prepare writes it to <text_dir>/sentences)")
+    else:
+        command, target = shard_main, out / "instances"
+        (target / COMPLETE_FILE).unlink()  # as a killed data.create leaves it
+        argv = ["--instances_dir", str(phase1_shards / "instances"), "--num_shards", "2"]
+        message = (f"error: {target} holds the output of data.create, not of data.shard; pass data.shard "
+                   "another --output_dir (data.prepare writes it to <output_dir>/hdf5)")
+    before = _files(target)
+    with pytest.raises(SystemExit) as exc:
+        command([*argv, "--output_dir", str(target), "--workers", "1"])
+    assert error_line(exc) == message
+    assert _files(target) == before
+
+
 def test_a_write_that_fails_leaves_no_temporary_behind(phase1_shards, tmp_path):
     """A shard or part whose write fails (a full disk) must not keep its partial bytes on the disk until a rerun."""
     shard = tmp_path / "training" / "wikicorpus_en_training_0.hdf5"
