@@ -31,7 +31,14 @@ from typing import Any, TypeVar
 
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
-from data.create import CreateConfig, add_masking_arguments, create, held_out_documents, validate
+from data.create import (
+    CreateConfig,
+    add_masking_arguments,
+    capped_masking,
+    create,
+    held_out_documents,
+    validate,
+)
 from data.download import (
     DEFAULT_DUMP_DATE,
     DEFAULT_MIRROR,
@@ -312,16 +319,11 @@ def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
 def preset_predictions_problem(a: argparse.Namespace) -> str | None:
     """Why the --phase preset's predictions, taken for a --max_seq_length or --masked_lm_prob given without
     --max_predictions_per_seq, would cap the masking below --masked_lm_prob (phase 1's 20 at 512 masks 4%)."""
+    if a.max_predictions_per_seq is not None:
+        return None  # an explicit cap is kept
     seq, pred = PHASES[a.phase]
-    seq = seq if a.max_seq_length is None else a.max_seq_length
-    if a.max_predictions_per_seq is not None or seq < 1 or not 0 <= a.masked_lm_prob < 1:
-        return None  # an explicit cap is kept; impossible values are refused by create.validate
-    wanted = round(a.masked_lm_prob * seq)
-    if wanted <= pred:
-        return None
-    return (f"--phase {a.phase}'s --max_predictions_per_seq {pred} would mask at most {pred} of {seq} tokens "
-            f"({pred / seq:.1%}), fewer than --masked_lm_prob {a.masked_lm_prob} asks for ({wanted}); pass "
-            f"--max_predictions_per_seq {wanted} or more (given explicitly, a smaller cap is kept)")
+    return capped_masking(seq if a.max_seq_length is None else a.max_seq_length, pred, a.masked_lm_prob,
+                          f"--phase {a.phase}'s")
 
 
 def main(argv: list[str] | None = None) -> None:
