@@ -413,18 +413,32 @@ def cli_call(fn: Callable[[Any], Any], cfg: Any) -> Any:
         print("interrupted; rerun the same command to continue where it stopped", file=sys.stderr)
         raise SystemExit(130) from None
     except OSError as exc:
-        raise SystemExit(disk_error(exc, getattr(cfg, "output_dir", None))) from exc
+        line = disk_error(exc, getattr(cfg, "output_dir", None))
+        if line is None:
+            raise  # not the disk's state: a defect, whose traceback is needed
+        raise SystemExit(line) from exc
 
 
-def disk_error(exc: OSError, output_dir: Path | None) -> str:
-    """The line for an OSError that reached a stage's CLI: a write that failed (the input files' errors are
-    PipelineErrors). Every file is written to a temporary name first, so the rerun goes on from the files
-    written before it."""
-    # errno's words, not h5py's message of many lines; numpy's short write ("N requested and M written") has none.
-    reason = os.strerror(exc.errno) if exc.errno else f"a write failed ({exc})"
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def disk_error(exc: OSError, output_dir: Path | None) -> str | None:
+    """The line for a write that failed because the disk is full or not writable (None for any other
+    OSError; the input files' errors are PipelineErrors). Every file is written to a temporary name first,
+    so the rerun goes on from the files written before it."""
+    # numpy's short write ("N requested and M written") carries no errno.
+    short_write = exc.errno is None and " requested and " in str(exc) and str(exc).endswith(" written")
+    if short_write or exc.errno in _DISK_FULL:
+        fix = "free space there"
+    elif exc.errno in _DENIED:
+        fix = "make it writable (or pass another output directory)"
+    else:
+        return None
+    # errno's words, not h5py's message of many lines
+    reason = f"a write failed ({exc})" if short_write else os.strerror(exc.errno)
     where = exc.filename2 or exc.filename or output_dir  # filename2: the destination of a copy or rename
-    return (f"error: {f'{where}: ' if where else ''}{reason}; free space there (or fix its permissions) and rerun "
-            "the same command to continue where it stopped")
+    return f"error: {f'{where}: ' if where else ''}{reason}; {fix} and rerun the same command to continue where it stopped"
 
 
 def file_identity(path: Path, sample_bytes: int = 1 << 20) -> dict[str, Any]:

@@ -239,25 +239,43 @@ def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
     assert capsys.readouterr().err == "interrupted; rerun the same command to continue where it stopped\n"
 
 
-@pytest.mark.parametrize("error, where, reason", [
+@pytest.mark.parametrize("error, where, reason, fix", [
     # shutil.copyfile of the vocab: the path is the copy's destination, not the vocab given
     (OSError(errno.ENOSPC, "No space left on device", "vocab.txt", None, "out/.vocab.txt.tmp-1"),
-     "out/.vocab.txt.tmp-1", "No space left on device"),
+     "out/.vocab.txt.tmp-1", "No space left on device", "free space there"),
     # h5py: errno's words, not its message of many lines
     (OSError(errno.ENOSPC, "Can't synchronously write data (file write failed: time = ...\n, errno = 28, ...)"),
-     "out", "No space left on device"),
+     "out", "No space left on device", "free space there"),
     # numpy's short write in data.create, with no errno and no path: the stage's output directory
-    (OSError("3635456 requested and 126848 written"), "out", "a write failed (3635456 requested and 126848 written)"),
+    (OSError("3635456 requested and 126848 written"), "out", "a write failed (3635456 requested and 126848 written)",
+     "free space there"),
+    (PermissionError(errno.EACCES, "Permission denied", "out/part-00000.txt"), "out/part-00000.txt",
+     "Permission denied", "make it writable (or pass another output directory)"),
+    (OSError(errno.EROFS, "Read-only file system", "out/_LOCK"), "out/_LOCK", "Read-only file system",
+     "make it writable (or pass another output directory)"),
 ])
-def test_a_disk_error_in_a_stage_command_is_a_line_naming_the_path(error, where, reason):
+def test_a_disk_error_in_a_stage_command_is_a_line_naming_the_path(error, where, reason, fix):
     """A full disk in any stage (python -m data.prepare on an 8 MB file system) ended in a traceback."""
     def fails(cfg):
         raise error
 
     with pytest.raises(SystemExit) as exc:
         stage.cli_call(fails, argparse.Namespace(output_dir=Path("out")))
-    assert exc.value.code == (f"error: {where}: {reason}; free space there (or fix its permissions) and rerun the "
-                              "same command to continue where it stopped")
+    assert exc.value.code == f"error: {where}: {reason}; {fix} and rerun the same command to continue where it stopped"
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError(errno.ENOENT, "No such file or directory", "out/x"),
+                                   ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+                                   OSError("some other failure")])
+def test_an_oserror_that_is_not_the_disks_state_keeps_its_traceback(error):
+    """Only a full or unwritable disk becomes the one line that says to free space; any other OSError is a
+    defect to report, and is not told to the user as a disk to clean up."""
+    def fails(cfg):
+        raise error
+
+    with pytest.raises(type(error)) as exc:
+        stage.cli_call(fails, argparse.Namespace(output_dir=Path("out")))
+    assert exc.value is error
 
 
 @pytest.mark.parametrize("arg, code", [("--help", 0), ("-h", 0), ("--output_dir", 2)])
