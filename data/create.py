@@ -93,7 +93,10 @@ def validate(cfg: CreateConfig) -> None:
     if cfg.max_seq_length < 8:
         raise PipelineError(f"max_seq_length must be at least 8, got {cfg.max_seq_length}")
     maskable = cfg.max_seq_length - 3
-    if not 1 <= cfg.max_predictions_per_seq <= maskable:
+    if cfg.max_predictions_per_seq < 1:
+        raise PipelineError(f"max_predictions_per_seq must be at least 1, got {cfg.max_predictions_per_seq}: every "
+                            "instance masks at least one token; use 20 at 128 or 80 at 512")
+    if cfg.max_predictions_per_seq > maskable:
         raise PipelineError(
             f"max_predictions_per_seq {cfg.max_predictions_per_seq} is not possible at max_seq_length "
             f"{cfg.max_seq_length}: at most {maskable} tokens can be masked ([CLS] and two [SEP] never are); "
@@ -107,6 +110,17 @@ def validate(cfg: CreateConfig) -> None:
         raise PipelineError(f"dupe_factor must be >= 1, got {cfg.dupe_factor}")
     if cfg.seed < 0:
         raise PipelineError(f"seed must be >= 0 (numpy's seed sequences take no negative numbers), got {cfg.seed}")
+
+
+def capped_masking(seq: int, pred: int, masked_lm_prob: float, source: str) -> str | None:
+    """Why `pred` predictions, not given but taken from `source` (a default or a preset), would cap the masking
+    below masked_lm_prob; None when they do not. Impossible values are left to `validate`."""
+    if seq < 1 or not 0 <= masked_lm_prob < 1 or round(masked_lm_prob * seq) <= pred:
+        return None
+    wanted = round(masked_lm_prob * seq)
+    return (f"{source} --max_predictions_per_seq {pred} would mask at most {pred} of {seq} tokens "
+            f"({pred / seq:.1%}), fewer than --masked_lm_prob {masked_lm_prob} asks for ({wanted}); pass "
+            f"--max_predictions_per_seq {wanted} or more (given explicitly, a smaller cap is kept)")
 
 
 @dataclass(frozen=True)
@@ -408,7 +422,7 @@ def stage_params(cfg: CreateConfig) -> dict:
     for path_field in ("vocab_file", "input_dir", "output_dir"):
         params.pop(path_field)
     params["vocab_sha1"] = stage.file_sha1(cfg.vocab_file)
-    params["tokens"] = stage.fingerprint(cfg.input_dir, tokens_stage.FORMAT_VERSION)
+    params["tokens"] = stage.fingerprint(cfg.input_dir, tokens_stage.FORMAT_VERSION, writer="data.tokens")
     return params
 
 
@@ -475,10 +489,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab_file", type=Path, required=True, help="the vocab.txt data.tokens used")
     p.add_argument("--output_dir", type=Path, required=True, help="the instances directory (input of data.shard)")
     p.add_argument("--max_seq_length", type=int, default=128, help="tokens per instance, [CLS] and [SEP]s included")
-    p.add_argument("--max_predictions_per_seq", type=int, default=20, help="most masked positions per instance")
+    p.add_argument("--max_predictions_per_seq", type=int,
+                   help="most masked positions per instance (default: 20, if it lets --masked_lm_prob be met)")
     add_masking_arguments(p)
     add_workers_argument(p)
     a = p.parse_args(argv)
+    if a.max_predictions_per_seq is None:
+        problem = capped_masking(a.max_seq_length, 20, a.masked_lm_prob, "the default")
+        if problem:
+            p.error(problem)
+        a.max_predictions_per_seq = 20
     r = stage.cli_call(create, CreateConfig(a.input_dir, a.vocab_file, a.output_dir, a.max_seq_length, a.max_predictions_per_seq,
                             a.dupe_factor, a.short_seq_prob, a.masked_lm_prob, a.whole_word_masking,
                             not a.dynamic_masking, a.test_fraction, a.seed, a.workers))

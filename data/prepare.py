@@ -31,7 +31,14 @@ from typing import Any, TypeVar
 
 from data import stage
 from data.cli import HelpFormatter, add_workers_argument
-from data.create import CreateConfig, add_masking_arguments, create, held_out_documents, validate
+from data.create import (
+    CreateConfig,
+    add_masking_arguments,
+    capped_masking,
+    create,
+    held_out_documents,
+    validate,
+)
 from data.download import (
     DEFAULT_DUMP_DATE,
     DEFAULT_MIRROR,
@@ -47,6 +54,7 @@ from data.shard import (
     ShardConfig,
     ShardResult,
     add_compression_argument,
+    check_name,
     check_shard_counts,
     compression_filter,
     shard,
@@ -226,6 +234,7 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
     validate(create_cfg)  # before any long stage runs, like the given vocab's special tokens
     check_shard_counts(cfg.num_shards, cfg.num_test_shards, cfg.test_fraction)
+    check_name(cfg.name)
     if cfg.vocab_file is not None:
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:
@@ -307,6 +316,16 @@ def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
         articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression)))
 
 
+def preset_predictions_problem(a: argparse.Namespace) -> str | None:
+    """Why the --phase preset's predictions, taken for a --max_seq_length or --masked_lm_prob given without
+    --max_predictions_per_seq, would cap the masking below --masked_lm_prob (phase 1's 20 at 512 masks 4%)."""
+    if a.max_predictions_per_seq is not None:
+        return None  # an explicit cap is kept
+    seq, pred = PHASES[a.phase]
+    return capped_masking(seq if a.max_seq_length is None else a.max_seq_length, pred, a.masked_lm_prob,
+                          f"--phase {a.phase}'s")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group(required=True)
@@ -338,6 +357,9 @@ def main(argv: list[str] | None = None) -> None:
     if a.vocab_file and (a.vocab_size != 30522 or a.limit_alphabet != 1000):
         p.error("--vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given "
                 "--vocab_file")
+    problem = preset_predictions_problem(a)
+    if problem:
+        p.error(problem)
     result = cli_call(prepare_from_args, a)
     print(result.summary())
 

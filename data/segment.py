@@ -81,8 +81,8 @@ def segment(cfg: SegmentConfig) -> SegmentResult:
     sources = extract_stage.list_parts(cfg.input_dir)
     if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.input_dir} is not a complete extraction; run data.extract into it first")
-    params = {stage.VERSION_KEY: FORMAT_VERSION, "extracted": stage.fingerprint(cfg.input_dir, extract_stage.FORMAT_VERSION),
-              "parts": len(sources)}
+    extracted = stage.fingerprint(cfg.input_dir, extract_stage.FORMAT_VERSION, writer="data.extract")
+    params = {stage.VERSION_KEY: FORMAT_VERSION, "extracted": extracted, "parts": len(sources)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:
         return SegmentResult(**done)

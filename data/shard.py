@@ -125,13 +125,22 @@ def check_shard_counts(num_shards: int, num_test_shards: int, test_fraction: flo
             "shards; pass a --test_fraction above 0 (default 0.02), or --num_test_shards 0")
 
 
+def check_name(name: str) -> None:
+    """The shard file prefix: a '/' in it wrote the shards outside the shards directory, then failed."""
+    if not name or "/" in name:
+        why = "it is empty" if not name else "it holds a /"
+        raise PipelineError(f"--name {name!r} cannot start the shards' file names ({why}); pass a file name prefix "
+                            "without '/', such as wikicorpus_en")
+
+
 def shard(cfg: ShardConfig) -> ShardResult:
     if not (cfg.instances_dir / stage.COMPLETE_FILE).is_file():
         raise PipelineError(f"{cfg.instances_dir} is not a complete data.create output; run data.create first")
     created = stage.finished_record(cfg.instances_dir)
-    instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION, created)
+    instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION, created, "data.create")
     cp, summary = created["params"], created["summary"]
     check_shard_counts(cfg.num_shards, cfg.num_test_shards)
+    check_name(cfg.name)
     counts = {"training": cfg.num_shards, "test": cfg.num_test_shards}
     for split, n in counts.items():
         total = summary["instances"][split]

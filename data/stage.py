@@ -235,11 +235,22 @@ def completed(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     if record is None:
         return None
     params = _normalise(params)
+    _check_own_directory(stage_dir, record.get("params"), params)
     if record.get("params") != params:
         raise StageConflict(stage_dir, f"{stage_dir} holds output made with other settings:\n  "
                                        + "\n  ".join(differences(record.get("params"), params)))
     _check_files(stage_dir, record)
     return record["summary"]
+
+
+def _check_own_directory(stage_dir: Path, stored: Any, params: dict[str, Any]) -> None:
+    """Refuse an output directory that another stage made (a stage's --input_dir given as its --output_dir,
+    say): it would be refused as made with other settings, with the advice to delete it, or, unfinished,
+    emptied."""
+    made_by, writer = _made_by(stored), _made_by(params)
+    if made_by and writer and made_by != writer:
+        raise PipelineError(f"{stage_dir} holds the output of {made_by}, not of {writer}; pass {writer} another "
+                            f"--output_dir (data.prepare writes it to {_INPUT_KEYS[writer][1]})")
 
 
 def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
@@ -282,6 +293,7 @@ def _start(stage_dir: Path, params: dict[str, Any]) -> None:
             reasons = differences(stored, params)
         except StageConflict:
             stored, reasons = None, [f"its {PARAMS_FILE} is unreadable"]
+        _check_own_directory(stage_dir, stored, params)
         if stored != params:
             # Its parts would mix with parts made with these settings, and a finished stage with them.
             print(f"{stage_dir}: discarding the unfinished output of an earlier run with other settings "
@@ -391,7 +403,8 @@ def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any],
 
 def cli_call(fn: Callable[[Any], Any], cfg: Any) -> Any:
     """Run a stage from its CLI: a PipelineError becomes a one-line message and exit status 1, Ctrl-C
-    a line saying how to go on and exit status 130, instead of a traceback."""
+    a line saying how to go on and exit status 130, and a disk error (`cfg.output_dir` full or not
+    writable) a line naming the path, instead of a traceback."""
     try:
         return fn(cfg)
     except PipelineError as exc:
@@ -399,6 +412,33 @@ def cli_call(fn: Callable[[Any], Any], cfg: Any) -> Any:
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to continue where it stopped", file=sys.stderr)
         raise SystemExit(130) from None
+    except OSError as exc:
+        line = disk_error(exc, getattr(cfg, "output_dir", None))
+        if line is None:
+            raise  # not the disk's state: a defect, whose traceback is needed
+        raise SystemExit(line) from exc
+
+
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
+
+
+def disk_error(exc: OSError, output_dir: Path | None) -> str | None:
+    """The line for a write that failed because the disk is full or not writable (None for any other
+    OSError; the input files' errors are PipelineErrors). Every file is written to a temporary name first,
+    so the rerun goes on from the files written before it."""
+    # numpy's short write ("N requested and M written") carries no errno.
+    short_write = exc.errno is None and " requested and " in str(exc) and str(exc).endswith(" written")
+    if short_write or exc.errno in _DISK_FULL:
+        fix = "free space there"
+    elif exc.errno in _DENIED:
+        fix = "make it writable (or pass another output directory)"
+    else:
+        return None
+    # errno's words, not h5py's message of many lines
+    reason = f"a write failed ({exc})" if short_write else os.strerror(exc.errno)
+    where = exc.filename2 or exc.filename or output_dir  # filename2: the destination of a copy or rename
+    return f"error: {f'{where}: ' if where else ''}{reason}; {fix} and rerun the same command to continue where it stopped"
 
 
 def file_identity(path: Path, sample_bytes: int = 1 << 20) -> dict[str, Any]:
@@ -428,12 +468,45 @@ def file_sha1(path: Path) -> str:
     return hashlib.sha1(path.read_bytes()).hexdigest()
 
 
-def fingerprint(stage_dir: Path, version: int | None = None, record: dict[str, Any] | None = None) -> dict[str, Any]:
+# The setting under which each stage records its input, which tells its output from another stage's, and
+# where data.prepare puts that output.
+_INPUT_KEYS = {
+    "data.extract": ("input", "<text_dir>/extracted"),
+    "data.segment": ("extracted", "<text_dir>/sentences"),
+    "data.tokens": ("sentences", "<text_dir>/tokens_*"),
+    "data.create": ("tokens", "<output_dir>/instances"),
+    "data.shard": ("instances", "<output_dir>/hdf5"),
+    "data.vocab": ("corpus", "<output_dir>/vocab_training"),
+}
+
+
+def _made_by(params: Any) -> str | None:
+    """The stage whose parameters `params` are, by the key it records its input under (None: not known)."""
+    if not isinstance(params, dict):
+        return None
+    return next((name for name, (key, _) in _INPUT_KEYS.items() if key in params), None)
+
+
+def _check_writer(stage_dir: Path, params: dict[str, Any], writer: str) -> None:
+    """Refuse the finished output of another stage than `writer` (the extracted text given for the sentences,
+    say): its files may even parse, as both are text, and give nonsense."""
+    made_by = _made_by(params)
+    if made_by in (None, writer):
+        return
+    raise PipelineError(f"{stage_dir} was made by {made_by}, not by {writer}; pass the directory "
+                        f"{writer} wrote ({_INPUT_KEYS[writer][1]} of data.prepare)")
+
+
+def fingerprint(stage_dir: Path, version: int | None = None, record: dict[str, Any] | None = None,
+                writer: str | None = None) -> dict[str, Any]:
     """Identifies a complete upstream stage's output: the sha1 of its parameters and summary, with its
-    parameters, so that a downstream stage refused for it can say which of them differ. With `version`
-    (the upstream stage's FORMAT_VERSION), output of another version of that stage is refused. `record`:
-    its `finished_record`, when the caller has read it already."""
+    parameters, so that a downstream stage refused for it can say which of them differ. With `writer` (the
+    upstream stage, "data.segment"), another stage's output is refused, and with `version` (the upstream
+    stage's FORMAT_VERSION), output of another version of that stage. `record`: its `finished_record`, when
+    the caller has read it already."""
     record = finished_record(stage_dir) if record is None else record
+    if writer is not None:
+        _check_writer(stage_dir, record["params"], writer)
     made = record["params"].get(VERSION_KEY)
     if version is not None and made != version:
         made_by = f"format {made}" if made is not None else "from before format versions were recorded"

@@ -235,7 +235,8 @@ def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
     vocab = load_vocab(cfg.vocab_file)
     sources = list_parts(cfg.input_dir)
     params = {stage.VERSION_KEY: FORMAT_VERSION,
-              "sentences": stage.fingerprint(cfg.input_dir, segment_stage.FORMAT_VERSION), "parts": len(sources),
+              "sentences": stage.fingerprint(cfg.input_dir, segment_stage.FORMAT_VERSION, writer="data.segment"),
+              "parts": len(sources),
               "lower_case": cfg.lower_case, "vocab_sha1": stage.file_sha1(cfg.vocab_file)}
     done = stage.begin(cfg.output_dir, params)
     if done is not None:

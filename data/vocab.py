@@ -22,7 +22,7 @@ from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from data import segment as segment_stage
 from data import stage
-from data.cli import HelpFormatter, add_workers_argument
+from data.cli import HelpFormatter, add_workers_argument, non_negative_int
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -82,6 +82,11 @@ def load_vocab(path: Path) -> Vocab:
             f"{path} starts with a UTF-8 byte-order mark (bytes EF BB BF, as some Windows editors save), which "
             f"readers of a vocab.txt take as part of the first token ({text.split(chr(10), 1)[0]!r}); remove it, "
             f"e.g. with: sed -i '1s/^\\xEF\\xBB\\xBF//' {shlex.quote(str(path))}")
+    if text.lstrip().startswith("{"):
+        # A vocab.txt starts with [PAD]; this one's lines would be refused as repeats or as lacking it.
+        raise PipelineError(
+            f"{path} is JSON (a tokenizer.json or vocab.json?), not a vocab.txt of one token per line in id "
+            "order; pass the vocab.txt saved with the model (tokenizer.save_pretrained writes one)")
     lines = text.split("\n")
     if lines[-1] == "":
         lines.pop()
@@ -193,7 +198,8 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     if not files:
         raise PipelineError(f"{cfg.corpus_dir}: no part-*.txt files to train a vocab on; run data.segment first")
     params = {stage.VERSION_KEY: FORMAT_VERSION,
-              "corpus": stage.fingerprint(cfg.corpus_dir, segment_stage.FORMAT_VERSION), "vocab_size": cfg.vocab_size,
+              "corpus": stage.fingerprint(cfg.corpus_dir, segment_stage.FORMAT_VERSION, writer="data.segment"),
+              "vocab_size": cfg.vocab_size,
               "lower_case": cfg.lower_case, "min_frequency": cfg.min_frequency, "limit_alphabet": cfg.limit_alphabet}
     stage_dir = cfg.output_dir / "vocab_training"
     trained = stage_dir / "model" / "vocab.txt"
@@ -280,7 +286,7 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--vocab_file", type=Path, help="use this BERT vocab.txt")
     src.add_argument("--corpus_dir", type=Path, help="train a WordPiece vocab on this data.segment output")
     p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
-    p.add_argument("--min_frequency", type=int, default=2, help="minimum pair frequency when training")
+    p.add_argument("--min_frequency", type=non_negative_int, default=2, help="minimum pair frequency when training")
     p.add_argument("--limit_alphabet", type=int, default=1000,
                    help="characters kept as tokens when training: the most frequent ones")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",

@@ -17,6 +17,7 @@ from data.create import (
     plan_pairs,
     truncate_pairs,
 )
+from data.create import main as create_main
 from data.tokens import TokenizedPart, load_part
 
 
@@ -234,3 +235,19 @@ def test_instances_of_a_part_are_shuffled(bert_vocab):
     first_doc = [min(docs) for docs in _documents(ids)]
     assert len(first_doc) > 100
     assert abs(np.corrcoef(np.arange(len(first_doc)), first_doc)[0, 1]) < 0.3
+
+
+def test_the_default_predictions_that_would_cap_the_masking_are_refused(phase1_shards, bert_vocab, tmp_path, capsys):
+    """python -m data.create --max_seq_length 512 took the default 20 predictions: 4% of the tokens masked, while
+    the shards' masked_lm_prob attribute said 0.15. Given explicitly, the cap is kept."""
+    tokens = next((phase1_shards / "text").glob("tokens_*"))
+    argv = ["--input_dir", str(tokens), "--vocab_file", str(bert_vocab), "--max_seq_length", "512", "--workers", "1"]
+    with pytest.raises(SystemExit) as exc:
+        create_main([*argv, "--output_dir", str(tmp_path / "refused")])
+    assert exc.value.code == 2
+    assert ("error: the default --max_predictions_per_seq 20 would mask at most 20 of 512 tokens (3.9%), fewer than "
+            "--masked_lm_prob 0.15 asks for (77); pass --max_predictions_per_seq 77 or more (given explicitly, a "
+            "smaller cap is kept)") in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
+    create_main([*argv, "--output_dir", str(tmp_path / "kept"), "--max_predictions_per_seq", "20", "--dupe_factor", "1"])
+    assert "create:" in capsys.readouterr().out

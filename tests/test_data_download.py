@@ -548,6 +548,40 @@ def test_a_tls_error_mid_body_is_retried(multistream_sample, tmp_path, monkeypat
     assert ranges[0] == 0 and 0 < ranges[1] <= 1_500_000  # resumed, not begun again
 
 
+@pytest.mark.parametrize("argv, message", [
+    # was a ValueError traceback ("unknown url type")
+    (["--mirror", "dumps.example.org"], "--mirror 'dumps.example.org' is not an http(s) URL; pass one such as "
+                                        "https://dumps.wikimedia.org"),
+    # was "Name or service not known ... rerun to try again", which no rerun fixes
+    (["--url", "ftp://dumps.example.org/a.xml.bz2"], "--url ftp://dumps.example.org/a.xml.bz2 is not an http(s) "
+                                                     "URL; pass one, or fetch the file another way and give its "
+                                                     "path to data.prepare --input"),
+])
+def test_download_refuses_a_url_or_mirror_that_is_not_http(argv, message, tmp_path):
+    with pytest.raises(SystemExit) as exc:
+        download_main([*argv, "--output_dir", str(tmp_path / "out"), "--retries", "0"])
+    assert exc.value.code == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("argv, message", [
+    # was "dumps.example.org/enwiki/...: no such file; pass a MediaWiki XML dump ... with --input"
+    (["--dump_date", "20261101", "--mirror", "dumps.example.org"],
+     "--mirror 'dumps.example.org' is not an http(s) URL; pass one such as https://dumps.wikimedia.org"),
+    # was "ftp:/dumps.example.org/a.xml.bz2: no such file", the URL read as a path
+    (["--input", "ftp://dumps.example.org/a.xml.bz2"], "--input ftp://dumps.example.org/a.xml.bz2: ftp:// URLs are "
+                                                       "not downloaded; pass an http(s):// URL, or fetch the file "
+                                                       "another way and pass its path"),
+])
+def test_prepare_refuses_an_input_or_mirror_url_that_is_not_http(argv, message, bert_vocab, tmp_path):
+    from data.prepare import main as prepare_main
+
+    with pytest.raises(SystemExit) as exc:
+        prepare_main([*argv, "--output_dir", str(tmp_path / "out"), "--vocab_file", str(bert_vocab)])
+    assert exc.value.code == f"error: {message}"
+    assert not (tmp_path / "out").exists()
+
+
 def test_input_names_a_url_in_any_case_or_a_local_file_as_a_path_or_a_file_url(tmp_path):
     from data.download import dump_source
 

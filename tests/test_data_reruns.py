@@ -29,6 +29,8 @@ from data.segment import main as segment_main
 from data.shard import main as shard_main
 from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError
 from data.tokens import TokenizeConfig, tokenize
+from data.tokens import main as tokens_main
+from data.vocab import main as vocab_main
 
 ROOT = Path(__file__).resolve().parents[1]
 # The phase1_shards fixture's settings (tests/conftest.py), but the dump and the output directory.
@@ -201,6 +203,56 @@ def test_a_directory_of_files_this_stage_did_not_make_is_refused(sample_dump, tm
     # left exactly as it was: not even the lock file the refusal took stays behind
     assert {p.name: p.read_text() for p in out.iterdir()} == {
         name: name for name in ("notes.txt", "part-00000.txt", "thesis.tex", "zeta")}
+
+
+@pytest.mark.parametrize("command, given, made_by, wanted, where, flags", [
+    # create and shard gave a KeyError traceback; tokens, segment and vocab read the text of the wrong stage
+    (create_main, "sentences", "data.segment", "data.tokens", "<text_dir>/tokens_*", ["--vocab_file", "VOCAB"]),
+    (shard_main, "tokens", "data.tokens", "data.create", "<output_dir>/instances", []),
+    (tokens_main, "extracted", "data.extract", "data.segment", "<text_dir>/sentences", ["--vocab_file", "VOCAB"]),
+    (segment_main, "sentences", "data.segment", "data.extract", "<text_dir>/extracted", []),
+    (vocab_main, "extracted", "data.extract", "data.segment", "<text_dir>/sentences", ["--vocab_size", "2000"]),
+], ids=["create", "shard", "tokens", "segment", "vocab"])
+def test_a_stage_given_another_stages_directory_names_it_and_the_stage_that_made_it(
+        phase1_shards, bert_vocab, tmp_path, command, given, made_by, wanted, where, flags):
+    source = tokens_dir(phase1_shards) if given == "tokens" else phase1_shards / "text" / given
+    flag = {shard_main: "--instances_dir", vocab_main: "--corpus_dir"}.get(command, "--input_dir")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        command([flag, str(source), "--output_dir", str(out),
+                 *(str(bert_vocab) if f == "VOCAB" else f for f in flags)])
+    assert error_line(exc) == (f"error: {source} was made by {made_by}, not by {wanted}; pass the directory "
+                               f"{wanted} wrote ({where} of data.prepare)")
+    assert not (out / COMPLETE_FILE).exists()
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*"))
+            if p.is_file() and p.name != stage.LOCK_FILE}
+
+
+@pytest.mark.parametrize("finished", [True, False], ids=["finished", "unfinished"])
+def test_a_stage_given_another_stages_directory_as_its_output_refuses_it_and_keeps_it(phase1_shards, tmp_path,
+                                                                                      finished):
+    """data.segment --output_dir <its --input_dir> was refused as 'made with other settings' with the advice to
+    delete its input; data.shard --output_dir <an unfinished instances directory> emptied it to start afresh."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    if finished:
+        command, target = segment_main, out / "text" / "extracted"
+        argv = ["--input_dir", str(target)]
+        message = (f"error: {target} holds the output of data.extract, not of data.segment; pass data.segment "
+                   "another --output_dir (data.prepare writes it to <text_dir>/sentences)")
+    else:
+        command, target = shard_main, out / "instances"
+        (target / COMPLETE_FILE).unlink()  # as a killed data.create leaves it
+        argv = ["--instances_dir", str(phase1_shards / "instances"), "--num_shards", "2"]
+        message = (f"error: {target} holds the output of data.create, not of data.shard; pass data.shard "
+                   "another --output_dir (data.prepare writes it to <output_dir>/hdf5)")
+    before = _files(target)
+    with pytest.raises(SystemExit) as exc:
+        command([*argv, "--output_dir", str(target), "--workers", "1"])
+    assert error_line(exc) == message
+    assert _files(target) == before
 
 
 def test_a_write_that_fails_leaves_no_temporary_behind(phase1_shards, tmp_path):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import errno
 import json
 import os
 import re
@@ -18,7 +20,7 @@ import pytest
 from data import shard as shard_stage
 from data import stage
 from data.extract import ExtractConfig, extract
-from data.prepare import PrepareConfig, duration, long_duration, prepare
+from data.prepare import PrepareConfig, duration, long_duration, prepare, preset_predictions_problem
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
 
@@ -62,6 +64,25 @@ def test_shard_cli_reshards_the_same_instances(phase1_shards, tmp_path, capsys):
     with pytest.raises(PipelineError, match="test instances .* which --num_test_shards 0 would write nowhere"):
         shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "no_test", 3, 0))
     assert not (tmp_path / "no_test").exists()
+
+
+@pytest.mark.parametrize("name, why", [("../escaped", "it holds a /"), ("", "it is empty")])
+def test_a_shard_name_that_is_no_file_name_prefix_is_refused(phase1_shards, sample_dump, bert_vocab, tmp_path, name,
+                                                             why):
+    """'../escaped' wrote every shard beside the output directory, then failed with a KeyError traceback."""
+    message = (f"error: --name {name!r} cannot start the shards' file names ({why}); pass a file name prefix "
+               "without '/', such as wikicorpus_en")
+    out = tmp_path / "run" / "hdf5"
+    with pytest.raises(SystemExit) as exc:
+        shard_stage.main(["--instances_dir", str(phase1_shards / "instances"), "--output_dir", str(out),
+                          "--num_shards", "3", "--name", name, "--workers", "1"])
+    assert str(exc.value.code) == message
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit) as exc:  # data.prepare refuses it before any stage runs
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(tmp_path / "prepared"), "--vocab_file",
+                      str(bert_vocab), "--name", name])
+    assert str(exc.value.code) == message
+    assert not (tmp_path / "prepared").exists()
 
 
 def test_a_shard_mixes_its_parts(phase1_shards, tmp_path):
@@ -141,6 +162,29 @@ def test_prepare_cli_passes_its_masking_flags_and_a_phase_preset_with_an_overrid
         assert f["input_ids"].shape[1] == 256 and "masked_lm_positions" not in f
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--max_seq_length", "512"], "--phase 1's --max_predictions_per_seq 20 would mask at most 20 of 512 tokens (3.9%), "
+                                  "fewer than --masked_lm_prob 0.15 asks for (77)"),
+    (["--masked_lm_prob", "0.2"], "--phase 1's --max_predictions_per_seq 20 would mask at most 20 of 128 tokens "
+                                  "(15.6%), fewer than --masked_lm_prob 0.2 asks for (26)"),
+])
+def test_a_phase_preset_that_would_cap_the_masking_is_refused(flags, message, sample_dump, bert_vocab, tmp_path, capsys):
+    """--max_seq_length 512 alone took phase 1's 20 predictions: shards masked 4.6% of their tokens while their
+    masked_lm_prob attribute said 0.15."""
+    out = tmp_path / "out"
+    argv = ["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab), *flags]
+    with pytest.raises(SystemExit) as exc:
+        prepare_main(argv)
+    assert exc.value.code == 2
+    wanted = message.rsplit("(", 1)[1].rstrip(")")
+    assert (f"error: {message}; pass --max_predictions_per_seq {wanted} or more (given explicitly, a smaller cap is "
+            "kept)") in capsys.readouterr().err
+    assert not out.exists()
+    # an explicit cap is taken as given
+    assert preset_predictions_problem(argparse.Namespace(phase=1, max_seq_length=512, max_predictions_per_seq=20,
+                                                         masked_lm_prob=0.15)) is None
+
+
 def test_gzip_shards_hold_the_same_arrays(phase1_shards, tmp_path):
     shard_stage.main(["--instances_dir", str(phase1_shards / "instances"), "--output_dir", str(tmp_path),
                       "--num_shards", "2", "--hdf5_compression", "gzip", "--workers", "2"])
@@ -193,6 +237,45 @@ def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
         stage.cli_call(interrupted, None)
     assert exc.value.code == 130
     assert capsys.readouterr().err == "interrupted; rerun the same command to continue where it stopped\n"
+
+
+@pytest.mark.parametrize("error, where, reason, fix", [
+    # shutil.copyfile of the vocab: the path is the copy's destination, not the vocab given
+    (OSError(errno.ENOSPC, "No space left on device", "vocab.txt", None, "out/.vocab.txt.tmp-1"),
+     "out/.vocab.txt.tmp-1", "No space left on device", "free space there"),
+    # h5py: errno's words, not its message of many lines
+    (OSError(errno.ENOSPC, "Can't synchronously write data (file write failed: time = ...\n, errno = 28, ...)"),
+     "out", "No space left on device", "free space there"),
+    # numpy's short write in data.create, with no errno and no path: the stage's output directory
+    (OSError("3635456 requested and 126848 written"), "out", "a write failed (3635456 requested and 126848 written)",
+     "free space there"),
+    (PermissionError(errno.EACCES, "Permission denied", "out/part-00000.txt"), "out/part-00000.txt",
+     "Permission denied", "make it writable (or pass another output directory)"),
+    (OSError(errno.EROFS, "Read-only file system", "out/_LOCK"), "out/_LOCK", "Read-only file system",
+     "make it writable (or pass another output directory)"),
+])
+def test_a_disk_error_in_a_stage_command_is_a_line_naming_the_path(error, where, reason, fix):
+    """A full disk in any stage (python -m data.prepare on an 8 MB file system) ended in a traceback."""
+    def fails(cfg):
+        raise error
+
+    with pytest.raises(SystemExit) as exc:
+        stage.cli_call(fails, argparse.Namespace(output_dir=Path("out")))
+    assert exc.value.code == f"error: {where}: {reason}; {fix} and rerun the same command to continue where it stopped"
+
+
+@pytest.mark.parametrize("error", [FileNotFoundError(errno.ENOENT, "No such file or directory", "out/x"),
+                                   ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
+                                   OSError("some other failure")])
+def test_an_oserror_that_is_not_the_disks_state_keeps_its_traceback(error):
+    """Only a full or unwritable disk becomes the one line that says to free space; any other OSError is a
+    defect to report, and is not told to the user as a disk to clean up."""
+    def fails(cfg):
+        raise error
+
+    with pytest.raises(type(error)) as exc:
+        stage.cli_call(fails, argparse.Namespace(output_dir=Path("out")))
+    assert exc.value is error
 
 
 @pytest.mark.parametrize("arg, code", [("--help", 0), ("-h", 0), ("--output_dir", 2)])

@@ -305,6 +305,15 @@ def test_impossible_max_predictions_is_refused_before_any_work(sample_dump, bert
     assert not out.exists()
 
 
+@pytest.mark.parametrize("value", [0, -5])
+def test_max_predictions_below_one_is_named_as_such(tmp_path, bert_vocab, value):
+    """It said 'not possible at max_seq_length 128: at most 125 tokens can be masked', the bound it is far below."""
+    with pytest.raises(PipelineError) as exc:
+        validate(CreateConfig(tmp_path, bert_vocab, tmp_path, max_seq_length=128, max_predictions_per_seq=value))
+    assert str(exc.value) == (f"max_predictions_per_seq must be at least 1, got {value}: every instance masks at "
+                              "least one token; use 20 at 128 or 80 at 512")
+
+
 @pytest.mark.parametrize("flag, value, message", [
     ("--seed", "-1", "seed must be >= 0"),  # was a numpy traceback in the create stage, after extraction
     ("--workers", "0", "argument --workers: must be >= 1, got 0"),  # was taken as 1 without a word

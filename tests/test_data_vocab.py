@@ -19,6 +19,7 @@ from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
 from data.vocab import VocabConfig, build_vocab, load_vocab
+from data.vocab import main as vocab_main
 
 
 def _settings(dump, out, **kw) -> dict:
@@ -185,6 +186,24 @@ def test_a_vocab_with_a_byte_order_mark_is_named_with_the_fix(sample_dump, bert_
     assert load_vocab(bom).tokens[0] == "[PAD]"
 
 
+def test_a_tokenizer_json_given_as_the_vocab_is_named_json(sample_dump, bert_vocab, tmp_path):
+    """It was "line 15 repeats the token '    {' of line 6 ...: remove one of the two lines"."""
+    from tokenizers import BertWordPieceTokenizer
+
+    tokenizer_json = tmp_path / "tokenizer.json"
+    BertWordPieceTokenizer(str(bert_vocab)).save(str(tokenizer_json))
+    message = (f"{tokenizer_json} is JSON (a tokenizer.json or vocab.json?), not a vocab.txt of one token per line "
+               "in id order; pass the vocab.txt saved with the model (tokenizer.save_pretrained writes one)")
+    with pytest.raises(PipelineError) as exc:
+        load_vocab(tokenizer_json)
+    assert str(exc.value) == message
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_:
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(tokenizer_json)])
+    assert exit_.value.code == f"error: {message}"
+    assert not out.exists()
+
+
 def test_a_directory_given_as_the_vocab_is_named_a_directory(sample_dump, tmp_path):
     """It was "no such vocab file"."""
     with pytest.raises(PipelineError, match=rf"^{re.escape(str(tmp_path))}: is a directory, not a vocab file"):
@@ -226,6 +245,17 @@ def test_a_vocab_size_without_room_for_pieces_is_refused_before_any_stage_runs(s
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match="--vocab_size -5 leaves no room"):
         prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_size", "-5"])
+    assert not out.exists()
+
+
+def test_a_negative_min_frequency_is_refused_by_the_vocab_command(phase1_shards, tmp_path, capsys):
+    """It was an OverflowError traceback from the tokenizers trainer, after the characters were counted."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        vocab_main(["--corpus_dir", str(phase1_shards / "text" / "sentences"), "--output_dir", str(out),
+                    "--vocab_size", "3000", "--min_frequency", "-3"])
+    assert exc.value.code == 2
+    assert "error: argument --min_frequency: must be >= 0, got -3" in capsys.readouterr().err
     assert not out.exists()
 
 
