@@ -191,6 +191,10 @@ def resolve_batch_sizes(ds_config: dict, world_size: int, source: str) -> BatchS
     return BatchSizes(train_batch_size=t, micro_batch=m, grad_accum=g)
 
 
+_SECTION_EXAMPLES = {"fp16": '"fp16": {"enabled": false}', "bf16": '"bf16": {"enabled": true}',
+                     "data_types": '"data_types": {"grad_accum_dtype": "fp32"}'}
+
+
 def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, BatchSizes]:
     try:
         config = json.loads(path.read_text())
@@ -198,6 +202,13 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         raise RunConfigError(f"--deepspeed_config {path}: cannot read it ({e.strerror})") from e
     except json.JSONDecodeError as e:
         raise RunConfigError(f"--deepspeed_config {path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+    if not isinstance(config, dict):
+        raise RunConfigError(f"--deepspeed_config {path}: a JSON {type(config).__name__}, not an object; start from "
+                             f"{DEFAULT_DS_CONFIG.relative_to(ROOT)}")
+    for key in ("fp16", "bf16", "data_types"):
+        if not isinstance(config.get(key, {}), dict):
+            raise RunConfigError(f"{path}: '{key}' must be an object, got {config[key]!r}; write e.g. "
+                                 f"{_SECTION_EXAMPLES[key]}")
     for key, flag in (("optimizer", "--optimizer/--learning_rate"), ("scheduler", "--warmup_proportion etc.")):
         if key in config:
             raise RunConfigError(f"{path}: remove the '{key}' section; this script builds it from {flag}")

@@ -109,6 +109,21 @@ def test_unreadable_deepspeed_json(tmp_path):
         load_ds_config(tmp_path / "bad.json", 1, "lamb")
 
 
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "a JSON list, not an object"),
+    ('{"train_micro_batch_size_per_gpu": 8, "fp16": true}', r"'fp16' must be an object, got True"),
+    ('{"train_micro_batch_size_per_gpu": 8, "bf16": true}', r"'bf16' must be an object, got True"),
+    ('{"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": true}, "data_types": "fp32"}',
+     r"'data_types' must be an object, got 'fp32'; write e.g. \"data_types\": \{\"grad_accum_dtype\": \"fp32\"\}"),
+])
+def test_deepspeed_json_of_the_wrong_shape_names_the_field(tmp_path, text, message):
+    """Not an AttributeError traceback from config.get(...).get(...)."""
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(RunConfigError, match=message):
+        load_ds_config(path, 1, "lamb")
+
+
 REQUIRED = ["--deepspeed", "--input_dir", "in", "--output_dir", "out", "--config_file", "c.json", "--max_steps", "5"]
 
 
