@@ -149,6 +149,10 @@ def test_counts_below_one_are_refused(flag):
     (["--num_workers", "-1"], "--num_workers must be >= 0"),
     (["--seed", "-1"], "--seed must be >= 0"),  # numpy's seed sequences take no negative numbers
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
+    (["--learning_rate", "nan"], r"--learning_rate must be > 0 and finite, got nan"),
+    (["--learning_rate", "inf"], r"--learning_rate must be > 0 and finite, got inf"),
+    (["--poly_power", "nan"], r"--poly_power must be > 0 and finite, got nan"),
+    (["--poly_power", "inf"], r"--poly_power must be > 0 and finite, got inf"),
     (["--weight_decay", "-0.5"], r"--weight_decay must be a finite number >= 0, got -0.5"),
     (["--weight_decay", "nan"], r"--weight_decay must be a finite number >= 0, got nan"),
     (["--warmup_proportion", "1.5"], r"--warmup_proportion must be in \[0, 1\]"),
