@@ -116,6 +116,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.phase2 != (args.init_checkpoint is not None):
         raise RunConfigError("--phase2 and --init_checkpoint go together: phase 2 starts from the phase-1 "
                              "run given by --init_checkpoint")
+    check_output_dir(args.output_dir)
     if args.init_checkpoint is not None and args.init_checkpoint.resolve() == args.output_dir.resolve():
         raise RunConfigError("--init_checkpoint must be the phase-1 run, not this run's --output_dir")
     for name in ("max_steps", "num_steps_per_checkpoint", "keep_checkpoints", "log_freq", "max_nonfinite_steps",
@@ -137,6 +138,16 @@ def check_args(args: argparse.Namespace) -> None:
         schedule_config(args)
     except ValueError as e:  # ScheduleConfig names the flag
         raise RunConfigError(str(e)) from e
+
+
+def check_output_dir(path: Path) -> None:
+    """Refuse a file where the run's directory, or one above it, would be: mkdir would fail only
+    after the model and engine were built."""
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                raise RunConfigError(f"--output_dir {path}: {existing} is a file, not a directory; pass a directory")
+            return
 
 
 def schedule_config(args: argparse.Namespace) -> ScheduleConfig:

@@ -165,6 +165,16 @@ def test_bad_flag_combinations(extra, message):
         parse_args(REQUIRED + extra)
 
 
+@pytest.mark.parametrize("below", ["", "run"])
+def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path, below):
+    """Not a FileExistsError / NotADirectoryError traceback from mkdir after the engine is built."""
+    (tmp_path / "f").write_text("x")
+    out = tmp_path / "f" / below
+    with pytest.raises(RunConfigError, match=f"^--output_dir {re.escape(str(out))}: {re.escape(str(tmp_path / 'f'))} "
+                                             "is a file, not a directory; pass a directory$"):
+        parse_args(REQUIRED + ["--output_dir", str(out)])
+
+
 TINY_MODEL = json.loads(Path("configs/models/bert-tiny.json").read_text())
 
 
