@@ -236,6 +236,14 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         raise RunConfigError(f"{path}: zero_optimization.compute_grad_norm false turns off DeepSpeed's check for "
                              "non-finite gradients in fp32, which would then reach the weights, and the logged "
                              "grad_norm; remove it")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    # DeepSpeed refuses a client optimizer under offload only inside deepspeed.initialize, and its message
+    # advises an optimizer section, which this script refuses.
+    if isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme") and \
+            config.get("zero_force_ds_cpu_optimizer", True) is not False:
+        raise RunConfigError(f"{path}: zero_optimization.offload_optimizer takes only DeepSpeed's CPU optimizers "
+                             f"unless \"zero_force_ds_cpu_optimizer\": false, and this script passes its own "
+                             f"(--optimizer {optimizer}); add that field, or remove offload_optimizer")
     bf16 = config.get("bf16", {}).get("enabled")
     if bf16 and stage != 1:
         raise RunConfigError(f"{path}: bf16 needs zero_optimization.stage 1, got {stage}: only there does "

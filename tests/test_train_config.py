@@ -76,6 +76,9 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"zero_optimization": {"stage": 1, "compute_grad_norm": False}},
      "compute_grad_norm false turns off DeepSpeed's check for non-finite gradients"),
     ({"zero_allow_untested_optimizer": False}, r"--optimizer lamb .*\"zero_allow_untested_optimizer\": true; add it"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+     r"offload_optimizer takes only DeepSpeed's CPU optimizers unless \"zero_force_ds_cpu_optimizer\": false, "
+     r"and this script passes its own \(--optimizer lamb\); add that field, or remove offload_optimizer"),
 ])
 def test_deepspeed_json_errors(tmp_path, change, message):
     config = json.loads(DEFAULT_DS_CONFIG.read_text()) | change
@@ -83,6 +86,15 @@ def test_deepspeed_json_errors(tmp_path, change, message):
     path.write_text(json.dumps(config))
     with pytest.raises(RunConfigError, match=message):
         load_ds_config(path, world_size=1, optimizer="lamb")
+
+
+def test_optimizer_offload_is_accepted_with_zero_force_ds_cpu_optimizer_false(tmp_path):
+    """The form the offload error asks for (a 1-rank run with it resumes to bitwise equal losses)."""
+    config = json.loads(DEFAULT_DS_CONFIG.read_text())
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config | {"zero_force_ds_cpu_optimizer": False}))
+    assert load_ds_config(path, world_size=1, optimizer="lamb")[1] == BatchSizes(8, 8, 1)
 
 
 @pytest.mark.parametrize("optimizer, refused", [("lamb", True), ("lans", True), ("adamw", False)])
