@@ -149,6 +149,13 @@ def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tm
     assert_exported(tmp_path / "hf_plain", masters)  # fp32 training: the module weights are the masters
 
 
+def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path: Path):
+    """Say what is wrong with the path given (a run's model_config.json, say), not "no such directory"."""
+    (tmp_path / "model_config.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"model_config.json: a file, not a directory; pass a training --output_dir"):
+        locate(tmp_path / "model_config.json")
+
+
 def test_clear_errors(zero_run: Path, tmp_path: Path):
     with pytest.raises(ExportError, match="no such directory"):
         export(tmp_path / "nowhere", tmp_path / "hf")
