@@ -78,6 +78,11 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
                               + (f"; pass --tag with one of the complete tags: {', '.join(complete)}" if complete
                                  else " (the run saved none yet)"))
         tag = latest.read_text().strip()
+        if not tag or not (checkpoints / tag).is_dir():
+            complete = ", ".join(complete_tags(checkpoints)) or "none"
+            named = f"names {tag!r}, but {checkpoints / tag} does not exist" if tag else "is empty"
+            raise ExportError(f"{latest} {named}; pass --tag with one of the complete tags ({complete}), or point "
+                              "'latest' at one")
     if not (checkpoints / tag).is_dir():
         raise ExportError(f"{checkpoints / tag}: no such checkpoint tag")
     return CheckpointLocation(run_dir, checkpoints, tag)

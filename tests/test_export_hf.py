@@ -156,6 +156,19 @@ def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path: Path):
         locate(tmp_path / "model_config.json")
 
 
+def test_latest_naming_a_missing_tag_says_so_and_names_the_complete_ones(tmp_path: Path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step00000002").mkdir(parents=True)
+    (checkpoints / "step00000002" / "run_state.json").write_text("{}")
+    (checkpoints / "latest").write_text("step00000009\n")
+    with pytest.raises(ExportError, match=r"latest names 'step00000009', but .*step00000009 does not exist; pass --tag "
+                                          r"with one of the complete tags \(step00000002\)"):
+        locate(tmp_path / "run")
+    (checkpoints / "latest").write_text("\n")  # was read as the tag "", i.e. checkpoints/ itself
+    with pytest.raises(ExportError, match=r"latest is empty; pass --tag with one of the complete tags \(step00000002\)"):
+        locate(tmp_path / "run")
+
+
 def test_clear_errors(zero_run: Path, tmp_path: Path):
     with pytest.raises(ExportError, match="no such directory"):
         export(tmp_path / "nowhere", tmp_path / "hf")
