@@ -10,10 +10,13 @@ resumes from `<output_dir>/checkpoints/latest` at the exact sample. See docs/TRA
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
+import os
 import shutil
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -487,6 +490,43 @@ def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -
             "mlm_accuracy": sums[3].item() / n, "samples": int(n)}
 
 
+RUN_LOCK = ".run.lock"
+
+
+def lock_output_dir(output_dir: Path):
+    """Collective. Rank 0 holds an exclusive lock on <output_dir>/.run.lock while the run lasts: a second
+    run on the same --output_dir (a job requeued while the first still runs) would save into the same
+    checkpoints and logs, the two timelines interleaved. Returns rank 0's open lock file."""
+    handle, error = (_try_lock(output_dir / RUN_LOCK) if dist.get_rank() == 0 else (None, None))
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)
+    if errors[0]:
+        raise RunConfigError(errors[0])
+    return handle
+
+
+def _try_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")  # noqa: SIM115 (open as long as the run)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        return None, (f"--output_dir {path.parent} is in use by another run ({holder}, holding {path}); wait for "
+                      "it to end, or pass another --output_dir")
+    except OSError as e:  # a file system without flock (Lustre mounted without -o flock)
+        print(f"warning: cannot lock {path} ({e.strerror}); make sure no other run uses this --output_dir",
+              file=sys.stderr)
+        return handle, None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+    handle.flush()
+    return handle, None
+
+
 def write_run_files(args: argparse.Namespace, config: BertConfig) -> None:
     """What export_hf needs beside the checkpoints: the model config and the vocabulary."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -531,6 +571,7 @@ def train(args: argparse.Namespace) -> dict:
                               "to train without evaluation")
     identity = run_identity(args, train_set, sizes, config, bool(ds_config.get("bf16", {}).get("enabled")))
 
+    run_lock = lock_output_dir(args.output_dir)
     ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
     checkpoint.finish_interrupted_commit(ckpt_dir, args.keep_checkpoints)
     resume = checkpoint.find_resume(ckpt_dir)
@@ -680,6 +721,8 @@ def train(args: argparse.Namespace) -> dict:
             writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
     finally:
         writer.close()
+        if run_lock is not None:
+            run_lock.close()
     return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped,
             "skipped_batches": guard.skipped_batches, "skipped_steps": guard.skipped_steps}
 
