@@ -10,10 +10,13 @@ resumes from `<output_dir>/checkpoints/latest` at the exact sample. See docs/TRA
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import math
+import os
 import shutil
 import signal
+import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,6 +119,7 @@ def check_args(args: argparse.Namespace) -> None:
     if args.phase2 != (args.init_checkpoint is not None):
         raise RunConfigError("--phase2 and --init_checkpoint go together: phase 2 starts from the phase-1 "
                              "run given by --init_checkpoint")
+    check_output_dir(args.output_dir)
     if args.init_checkpoint is not None and args.init_checkpoint.resolve() == args.output_dir.resolve():
         raise RunConfigError("--init_checkpoint must be the phase-1 run, not this run's --output_dir")
     for name in ("max_steps", "num_steps_per_checkpoint", "keep_checkpoints", "log_freq", "max_nonfinite_steps",
@@ -137,6 +141,16 @@ def check_args(args: argparse.Namespace) -> None:
         schedule_config(args)
     except ValueError as e:  # ScheduleConfig names the flag
         raise RunConfigError(str(e)) from e
+
+
+def check_output_dir(path: Path) -> None:
+    """Refuse a file where the run's directory, or one above it, would be: mkdir would fail only
+    after the model and engine were built."""
+    for existing in (path, *path.parents):
+        if existing.exists():
+            if not existing.is_dir():
+                raise RunConfigError(f"--output_dir {path}: {existing} is a file, not a directory; pass a directory")
+            return
 
 
 def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
@@ -191,6 +205,10 @@ def resolve_batch_sizes(ds_config: dict, world_size: int, source: str) -> BatchS
     return BatchSizes(train_batch_size=t, micro_batch=m, grad_accum=g)
 
 
+_SECTION_EXAMPLES = {"fp16": '"fp16": {"enabled": false}', "bf16": '"bf16": {"enabled": true}',
+                     "data_types": '"data_types": {"grad_accum_dtype": "fp32"}'}
+
+
 def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, BatchSizes]:
     try:
         config = json.loads(path.read_text())
@@ -198,6 +216,13 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         raise RunConfigError(f"--deepspeed_config {path}: cannot read it ({e.strerror})") from e
     except json.JSONDecodeError as e:
         raise RunConfigError(f"--deepspeed_config {path}: not valid JSON (line {e.lineno}: {e.msg})") from e
+    if not isinstance(config, dict):
+        raise RunConfigError(f"--deepspeed_config {path}: a JSON {type(config).__name__}, not an object; start from "
+                             f"{DEFAULT_DS_CONFIG.relative_to(ROOT)}")
+    for key in ("fp16", "bf16", "data_types"):
+        if not isinstance(config.get(key, {}), dict):
+            raise RunConfigError(f"{path}: '{key}' must be an object, got {config[key]!r}; write e.g. "
+                                 f"{_SECTION_EXAMPLES[key]}")
     for key, flag in (("optimizer", "--optimizer/--learning_rate"), ("scheduler", "--warmup_proportion etc.")):
         if key in config:
             raise RunConfigError(f"{path}: remove the '{key}' section; this script builds it from {flag}")
@@ -214,6 +239,14 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         raise RunConfigError(f"{path}: zero_optimization.compute_grad_norm false turns off DeepSpeed's check for "
                              "non-finite gradients in fp32, which would then reach the weights, and the logged "
                              "grad_norm; remove it")
+    offload = zero.get("offload_optimizer") if isinstance(zero, dict) else None
+    # DeepSpeed refuses a client optimizer under offload only inside deepspeed.initialize, and its message
+    # advises an optimizer section, which this script refuses.
+    if isinstance(offload, dict) and offload.get("device") in ("cpu", "nvme") and \
+            config.get("zero_force_ds_cpu_optimizer", True) is not False:
+        raise RunConfigError(f"{path}: zero_optimization.offload_optimizer takes only DeepSpeed's CPU optimizers "
+                             f"unless \"zero_force_ds_cpu_optimizer\": false, and this script passes its own "
+                             f"(--optimizer {optimizer}); add that field, or remove offload_optimizer")
     bf16 = config.get("bf16", {}).get("enabled")
     if bf16 and stage != 1:
         raise RunConfigError(f"{path}: bf16 needs zero_optimization.stage 1, got {stage}: only there does "
@@ -457,6 +490,43 @@ def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -
             "mlm_accuracy": sums[3].item() / n, "samples": int(n)}
 
 
+RUN_LOCK = ".run.lock"
+
+
+def lock_output_dir(output_dir: Path):
+    """Collective. Rank 0 holds an exclusive lock on <output_dir>/.run.lock while the run lasts: a second
+    run on the same --output_dir (a job requeued while the first still runs) would save into the same
+    checkpoints and logs, the two timelines interleaved. Returns rank 0's open lock file."""
+    handle, error = (_try_lock(output_dir / RUN_LOCK) if dist.get_rank() == 0 else (None, None))
+    errors = [error]
+    dist.broadcast_object_list(errors, src=0)
+    if errors[0]:
+        raise RunConfigError(errors[0])
+    return handle
+
+
+def _try_lock(path: Path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = open(path, "a+")  # noqa: SIM115 (open as long as the run)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "another process"
+        handle.close()
+        return None, (f"--output_dir {path.parent} is in use by another run ({holder}, holding {path}); wait for "
+                      "it to end, or pass another --output_dir")
+    except OSError as e:  # a file system without flock (Lustre mounted without -o flock)
+        print(f"warning: cannot lock {path} ({e.strerror}); make sure no other run uses this --output_dir",
+              file=sys.stderr)
+        return handle, None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
+    handle.flush()
+    return handle, None
+
+
 def write_run_files(args: argparse.Namespace, config: BertConfig) -> None:
     """What export_hf needs beside the checkpoints: the model config and the vocabulary."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
@@ -501,6 +571,7 @@ def train(args: argparse.Namespace) -> dict:
                               "to train without evaluation")
     identity = run_identity(args, train_set, sizes, config, bool(ds_config.get("bf16", {}).get("enabled")))
 
+    run_lock = lock_output_dir(args.output_dir)
     ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
     checkpoint.finish_interrupted_commit(ckpt_dir, args.keep_checkpoints)
     resume = checkpoint.find_resume(ckpt_dir)
@@ -650,6 +721,8 @@ def train(args: argparse.Namespace) -> dict:
             writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
     finally:
         writer.close()
+        if run_lock is not None:
+            run_lock.close()
     return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped,
             "skipped_batches": guard.skipped_batches, "skipped_steps": guard.skipped_steps}
 

@@ -57,7 +57,8 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
     """Accept a run directory, its checkpoints/ directory or a tag directory."""
     path = path.resolve()
     if not path.is_dir():
-        raise ExportError(f"{path}: no such directory; pass a training --output_dir or a checkpoint tag directory")
+        what = "a file, not a directory" if path.exists() else "no such directory"
+        raise ExportError(f"{path}: {what}; pass a training --output_dir or a checkpoint tag directory")
     if (path / MODEL_STATES).is_file() or (path / "zero").is_dir():
         if tag is not None and tag != path.name:
             raise ExportError(f"{path} is the checkpoint tag '{path.name}'; --tag {tag} contradicts it")
@@ -77,6 +78,11 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
                               + (f"; pass --tag with one of the complete tags: {', '.join(complete)}" if complete
                                  else " (the run saved none yet)"))
         tag = latest.read_text().strip()
+        if not tag or not (checkpoints / tag).is_dir():
+            complete = ", ".join(complete_tags(checkpoints)) or "none"
+            named = f"names {tag!r}, but {checkpoints / tag} does not exist" if tag else "is empty"
+            raise ExportError(f"{latest} {named}; pass --tag with one of the complete tags ({complete}), or point "
+                              "'latest' at one")
     if not (checkpoints / tag).is_dir():
         raise ExportError(f"{checkpoints / tag}: no such checkpoint tag")
     return CheckpointLocation(run_dir, checkpoints, tag)

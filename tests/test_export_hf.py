@@ -149,6 +149,26 @@ def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tm
     assert_exported(tmp_path / "hf_plain", masters)  # fp32 training: the module weights are the masters
 
 
+def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path: Path):
+    """Say what is wrong with the path given (a run's model_config.json, say), not "no such directory"."""
+    (tmp_path / "model_config.json").write_text("{}")
+    with pytest.raises(ExportError, match=r"model_config.json: a file, not a directory; pass a training --output_dir"):
+        locate(tmp_path / "model_config.json")
+
+
+def test_latest_naming_a_missing_tag_says_so_and_names_the_complete_ones(tmp_path: Path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    (checkpoints / "step00000002").mkdir(parents=True)
+    (checkpoints / "step00000002" / "run_state.json").write_text("{}")
+    (checkpoints / "latest").write_text("step00000009\n")
+    with pytest.raises(ExportError, match=r"latest names 'step00000009', but .*step00000009 does not exist; pass --tag "
+                                          r"with one of the complete tags \(step00000002\)"):
+        locate(tmp_path / "run")
+    (checkpoints / "latest").write_text("\n")  # was read as the tag "", i.e. checkpoints/ itself
+    with pytest.raises(ExportError, match=r"latest is empty; pass --tag with one of the complete tags \(step00000002\)"):
+        locate(tmp_path / "run")
+
+
 def test_clear_errors(zero_run: Path, tmp_path: Path):
     with pytest.raises(ExportError, match="no such directory"):
         export(tmp_path / "nowhere", tmp_path / "hf")

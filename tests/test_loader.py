@@ -4,6 +4,7 @@ exact resume positions, static and dynamic masks, reference-format shards, misma
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import h5py
@@ -75,6 +76,16 @@ def test_shards_are_found_by_name_or_by_directory(tmp_path):
     (tmp_path / "h" / "wiki_training_test_0.hdf5").touch()
     with pytest.raises(DataConfigError, match=r"wiki_training_test_0\.hdf5: the file name names both splits"):
         find_shards(tmp_path, "training")
+
+
+def test_an_input_dir_that_is_missing_or_a_file_says_so(tmp_path):
+    """Not "no training shards found under it", which sends one looking for misnamed shards."""
+    with pytest.raises(DataConfigError, match=f"^--input_dir {re.escape(str(tmp_path / 'typo'))} does not exist; "
+                                              "pass the directory that holds the shards"):
+        find_shards(tmp_path / "typo", "training")
+    (tmp_path / "shard.hdf5").touch()
+    with pytest.raises(DataConfigError, match="shard.hdf5 is a file, not a directory; pass the directory"):
+        find_shards(tmp_path / "shard.hdf5", "training")
 
 
 def test_every_epoch_visits_every_row_once_in_a_seeded_order(phase1_shards):

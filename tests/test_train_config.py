@@ -76,6 +76,9 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"zero_optimization": {"stage": 1, "compute_grad_norm": False}},
      "compute_grad_norm false turns off DeepSpeed's check for non-finite gradients"),
     ({"zero_allow_untested_optimizer": False}, r"--optimizer lamb .*\"zero_allow_untested_optimizer\": true; add it"),
+    ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
+     r"offload_optimizer takes only DeepSpeed's CPU optimizers unless \"zero_force_ds_cpu_optimizer\": false, "
+     r"and this script passes its own \(--optimizer lamb\); add that field, or remove offload_optimizer"),
 ])
 def test_deepspeed_json_errors(tmp_path, change, message):
     config = json.loads(DEFAULT_DS_CONFIG.read_text()) | change
@@ -83,6 +86,15 @@ def test_deepspeed_json_errors(tmp_path, change, message):
     path.write_text(json.dumps(config))
     with pytest.raises(RunConfigError, match=message):
         load_ds_config(path, world_size=1, optimizer="lamb")
+
+
+def test_optimizer_offload_is_accepted_with_zero_force_ds_cpu_optimizer_false(tmp_path):
+    """The form the offload error asks for (a 1-rank run with it resumes to bitwise equal losses)."""
+    config = json.loads(DEFAULT_DS_CONFIG.read_text())
+    config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config | {"zero_force_ds_cpu_optimizer": False}))
+    assert load_ds_config(path, world_size=1, optimizer="lamb")[1] == BatchSizes(8, 8, 1)
 
 
 @pytest.mark.parametrize("optimizer, refused", [("lamb", True), ("lans", True), ("adamw", False)])
@@ -107,6 +119,21 @@ def test_unreadable_deepspeed_json(tmp_path):
     (tmp_path / "bad.json").write_text("{")
     with pytest.raises(RunConfigError, match="not valid JSON"):
         load_ds_config(tmp_path / "bad.json", 1, "lamb")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[1, 2]", "a JSON list, not an object"),
+    ('{"train_micro_batch_size_per_gpu": 8, "fp16": true}', r"'fp16' must be an object, got True"),
+    ('{"train_micro_batch_size_per_gpu": 8, "bf16": true}', r"'bf16' must be an object, got True"),
+    ('{"train_micro_batch_size_per_gpu": 8, "bf16": {"enabled": true}, "data_types": "fp32"}',
+     r"'data_types' must be an object, got 'fp32'; write e.g. \"data_types\": \{\"grad_accum_dtype\": \"fp32\"\}"),
+])
+def test_deepspeed_json_of_the_wrong_shape_names_the_field(tmp_path, text, message):
+    """Not an AttributeError traceback from config.get(...).get(...)."""
+    path = tmp_path / "ds.json"
+    path.write_text(text)
+    with pytest.raises(RunConfigError, match=message):
+        load_ds_config(path, 1, "lamb")
 
 
 REQUIRED = ["--deepspeed", "--input_dir", "in", "--output_dir", "out", "--config_file", "c.json", "--max_steps", "5"]
@@ -134,6 +161,10 @@ def test_counts_below_one_are_refused(flag):
     (["--num_workers", "-1"], "--num_workers must be >= 0"),
     (["--seed", "-1"], "--seed must be >= 0"),  # numpy's seed sequences take no negative numbers
     (["--learning_rate", "0"], "--learning_rate must be > 0"),
+    (["--learning_rate", "nan"], r"--learning_rate must be > 0 and finite, got nan"),
+    (["--learning_rate", "inf"], r"--learning_rate must be > 0 and finite, got inf"),
+    (["--poly_power", "nan"], r"--poly_power must be > 0 and finite, got nan"),
+    (["--poly_power", "inf"], r"--poly_power must be > 0 and finite, got inf"),
     (["--weight_decay", "-0.5"], r"--weight_decay must be a finite number >= 0, got -0.5"),
     (["--weight_decay", "nan"], r"--weight_decay must be a finite number >= 0, got nan"),
     (["--warmup_proportion", "1.5"], r"--warmup_proportion must be in \[0, 1\]"),
@@ -144,6 +175,16 @@ def test_counts_below_one_are_refused(flag):
 def test_bad_flag_combinations(extra, message):
     with pytest.raises(RunConfigError, match=message):
         parse_args(REQUIRED + extra)
+
+
+@pytest.mark.parametrize("below", ["", "run"])
+def test_an_output_dir_that_is_a_file_is_refused_before_training(tmp_path, below):
+    """Not a FileExistsError / NotADirectoryError traceback from mkdir after the engine is built."""
+    (tmp_path / "f").write_text("x")
+    out = tmp_path / "f" / below
+    with pytest.raises(RunConfigError, match=f"^--output_dir {re.escape(str(out))}: {re.escape(str(tmp_path / 'f'))} "
+                                             "is a file, not a directory; pass a directory$"):
+        parse_args(REQUIRED + ["--output_dir", str(out)])
 
 
 TINY_MODEL = json.loads(Path("configs/models/bert-tiny.json").read_text())

@@ -148,6 +148,19 @@ def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     assert set(before) < {p.name for p in (tmp_path / "tensorboard").iterdir()}
 
 
+def test_a_start_from_scratch_over_an_earlier_runs_records_says_so(tmp_path, capsys):
+    """Its checkpoints deleted, a run's rerun trained again from step 0 without a word."""
+    MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=True).close()  # a first start: nothing to say
+    assert "warning" not in capsys.readouterr().err
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (1, 2, 3)))
+    MetricsWriter(tmp_path, total_steps=10, start_step=2, enabled=True).close()  # a resume drops step 3 quietly
+    assert "warning" not in capsys.readouterr().err
+    MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=True).close()
+    assert (f"warning: {tmp_path} has no checkpoint to resume from, but an earlier run logged steps in "
+            "metrics.jsonl; this run starts at step 0 and moves those records to metrics.dropped.jsonl") \
+        in capsys.readouterr().err
+
+
 def test_a_rerun_killed_while_dropping_records_keeps_them_aside_once(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n"
                                                     for s in range(1, 7)))

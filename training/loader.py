@@ -63,6 +63,10 @@ def find_shards(input_dir: Path, split: str) -> list[Path]:
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     root = Path(input_dir)
+    if not root.is_dir():
+        what = "is a file, not a directory" if root.exists() else "does not exist"
+        raise DataConfigError(f"--input_dir {root} {what}; pass the directory that holds the shards "
+                              "(data.prepare's --output_dir, or its hdf5/ directory)")
     found = []
     for path in root.rglob("*.hdf5"):
         if not path.is_file():

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -175,8 +176,20 @@ class MetricsWriter:
         # marks a rebuild to do, also for a start killed before the rebuild was done.
         tb_dir = Path(output_dir) / "tensorboard"
         staging = tb_dir.with_name(f".{tb_dir.name}.tmp")
-        _, self.eval_steps = (drop_records_after(path, start_step, lambda: staging.mkdir(exist_ok=True))
+        dropped = []
+
+        def before_dropping(path: Path) -> None:
+            staging.mkdir(exist_ok=True)
+            dropped.append(path.name)
+
+        _, self.eval_steps = (drop_records_after(path, start_step, lambda p=path: before_dropping(p))
                               for path in paths)
+        if start_step == 0 and dropped:
+            # No checkpoint to resume from, yet an earlier run logged steps here: say so rather than start over
+            # in silence (its checkpoints may have been deleted, or it was killed before its first one).
+            print(f"warning: {output_dir} has no checkpoint to resume from, but an earlier run logged steps in "
+                  f"{' and '.join(dropped)}; this run starts at step 0 and moves those records to "
+                  f"{' and '.join(name.replace('.jsonl', '.dropped.jsonl') for name in dropped)}", file=sys.stderr)
         self.jsonl, self.eval_jsonl = (open(path, "a") for path in paths)  # noqa: SIM115
         if any(tb_dir.parent.glob(f".{tb_dir.name}.*")):
             rebuild_tensorboard(tb_dir, {"train": paths[0], "eval": paths[1]})

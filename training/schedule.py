@@ -7,6 +7,7 @@ parameters) is saved in every checkpoint through DeepSpeed's lr_scheduler hook.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from torch.optim import Optimizer
@@ -21,16 +22,16 @@ class ScheduleConfig:
     power: float = 1.0  # 1.0 = linear decay; NVIDIA's phase-1 recipe uses 0.5
 
     def __post_init__(self) -> None:
-        if self.base_lr <= 0:
-            raise ValueError(f"--learning_rate must be > 0, got {self.base_lr}")
+        if not (math.isfinite(self.base_lr) and self.base_lr > 0):
+            raise ValueError(f"--learning_rate must be > 0 and finite, got {self.base_lr}")
         if self.total_steps < 1:
             raise ValueError(f"--max_steps must be >= 1, got {self.total_steps}")
         if not 0.0 <= self.warmup_proportion <= 1.0:
             raise ValueError(f"--warmup_proportion must be in [0, 1], got {self.warmup_proportion}")
         if not 0.0 <= self.constant_proportion <= 1.0:
             raise ValueError(f"--constant_proportion must be in [0, 1], got {self.constant_proportion}")
-        if self.power <= 0:
-            raise ValueError(f"--poly_power must be > 0, got {self.power}")
+        if not (math.isfinite(self.power) and self.power > 0):
+            raise ValueError(f"--poly_power must be > 0 and finite, got {self.power}")
 
     @property
     def warmup_steps(self) -> int:
