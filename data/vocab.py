@@ -275,6 +275,10 @@ def _train(files: list[Path], cfg: VocabConfig) -> BertWordPieceTokenizer:
 
 
 def _other_vocab(target: Path, wanted: str) -> str:
+    if not any(p.name != target.name and not p.name.startswith(".") for p in target.parent.iterdir()):
+        # Nothing was made with it: a vocab the user put there, which "delete the directory" would lose.
+        return (f"{target} is another vocab than {wanted}, and nothing in {target.parent} was made with it; move "
+                f"it away (or pass it as --vocab_file to use it) and rerun")
     return (f"{target} is another vocab than {wanted}, and the output in {target.parent} was made with it; "
             f"use another output directory, or delete {target.parent} to start over with the new vocab")
 

@@ -65,6 +65,22 @@ def test_a_trained_vocab_is_kept_and_never_replaced_by_a_given_one(phase1_shards
     assert (given / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
 
 
+def test_a_vocab_the_user_put_in_an_empty_output_dir_is_not_to_be_deleted(phase1_shards, bert_vocab, tmp_path):
+    """A vocab.txt alone in the output directory was made by no stage: the advice is to move it away or pass it,
+    not to delete the directory (and the file with it)."""
+    own = tmp_path / "out" / "vocab.txt"
+    own.parent.mkdir()
+    own.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\nmine\n", encoding="utf-8")
+    corpus = phase1_shards / "text" / "sentences"
+    for cfg in (VocabConfig(own.parent, vocab_file=bert_vocab), VocabConfig(own.parent, corpus_dir=corpus)):
+        with pytest.raises(PipelineError) as exc:
+            build_vocab(cfg)
+        assert str(exc.value).endswith(f"and nothing in {own.parent} was made with it; move it away (or pass it as "
+                                       "--vocab_file to use it) and rerun")
+        assert "delete" not in str(exc.value)
+        assert own.read_text(encoding="utf-8").endswith("mine\n")
+
+
 @pytest.mark.parametrize("limit_alphabet", [1000, 60])
 def test_a_trained_vocab_is_the_same_in_every_run(phase1_shards, limit_alphabet, tmp_path):
     """tokenizers' trainer alone numbers pieces in a Rust HashMap's order, seeded afresh for each map:
