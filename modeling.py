@@ -489,17 +489,9 @@ HF_EXPORT_FILES = frozenset({"config.json", "model.safetensors", "generation_con
                              "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"})
 
 
-def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None) -> Path:
-    """Write a Hugging Face model directory (config.json + model.safetensors) that
-    `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM) loads.
-    With `vocab_file` (a WordPiece vocab.txt), the tokenizer files are written too.
-    The directory is staged beside its final name and swapped in whole; an existing directory is
-    replaced only when it holds nothing but an earlier export's files."""
-    if vocab_file is not None:
-        n_lines = len(Path(vocab_file).read_text(encoding="utf-8").splitlines())
-        if n_lines != model.config.vocab_size:
-            raise ValueError(f"{vocab_file}: {n_lines} tokens, but the model's vocab_size is "
-                             f"{model.config.vocab_size}; pass the vocab.txt the shards were made with")
+def check_export_dir(directory: str | os.PathLike) -> Path:
+    """The resolved export directory, if save_hf may write it: new, or an earlier export, which it replaces.
+    Callers with a long way to the model (merging a checkpoint's partitions) check it first."""
     directory = Path(directory).resolve()
     if directory.exists():
         if not directory.is_dir():
@@ -514,6 +506,21 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
         if names and not {"config.json", "model.safetensors"} <= set(names):
             raise ValueError(f"{directory}: holds {', '.join(names)} but no earlier export (config.json and "
                              "model.safetensors); an export replaces its directory whole, so pass a new directory")
+    return directory
+
+
+def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None) -> Path:
+    """Write a Hugging Face model directory (config.json + model.safetensors) that
+    `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM) loads.
+    With `vocab_file` (a WordPiece vocab.txt), the tokenizer files are written too.
+    The directory is staged beside its final name and swapped in whole; an existing directory is
+    replaced only when it holds nothing but an earlier export's files."""
+    if vocab_file is not None:
+        n_lines = len(Path(vocab_file).read_text(encoding="utf-8").splitlines())
+        if n_lines != model.config.vocab_size:
+            raise ValueError(f"{vocab_file}: {n_lines} tokens, but the model's vocab_size is "
+                             f"{model.config.vocab_size}; pass the vocab.txt the shards were made with")
+    directory = check_export_dir(directory)
     staging = directory.with_name(f".{directory.name}.tmp")
     if staging.exists():
         shutil.rmtree(staging)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from data.cli import HelpFormatter
-from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
+from modeling import BertConfig, BertForPreTraining, ConfigError, check_export_dir, save_hf
 from training.checkpoint import (
     CHECKPOINTS,
     MODEL_STATES,
@@ -116,6 +116,10 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
            vocab_file: Path | None = None) -> tuple[Path, str]:
     """Write the Hugging Face directory; returns it and where the weights came from."""
     loc = locate(checkpoint, tag)
+    try:
+        check_export_dir(output)  # before the partitions are merged, which takes minutes for a large model
+    except ValueError as e:
+        raise ExportError(str(e)) from e
     config_file = config_file or loc.run_dir / "model_config.json"
     vocab_file = vocab_file or loc.run_dir / "vocab.txt"
     if not config_file.is_file():

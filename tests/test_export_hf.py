@@ -169,6 +169,20 @@ def test_latest_naming_a_missing_tag_says_so_and_names_the_complete_ones(tmp_pat
         locate(tmp_path / "run")
 
 
+def test_an_output_that_holds_other_files_is_refused_before_the_checkpoint_is_read(tmp_path: Path):
+    """The output is checked first: merging a large model's partitions takes minutes, and was done in vain."""
+    tag_dir = tmp_path / "run" / "checkpoints" / "step00000002"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "run_state.json").write_text("not read")  # reading the checkpoint would fail on it
+    (tag_dir.parent / "latest").write_text("step00000002\n")
+    output = tmp_path / "notes"
+    output.mkdir()
+    (output / "todo.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"notes: holds todo.txt, which no export writes"):
+        export(tmp_path / "run", output)
+    assert [p.name for p in output.iterdir()] == ["todo.txt"]
+
+
 def test_clear_errors(zero_run: Path, tmp_path: Path):
     with pytest.raises(ExportError, match="no such directory"):
         export(tmp_path / "nowhere", tmp_path / "hf")
