@@ -487,6 +487,21 @@ def test_init_weights_from_a_hugging_face_directory(tmp_path):
         weights.load_initial_weights(model, tmp_path / "hf")
 
 
+def test_init_weights_from_a_run_of_another_model_name_the_fields(tmp_path):
+    """--phase2 --init_checkpoint <a phase-1 run> trained with another model config: its model_config.json is
+    compared field by field before the weights are read (it was load_state_dict's line per tensor)."""
+    import modeling
+    from tests.test_modeling import small_config
+
+    _save(tmp_path / "checkpoints", 10)
+    small_config(num_hidden_layers=2, hidden_size=32).to_json_file(tmp_path / "model_config.json")
+    with pytest.raises(CheckpointError) as error:
+        weights.load_initial_weights(modeling.BertForPreTraining(small_config()), tmp_path)
+    assert str(error.value) == (f"{tmp_path / 'model_config.json'}: the phase-1 run trained another model than "
+                                "--config_file (hidden_size 32 there, 64 in --config_file; num_hidden_layers 2 there, "
+                                "3 in --config_file); pass that run's model config as --config_file")
+
+
 def test_export_checks_every_files_crc_not_only_its_size(tmp_path):
     from scripts.export_hf import ExportError, check_complete, locate
 

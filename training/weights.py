@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from modeling import BertForPreTraining, ConfigError, config_differences, load_hf
+from modeling import BertConfig, BertForPreTraining, ConfigError, config_differences, load_hf
 from training.checkpoint import (
     LOAD_ERRORS,
     MODEL_STATES,
@@ -157,6 +157,7 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path) -> str:
     if found is None:
         raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
                               "the --output_dir of a finished phase-1 run or at a Hugging Face BERT directory")
+    _check_phase1_config(init_dir / "model_config.json", model)
     tag, state = found
     verify_checksums(ckpt_dir, tag, state)
     weights, _ = read_fp32_weights(ckpt_dir / tag, fp32_module_suffices=True)
@@ -166,6 +167,21 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path) -> str:
         raise CheckpointError(f"{ckpt_dir / tag}: the phase-1 weights do not fit --config_file ({e}). Use the "
                               "phase-1 model config") from e
     return f"{ckpt_dir / tag}"
+
+
+def _check_phase1_config(config_file: Path, model: BertForPreTraining) -> None:
+    """The phase-1 run's model config against --config_file, field by field, before its weights are read
+    (otherwise the first sign is load_state_dict's line per mismatching tensor)."""
+    if not config_file.is_file():
+        return  # a run directory without it (copied checkpoints only): the weights are checked as they load
+    try:
+        then = BertConfig.from_json_file(config_file)
+    except ConfigError as e:
+        raise CheckpointError(f"--init_checkpoint: {e}") from e
+    differ = config_differences(then.to_dict(), model.config.to_dict(), _ARCHITECTURE)
+    if differ:
+        raise CheckpointError(f"{config_file}: the phase-1 run trained another model than --config_file "
+                              f"({'; '.join(differ)}); pass that run's model config as --config_file")
 
 
 def _load_hf(model: BertForPreTraining, hf_dir: Path) -> str:
