@@ -207,6 +207,11 @@ def iter_pages(path: Path) -> Iterator[tuple[str, tuple[str, str] | None]]:
     except OSError as exc:
         raise PipelineError(f"{path} is not a readable bz2 file ({exc}); download it again") from exc
     except ET.ParseError as exc:
+        if exc.position == (1, 0):  # its very first character: no XML at all, not a damaged dump
+            with _open_dump(path) as f:
+                start = f.read(40).decode("utf-8", "replace")
+            raise PipelineError(f"{path} is not a MediaWiki XML dump: its text starts {start!r}, not with an XML tag "
+                                "(expected e.g. enwiki-<date>-pages-articles.xml.bz2)") from exc
         raise PipelineError(
             f"{path} is not well-formed MediaWiki XML ({exc}); the file is damaged or truncated"
         ) from exc

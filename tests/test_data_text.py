@@ -212,6 +212,15 @@ def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_pa
     with pytest.raises(PipelineError, match=f"{re.escape(str(not_dump))} is not a MediaWiki XML dump"):
         extract(ExtractConfig(not_dump, tmp_path / "a"))
 
+    # bz2 that decompresses to something else (a multistream index): named as such, not as a damaged dump
+    index = tmp_path / "enwiki-pages-articles-multistream-index.txt.bz2"
+    index.write_bytes(bz2.compress(b"".join(b"%d:%d:Title %d\n" % (600 * i, i, i) for i in range(2000))))
+    with pytest.raises(PipelineError) as error:
+        extract(ExtractConfig(index, tmp_path / "i"))
+    assert str(error.value) == (f"{index} is not a MediaWiki XML dump: its text starts '0:0:Title 0\\n600:1:Title "
+                                "1\\n1200:2:Title 2', not with an XML tag (expected e.g. "
+                                "enwiki-<date>-pages-articles.xml.bz2)")
+
     other_xml = tmp_path / "feed.xml"
     other_xml.write_text("<rss><channel/></rss>")
     with pytest.raises(PipelineError, match="not a MediaWiki dump: its root element is <rss>"):
