@@ -220,6 +220,21 @@ def made_from(failed: Path, cfg: PrepareConfig, text_dir: Path) -> list[Path]:
     return [failed, *(path for path in chain[chain.index(failed) + 1:] if path.exists())]
 
 
+# The directories of <output_dir> that a stage writes whole, by that stage.
+_OUTPUT_STAGES = {"vocab_training": "data.vocab", "instances": "data.create", "hdf5": "data.shard"}
+
+
+def check_text_dir(text_dir: Path, output_dir: Path) -> None:
+    """A --text_dir inside a directory a later stage writes would be refused by that stage as holding
+    files it did not make, only once the text stages had run."""
+    resolved = text_dir.resolve()
+    for name, writer in _OUTPUT_STAGES.items():
+        owned = (output_dir / name).resolve()
+        if resolved == owned or owned in resolved.parents:
+            raise PipelineError(f"--text_dir {text_dir} is inside {output_dir / name}, which {writer} writes; "
+                                "pass a --text_dir outside it (the default is <output_dir>/text)")
+
+
 def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> PrepareResult:
     """Run every stage, each skipping work already done; `report` gets a line as each stage ends, so that a
     run that fails still shows what the stages before the failure did."""
@@ -240,6 +255,7 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
     else:
         check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
     if cfg.text_dir is not None:
+        check_text_dir(cfg.text_dir, cfg.output_dir)
         make_dir(cfg.text_dir, "--text_dir")
     make_dir(cfg.output_dir, "--output_dir")
     make_dir(text_dir)

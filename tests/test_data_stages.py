@@ -229,6 +229,19 @@ def test_prepare_wikicorpus_script_makes_both_phases_from_relative_paths(sample_
     assert "; skipped as already complete: extract, segment, tokens (no MB/s figure" in phase2
 
 
+@pytest.mark.parametrize("inside", ["instances", "hdf5/training", "vocab_training"])
+def test_a_text_dir_inside_a_later_stages_directory_is_refused_before_any_stage(inside, sample_dump, bert_vocab,
+                                                                                  tmp_path):
+    out = tmp_path / "out"
+    with pytest.raises(PipelineError) as error:
+        prepare(PrepareConfig(sample_dump, out, bert_vocab, text_dir=out / inside, workers=1))
+    owner = inside.split("/")[0]
+    assert str(error.value) == (f"--text_dir {out / inside} is inside {out / owner}, which "
+                                f"{ {'instances': 'data.create', 'hdf5': 'data.shard'}.get(owner, 'data.vocab')} "
+                                "writes; pass a --text_dir outside it (the default is <output_dir>/text)")
+    assert not out.exists()
+
+
 def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
     def interrupted(cfg):
         raise KeyboardInterrupt
