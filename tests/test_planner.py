@@ -413,6 +413,29 @@ def test_cli_rejects_bad_sizes_and_says_what_fits(capsys):
 
 
 
+@pytest.mark.parametrize("flag, value", [("--micro_batch", "0"), ("--micro_batch", "-4"), ("--seq_len", "0"),
+                                         ("--max_predictions", "0"), ("--checkpoint_interval", "0"),
+                                         ("--sequences", "-5"), ("--throughput", "-3"), ("--throughput", "nan")])
+def test_cli_refuses_sizes_and_counts_that_are_not_positive(flag: str, value: str, capsys):
+    """They printed a plan (negative activation memory for a micro batch of -4) or, for a checkpoint
+    interval of 0, a ZeroDivisionError traceback."""
+    args = ["--config_file", str(ROOT / "configs/models/bert-base.json"), "--micro_batch", "8",
+            "--checkpoint_activations", flag, value]
+    with pytest.raises(SystemExit) as exit_info:
+        planner.main(args)
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: " in capsys.readouterr().err
+
+
+def test_cli_refuses_more_predictions_than_a_sequence_holds(capsys):
+    args = ["--config_file", str(ROOT / "configs/models/bert-base.json"), "--micro_batch", "8", "--seq_len", "128",
+            "--max_predictions", "200"]
+    assert planner.main(args) == 2
+    assert capsys.readouterr().err == ("error: --max_predictions 200 is more than a sequence of 128 can hold "
+                                       "(125 maskable tokens); lower it or raise --seq_len\n")
+    assert planner.main([*args[:-1], "125"]) == 0
+
+
 def test_cli_headroom_reduces_the_usable_memory(capsys):
     args = ["--config_file", str(ROOT / "configs/models/bert-large.json"), "--micro_batch", "8",
             "--device_memory", "10GiB", "--headroom", "0.5"]

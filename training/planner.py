@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, positive_int
 from modeling import BertConfig, BertForPreTraining, count_parameters
 
 GiB = 1024**3
@@ -444,6 +444,13 @@ def parse_bytes(text: str) -> int:
     return int(value * scale)
 
 
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:8.2f} GiB"
 
@@ -461,28 +468,28 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=HelpFormatter)
     p.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
     p.add_argument("--device", default="gaudi", help=f"device model: {', '.join(DEVICES)}")
-    p.add_argument("--devices", type=int, default=1, help="data-parallel devices in total")
+    p.add_argument("--devices", type=positive_int, default=1, help="data-parallel devices in total")
     p.add_argument("--device_memory", type=parse_bytes, default=None,
                    help="memory of one device, e.g. 32GiB (default: the device table's figure)")
     p.add_argument("--headroom", type=float, default=0.1,
                    help="fraction of device memory kept free for the runtime and allocator fragmentation")
     p.add_argument("--zero_stage", type=int, default=1, choices=(0, 1, 2, 3),
                    help="ZeRO stage: which of optimizer states, gradients and weights are partitioned")
-    p.add_argument("--micro_batch", type=int, required=True, help="sequences per device per forward pass")
-    p.add_argument("--seq_len", type=int, default=128, help="sequence length")
-    p.add_argument("--max_predictions", type=int, default=None, help="masked positions per sequence (default: seq_len x 0.15625 rounded up: 20 at 128, 80 at 512)")
+    p.add_argument("--micro_batch", type=positive_int, required=True, help="sequences per device per forward pass")
+    p.add_argument("--seq_len", type=positive_int, default=128, help="sequence length")
+    p.add_argument("--max_predictions", type=positive_int, default=None, help="masked positions per sequence (default: seq_len x 0.15625 rounded up: 20 at 128, 80 at 512)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="training precision of weights and activations")
     p.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
-    p.add_argument("--checkpoint_interval", type=int, default=1,
+    p.add_argument("--checkpoint_interval", type=positive_int, default=1,
                    help="layers per checkpointed segment (with --checkpoint_activations)")
     p.add_argument("--reduce_bucket_size", type=int, default=500_000_000,
                    help="DeepSpeed zero_optimization.reduce_bucket_size in elements (the ZeRO optimizer's buffer "
                         "under ZeRO-1/2; bf16 ZeRO-1 runs BF16_Optimizer, which does not use it)")
-    p.add_argument("--sequences", type=float, default=None,
+    p.add_argument("--sequences", type=positive_float, default=None,
                    help="sequences to train (e.g. 7038 steps x 65536 = 4.6e8); prints the time it takes")
     p.add_argument("--mfu", type=float, default=None,
                    help="model FLOPs utilisation assumed for --sequences (default 0.4)")
-    p.add_argument("--throughput", type=float, default=None,
+    p.add_argument("--throughput", type=positive_float, default=None,
                    help="measured sequences/s per device: prints the MFU it implies")
     return p
 
@@ -503,6 +510,9 @@ def report(args: argparse.Namespace) -> str:
         raise ValueError(f"--checkpoint_interval {args.checkpoint_interval} applies to --checkpoint_activations; "
                          "add --checkpoint_activations or drop --checkpoint_interval")
     max_predictions = args.max_predictions or default_max_predictions(args.seq_len)
+    if max_predictions > args.seq_len - 3:  # [CLS] and two [SEP] are never masked
+        raise ValueError(f"--max_predictions {max_predictions} is more than a sequence of {args.seq_len} can hold "
+                         f"({max(args.seq_len - 3, 0)} maskable tokens); lower it or raise --seq_len")
     parameters = count_parameters_exact(config)
     kwargs = dict(device=device, devices=args.devices, zero_stage=args.zero_stage, seq_len=args.seq_len,
                   max_predictions=max_predictions, precision=args.precision,
