@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "configs" / "models" / "bert-demo.json"
@@ -208,11 +208,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output_dir", type=Path, default=DemoConfig.output_dir)
     parser.add_argument("--articles", type=int, default=DemoConfig.articles, help="articles in the generated dump")
     parser.add_argument("--vocab_size", type=int, default=DemoConfig.vocab_size, help="WordPiece vocab to train")
-    parser.add_argument("--max_steps", type=int, help="training steps (default: the demo preset's)")
-    parser.add_argument("--processes", type=int, default=DemoConfig.processes, help="training processes")
+    parser.add_argument("--max_steps", type=positive_int, help="training steps (default: the demo preset's)")
+    parser.add_argument("--processes", type=positive_int, default=DemoConfig.processes, help="training processes")
     parser.add_argument("--seed", type=int, default=DemoConfig.seed)
-    parser.add_argument("--log_freq", type=int, default=DemoConfig.log_freq)
+    parser.add_argument("--log_freq", type=positive_int, default=DemoConfig.log_freq)
     args = parser.parse_args(argv)
+    # Checked before the minutes of data pipeline that would come before the step that fails.
+    if args.articles < 4:
+        parser.error(f"--articles must be >= 4 (the dump has one article of each kind), got {args.articles}")
+    existing = next(p for p in (args.output_dir.resolve(), *args.output_dir.resolve().parents) if p.exists())
+    if not existing.is_dir():
+        parser.error(f"--output_dir {args.output_dir}: {existing} is a file, not a directory; pass a directory")
     cfg = DemoConfig(output_dir=args.output_dir.resolve(), articles=args.articles, vocab_size=args.vocab_size,
                      max_steps=args.max_steps, processes=args.processes, seed=args.seed, log_freq=args.log_freq)
     from data.stage import PipelineError

@@ -75,3 +75,29 @@ def test_check_learning_fails_loudly_when_nothing_is_learned():
         check_learning(_records([8.0, 6.0, 7.0, 7.0, 7.0, 7.0, 6.0, 8.0], [0.1] * 8))
     table = progress_table(good, rows=2).splitlines()
     assert len(table) == 3 and table[1].split()[:2] == ["1", "8.000"] and table[2].split()[:2] == ["4", "6.000"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max_steps", "0"], "argument --max_steps: must be >= 1, got 0"),
+    (["--processes", "0"], "argument --processes: must be >= 1, got 0"),
+    (["--log_freq", "0"], "argument --log_freq: must be >= 1, got 0"),
+    (["--articles", "1"], "--articles must be >= 4 (the dump has one article of each kind), got 1"),
+    (["--output_dir", "{file}/demo"], "{file} is a file, not a directory; pass a directory"),
+])
+def test_bad_flags_are_refused_before_the_pipeline_runs(args: list[str], message: str, tmp_path: Path,
+                                                        monkeypatch, capsys):
+    """They failed after the data pipeline (--processes 0: launch.sh's '--devices_per_node must be a positive
+    integer', a flag the user never gave) or with a traceback (--articles 1, an --output_dir under a file)."""
+    import scripts.demo as demo
+
+    file = tmp_path / "a_file"
+    file.write_text("not a directory\n")
+
+    def reached(cfg):
+        raise AssertionError("the demo started")
+
+    monkeypatch.setattr(demo, "run_demo", reached)
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--output_dir", str(tmp_path / "out")] + [a.format(file=file) for a in args])
+    assert exit_info.value.code == 2
+    assert message.format(file=file) in capsys.readouterr().err
