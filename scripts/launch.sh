@@ -98,6 +98,19 @@ first_host() {  # the first host of the hostfile or host list, if any
   elif [[ -n "$HOSTFILE" ]]; then awk '!/^[[:space:]]*(#|$)/ {print $1; exit}' "$HOSTFILE"
   fi
 }
+# DeepSpeed's runner fails on a bad line or a repeated host with a traceback, and starts --num_gpus ranks on a
+# host whatever its slots say: checked here, with the line and the fix. Prints the first problem, if any.
+hostfile_problem() {
+  awk -v file="$HOSTFILE" -v nodes="$NODES" -v devices="$DEVICES" '
+    /^[[:space:]]*(#|$)/ { next }
+    { sub(/^[[:space:]]+/, ""); hosts++ }
+    !/^[^[:space:]]+[[:space:]]+slots=[0-9]+/ {
+      printf "hostfile %s line %d: \"%s\" is not \"<host> slots=<devices>\"\n", file, NR, $0; exit }
+    seen[$1]++ { printf "hostfile %s line %d: host %s is listed twice; list each host once\n", file, NR, $1; exit }
+    hosts <= nodes && substr($2, 7) + 0 < devices {
+      printf "hostfile %s line %d: host %s has %s, fewer than the %d devices per node of this run; " \
+             "fix slots or pass --devices_per_node %d\n", file, NR, $1, $2, devices, substr($2, 7); exit }' "$HOSTFILE"
+}
 NNODES="$NODES"
 # Options that a launcher would not use are errors, never silently ignored.
 [[ -z "$SSH_PORT" || "$LAUNCHER" == deepspeed ]] || die "--ssh_port is for the deepspeed launcher (pdsh), not $LAUNCHER"
@@ -186,6 +199,8 @@ case "$LAUNCHER" in
       mv "$HOSTFILE.tmp.$$" "$HOSTFILE"
     fi
     if [[ -n "$HOSTFILE" ]]; then
+      problem="$(hostfile_problem)"
+      [[ -z "$problem" ]] || die "$problem"
       listed="$(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l)"
       [[ "$listed" -ge "$NODES" ]] || die "hostfile $HOSTFILE lists $listed host(s), fewer than --nodes $NODES"
       # pdsh starts the remote ranks; DeepSpeed exports the variables named in this file on every node.

@@ -310,3 +310,31 @@ def test_clear_errors(tmp_path: Path):
     for args, message in cases:
         proc = _launch([*args, "--dry_run"])
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
+
+
+@pytest.mark.parametrize("lines, message", [
+    ("a slots=8\nb:8\n", 'line 2: "b:8" is not "<host> slots=<devices>"'),
+    ("a slots=eight\nb slots=8\n", 'line 1: "a slots=eight" is not "<host> slots=<devices>"'),
+    ("# hosts\na slots=8\n  a slots=8\n", "line 3: host a is listed twice; list each host once"),
+    ("a slots=8\nb slots=4\n", "line 2: host b has slots=4, fewer than the 8 devices per node of this run; "
+                               "fix slots or pass --devices_per_node 4"),
+])
+def test_a_hostfile_deepspeed_would_refuse_or_overrun_is_refused(lines: str, message: str, tmp_path: Path):
+    """DeepSpeed's runner stops on a bad line or a repeated host with a traceback, and starts --num_gpus ranks on
+    every host whatever its slots say; the dry run printed a command that would do so (with 'b:8' as the master)."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(lines)
+    proc = _launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hostfile", str(hostfile), "--input_dir",
+                    str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"])
+    assert proc.returncode == 2 and f"launch.sh: error: hostfile {hostfile} {message}" in proc.stderr, proc.stderr
+
+
+def test_a_host_given_twice_in_hosts_is_refused(tmp_path: Path):
+    proc = _launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "a,a", "--input_dir", str(tmp_path),
+                    "--output_dir", str(tmp_path / "run"), "--dry_run"])
+    assert proc.returncode == 2 and "line 2: host a is listed twice" in proc.stderr, proc.stderr
+    # a hostfile that lists more hosts than --nodes, with more slots than devices, is fine: DeepSpeed takes the first
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=16\nb slots=8\nc slots=1\n")
+    _command(_launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hostfile", str(hostfile), "--input_dir",
+                      str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"]))
