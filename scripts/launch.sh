@@ -83,6 +83,9 @@ done
 [[ -n "$OUTPUT_DIR" ]] || die "--output_dir is required"
 [[ -d "$INPUT_DIR" ]] || die "--input_dir $INPUT_DIR does not exist"
 [[ -z "$DEVICES" || "$DEVICES" =~ ^[1-9][0-9]*$ ]] || die "--devices_per_node must be a positive integer"
+check_port() { [[ "$2" =~ ^[1-9][0-9]{0,4}$ && "$2" -le 65535 ]] || die "$1 must be a port number (1..65535), got '$2'"; }
+check_port --master_port "$MASTER_PORT_ARG"
+[[ -z "$SSH_PORT" ]] || check_port --ssh_port "$SSH_PORT"
 [[ -z "$HOSTFILE" || -z "$HOSTS" ]] || die "give --hostfile or --hosts, not both"
 [[ -z "$HOSTFILE" || -f "$HOSTFILE" ]] || die "hostfile $HOSTFILE does not exist"
 

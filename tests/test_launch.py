@@ -304,6 +304,12 @@ def test_clear_errors(tmp_path: Path):
         (["--preset", "demo", "--nodes", "1", "--ssh_port", "22", *base],
          "--ssh_port is for pdsh, which the deepspeed launcher uses only with --hostfile or --hosts"),
         (["--preset", "demo", "--nodes", "1", "--node_rank", "0", *base], "--node_rank is for torchrun"),
+        (["--preset", "demo", "--nodes", "1", "--master_port", "abc", *base],
+         "--master_port must be a port number (1..65535), got 'abc'"),
+        (["--preset", "demo", "--nodes", "1", "--master_port", "70000", *base],
+         "--master_port must be a port number (1..65535), got '70000'"),
+        (["--preset", "demo", "--nodes", "1", "--hosts", "a", "--ssh_port", "ssh", *base],
+         "--ssh_port must be a port number (1..65535), got 'ssh'"),
         (["--preset", "demo", "--nodes", "1", "--launcher", "aws-batch", "--hosts", "a", *base],
          "--hostfile/--hosts are not used by the aws-batch launcher, which gets its nodes from the job"),
     ]
