@@ -234,6 +234,14 @@ def test_cli_writes_the_deepspeed_config_and_prints_the_flags(tmp_path: Path, ca
     assert "not divisible" in capsys.readouterr().err
 
 
+def test_cli_refuses_a_field_set_twice(tmp_path: Path, capsys):
+    """The last --set won silently: `--set max_steps=1000 ... --set max_steps=100` ran 100 steps."""
+    args = ["resolve", "--preset", "demo", "--num_nodes", "1", "--deepspeed_config_out", str(tmp_path / "ds.json"),
+            "--set", "max_steps=1000", "--set", "learning_rate=0.001", "--set", "max_steps=100"]
+    assert presets.main(args) == 2
+    assert capsys.readouterr().err == "error: --set max_steps given more than once; give each field once\n"
+
+
 def test_list_prints_a_table_of_every_preset(capsys):
     assert presets.main(["list"]) == 0
     table = capsys.readouterr().out

@@ -408,7 +408,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "list":
             print(_table(list_presets()))
             return 0
-        overrides = dict(parse_override(o) for o in args.overrides)
+        pairs = [parse_override(o) for o in args.overrides]
+        names = [name for name, _ in pairs]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise PresetError(f"--set {', '.join(repeated)} given more than once; give each field once")
+        overrides = dict(pairs)
         if args.devices_per_node is not None and overrides.get("devices_per_node", args.devices_per_node) \
                 != args.devices_per_node:
             raise PresetError(f"--devices_per_node {args.devices_per_node} and --set devices_per_node="
