@@ -42,6 +42,7 @@ ORIGINAL_ARGS=("$@")
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
 abspath() { realpath -m -- "$1"; }
+command -v "$PYTHON" >/dev/null || die "the interpreter PYTHON=$PYTHON is not an executable; set PYTHON to one (e.g. .venv/bin/python)"
 
 PRESET="" NODES="" DEVICES="" DEVICE_KIND="default" LAUNCHER="deepspeed" HOSTFILE="" HOSTS="" NODE_RANK=""
 MASTER_ADDR_ARG="" MASTER_PORT_ARG="29500" SSH_PORT="" INPUT_DIR="" OUTPUT_DIR="" INIT_CHECKPOINT="" DRY_RUN=0

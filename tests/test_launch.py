@@ -316,6 +316,10 @@ def test_clear_errors(tmp_path: Path):
     for args, message in cases:
         proc = _launch([*args, "--dry_run"])
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
+    # an interpreter that does not exist was reported as "could not resolve preset 'demo'" under a bash error line
+    proc = _launch(["--preset", "demo", "--nodes", "1", *base, "--dry_run"], env=_env(PYTHON=str(tmp_path / "py")))
+    assert proc.returncode == 2 and proc.stderr == (f"launch.sh: error: the interpreter PYTHON={tmp_path / 'py'} is not "
+                                                    "an executable; set PYTHON to one (e.g. .venv/bin/python)\n")
 
 
 @pytest.mark.parametrize("lines, message", [
