@@ -40,6 +40,13 @@ WORKERS=${WORKERS:-$(nproc)}
 NUM_SHARDS=${NUM_SHARDS:-256}
 TEST_SHARDS=${TEST_SHARDS:-8}
 TEST_FRACTION=${TEST_FRACTION:-0.02}
+# Checked here, where the message can name the variable the user set rather than data.prepare's flag.
+env_error() { echo "error: environment variable $1 $2" >&2; exit 2; }
+for var in WORKERS:1 NUM_SHARDS:1 TEST_SHARDS:0; do
+    name=${var%:*} least=${var#*:}
+    [[ ${!name} =~ ^[0-9]+$ && $((10#${!name})) -ge $least ]] || env_error "$name" "must be an integer >= $least, got '${!name}'"
+done
+[[ $TEST_FRACTION =~ ^(0(\.[0-9]*)?|\.[0-9]+)$ ]] || env_error TEST_FRACTION "must be a number in [0, 1), got '$TEST_FRACTION'"
 
 if [[ -n ${DUMP:-} ]]; then
     source_args=(--input "$(absolute "$DUMP")")

@@ -305,6 +305,19 @@ def test_prepare_wikicorpus_script_takes_no_option_for_its_output_dir(arg, code,
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("var, value, rule", [("WORKERS", "abc", "an integer >= 1"), ("NUM_SHARDS", "0", "an integer >= 1"),
+                                              ("TEST_SHARDS", "x", "an integer >= 0"),
+                                              ("TEST_FRACTION", "2", "a number in [0, 1)")])
+def test_prepare_wikicorpus_script_names_the_environment_variable_that_is_wrong(var, value, rule, tmp_path):
+    """The error named data.prepare's flag (--workers, --num_shards, ...), which the user never gave."""
+    env = dict(os.environ, DUMP="/nonexistent/dump.xml.bz2", PYTHON=sys.executable, **{var: value})
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "prepare_wikicorpus.sh"), "out"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert proc.stderr == f"error: environment variable {var} must be {rule}, got '{value}'\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_help_gives_the_defaults_that_say_something(capsys):
     """Each option's default is appended to its help, except a switch's on/off state, a default of None and a
     default the help names itself."""
