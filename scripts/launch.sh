@@ -50,7 +50,8 @@ OVERRIDES=() EXTRA=()
 need() { [[ $# -ge 2 && -n "$2" ]] || die "$1 needs a value"; }
 while [[ $# -gt 0 ]]; do
   case "$1" in
-    --preset) need "$@"; PRESET="$2"; shift 2 ;;
+    --preset)  # a name in configs/presets/, or a file relative to the caller's directory
+      need "$@"; PRESET="$2"; [[ "$PRESET" != *.json && "$PRESET" != */* ]] || PRESET="$(abspath "$PRESET")"; shift 2 ;;
     --nodes|--devices_per_node)
       need "$@"
       var="$([[ "$1" == --nodes ]] && echo NODES || echo DEVICES)"

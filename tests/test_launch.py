@@ -171,6 +171,17 @@ def test_path_flags_after_the_separator_are_relative_to_the_callers_directory(tm
     assert f"--deepspeed_config={caller / 'ds.json'}" in run_args and run_args[-2:] == ["--log_freq", "5"]
 
 
+def test_a_preset_file_is_relative_to_the_callers_directory(tmp_path: Path):
+    """launch.sh resolves the preset after its cd to the project root: 'my.json' was 'preset file not found'."""
+    (tmp_path / "my.json").write_text((ROOT / "configs" / "presets" / "demo.json").read_text())
+    for preset in ("my.json", "./my.json"):
+        proc = subprocess.run(["bash", str(LAUNCH), "--preset", preset, "--nodes", "1", "--input_dir", ".",
+                               "--output_dir", "run", "--dry_run"], capture_output=True, text=True, env=_env(),
+                              cwd=tmp_path, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "[presets] demo: 1 node(s) x 2 devices" in proc.stderr
+
+
 def test_default_interpreter_is_the_checkouts_venv(tmp_path: Path):
     """Without PYTHON, launch.sh runs the venv `make venv` made (as prepare_wikicorpus.sh does), not
     whatever python3 comes first on PATH, which need not have torch."""
