@@ -71,7 +71,13 @@ while [[ $# -gt 0 ]]; do
     --input_dir) need "$@"; INPUT_DIR="$(abspath "$2")"; shift 2 ;;
     --output_dir) need "$@"; OUTPUT_DIR="$(abspath "$2")"; shift 2 ;;
     --init_checkpoint) need "$@"; INIT_CHECKPOINT="$(abspath "$2")"; shift 2 ;;
-    --set) need "$@"; OVERRIDES+=(--set "$2"); shift 2 ;;
+    --set)
+      need "$@"
+      case "$2" in
+        model_config=*|deepspeed_config=*) OVERRIDES+=(--set "${2%%=*}=$(abspath "${2#*=}")") ;;
+        *) OVERRIDES+=(--set "$2") ;;
+      esac
+      shift 2 ;;
     --dry_run) DRY_RUN=1; shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
     --) shift; EXTRA=("$@"); break ;;

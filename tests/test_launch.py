@@ -182,6 +182,20 @@ def test_a_preset_file_is_relative_to_the_callers_directory(tmp_path: Path):
         assert "[presets] demo: 1 node(s) x 2 devices" in proc.stderr
 
 
+
+def test_config_paths_set_on_the_command_line_are_relative_to_the_callers_directory(tmp_path: Path):
+    """`--set model_config=my_model.json` was looked up under the project root ('does not exist'), against the
+    rule that launch.sh's relative paths are the caller's."""
+    (tmp_path / "my_model.json").write_text((ROOT / "configs" / "models" / "bert-tiny.json").read_text())
+    (tmp_path / "my_ds.json").write_text((ROOT / "configs" / "deepspeed" / "zero1-bf16.json").read_text())
+    proc = subprocess.run(["bash", str(LAUNCH), "--preset", "demo", "--nodes", "1", "--input_dir", ".",
+                           "--output_dir", "run", "--set", "model_config=my_model.json", "--set",
+                           "deepspeed_config=./my_ds.json", "--dry_run"], capture_output=True, text=True, env=_env(),
+                          cwd=tmp_path, timeout=120)
+    cmd = _command(proc)
+    assert _flag(cmd, "--config_file") == str(tmp_path / "my_model.json")
+
+
 def test_default_interpreter_is_the_checkouts_venv(tmp_path: Path):
     """Without PYTHON, launch.sh runs the venv `make venv` made (as prepare_wikicorpus.sh does), not
     whatever python3 comes first on PATH, which need not have torch."""
