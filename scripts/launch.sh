@@ -89,7 +89,10 @@ done
 [[ "$NODES" =~ ^[1-9][0-9]*$ ]] || die "--nodes must be a positive integer, got '${NODES}'"
 [[ -n "$INPUT_DIR" ]] || die "--input_dir is required (the directory holding the HDF5 shards)"
 [[ -n "$OUTPUT_DIR" ]] || die "--output_dir is required"
-[[ -d "$INPUT_DIR" ]] || die "--input_dir $INPUT_DIR does not exist"
+need_dir() { [[ -d "$2" ]] || die "$1 $2 $([[ -e "$2" ]] && echo "is a file, not a directory" || echo "does not exist")"; }
+need_dir --input_dir "$INPUT_DIR"
+[[ -z "$INIT_CHECKPOINT" ]] || need_dir --init_checkpoint "$INIT_CHECKPOINT"
+[[ ! -e "$OUTPUT_DIR" || -d "$OUTPUT_DIR" ]] || die "--output_dir $OUTPUT_DIR is a file, not a directory"
 [[ -z "$DEVICES" || "$DEVICES" =~ ^[1-9][0-9]*$ ]] || die "--devices_per_node must be a positive integer"
 check_port() { [[ "$2" =~ ^[1-9][0-9]{0,4}$ && "$2" -le 65535 ]] || die "$1 must be a port number (1..65535), got '$2'"; }
 check_port --master_port "$MASTER_PORT_ARG"

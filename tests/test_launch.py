@@ -341,6 +341,16 @@ def test_clear_errors(tmp_path: Path):
     for args, message in cases:
         proc = _launch([*args, "--dry_run"])
         assert proc.returncode != 0 and message in proc.stderr, (args, proc.stderr)
+    # a file where a directory belongs: 'does not exist', a bash mkdir line, or accepted until the run started
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    for args, message in [(["--input_dir", str(a_file), "--output_dir", str(tmp_path / "run")], "--input_dir"),
+                          (["--input_dir", str(tmp_path), "--output_dir", str(a_file)], "--output_dir")]:
+        proc = _launch(["--preset", "demo", "--nodes", "1", *args, "--dry_run"])
+        assert proc.returncode == 2 and f"error: {message} {a_file} is a file, not a directory" in proc.stderr
+    proc = _launch(["--preset", "bert-large-phase2", "--nodes", "1", *base, "--init_checkpoint",
+                    str(tmp_path / "phase1"), "--dry_run"])
+    assert proc.returncode == 2 and f"error: --init_checkpoint {tmp_path / 'phase1'} does not exist" in proc.stderr
     # an interpreter that does not exist was reported as "could not resolve preset 'demo'" under a bash error line
     proc = _launch(["--preset", "demo", "--nodes", "1", *base, "--dry_run"], env=_env(PYTHON=str(tmp_path / "py")))
     assert proc.returncode == 2 and proc.stderr == (f"launch.sh: error: the interpreter PYTHON={tmp_path / 'py'} is not "
