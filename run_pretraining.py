@@ -712,11 +712,11 @@ def train(args: argparse.Namespace) -> dict:
             if step != last_saved:
                 checkpoint.save(engine, ckpt_dir, step, consumed_at_step, args.seed, skipped_at_step, identity,
                                 args.keep_checkpoints)
-            if rank == 0:
-                saved = (f"checkpoint {checkpoint.tag_for(step)} is saved; rerun the command to resume" if step
-                         else "no step had completed, so nothing was saved; rerun the command to start")
-                print(f"stop requested (signal {stop.signal or 'on another rank'}) at step {step}: {saved}",
-                      file=sys.stderr)
+            saved = (f"checkpoint {checkpoint.tag_for(step)} is saved; rerun the command to resume" if step
+                     else "no step had completed, so nothing was saved; rerun the command to start")
+            # through the bar, which is still open: printed directly, the line was glued to its end
+            writer.note(f"stop requested (signal {stop.signal or 'on another rank'}) at step {step}: {saved}",
+                        file=sys.stderr)
         elif eval_set is not None and (step > start_step or final_evaluation_missing(writer, step)):
             writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -405,7 +406,8 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resumes_exactly(fp32_setup, phas
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
-    assert "stop requested" in stderr
+    # on a line of its own, not glued to the end of the progress bar's line
+    assert any(line.startswith("stop requested (signal 15) at step ") for line in re.split(r"[\r\n]", stderr))
     stopped_at = max(records(out))
     assert 5 <= stopped_at < FP32_STEPS
     assert read_latest(out / "checkpoints") == f"step{stopped_at:08d}"

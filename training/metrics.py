@@ -214,10 +214,10 @@ class MetricsWriter:
         _add_scalars(self.tb, prefix, record)
         self.bar.write(self.progress_line(record, prefix))
 
-    def note(self, message: str) -> None:
-        """A line on the console, above the progress bar."""
+    def note(self, message: str, file=None) -> None:
+        """A line on the console (stdout, or `file`), above the progress bar."""
         if self.enabled:
-            self.bar.write(message)
+            self.bar.write(message, file=file)
 
     def progress_line(self, record: dict, prefix: str) -> str:
         step = record["step"]
