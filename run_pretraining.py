@@ -24,9 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from data.cli import HelpFormatter
 from modeling import (
+    IGNORE_INDEX,
     ActivationCheckpointing,
     BertConfig,
     BertForPreTraining,
@@ -467,27 +469,53 @@ def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, gua
     return StepResult(complete, complete and engine.was_step_applied(), stopped, consumed, totals)
 
 
+def eval_sums(out, inputs: dict) -> torch.Tensor:
+    """A batch's [MLM loss summed over its masked tokens, MLM hits, masked tokens, NSP loss summed over its
+    sequences, NSP hits, sequences], as float64 on the CPU (NSP terms 0 without an NSP head)."""
+    labels = inputs["masked_lm_labels"].long().reshape(-1)
+    logits = out.mlm_logits.float().reshape(-1, out.mlm_logits.shape[-1])
+    valid = labels != IGNORE_INDEX
+    n = inputs["input_ids"].shape[0]
+    sums = [F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum"),
+            ((logits.argmax(-1) == labels) & valid).sum(), valid.sum()]
+    if out.nsp_logits is None:
+        sums += [torch.zeros((), device=logits.device)] * 2
+    else:
+        nsp_labels = inputs["next_sentence_labels"].long().reshape(-1)
+        sums += [F.cross_entropy(out.nsp_logits.float(), nsp_labels, reduction="sum"),
+                 (out.nsp_logits.argmax(-1) == nsp_labels).sum()]
+    sums.append(torch.tensor(n, device=logits.device))
+    return torch.stack([x.float() for x in sums]).cpu().double()
+
+
+def eval_record(sums: torch.Tensor, nsp: bool) -> dict:
+    """Per masked token (MLM) and per sequence (NSP) over the whole evaluation, as NVIDIA's BERT reports
+    them; a mean of per-batch means would weigh a batch of few masked tokens like one of many."""
+    mlm_loss_sum, mlm_hits, masked, nsp_loss_sum, nsp_hits, n = sums.tolist()
+    record = {"mlm_loss": mlm_loss_sum / masked, "mlm_accuracy": mlm_hits / masked}
+    if nsp:
+        record |= {"nsp_loss": nsp_loss_sum / n, "nsp_accuracy": nsp_hits / n}
+    record["loss"] = record["mlm_loss"] + record.get("nsp_loss", 0.0)
+    return {"loss": record.pop("loss"), **record, "samples": int(n), "masked_tokens": int(masked)}
+
+
 def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -> dict:
-    """Mean losses and MLM accuracy over the first --num_eval_samples test samples (all ranks)."""
+    """Losses and accuracies over the first --num_eval_samples test samples (all ranks): `eval_record`."""
     limit = min(args.num_eval_samples, len(dataset))
     sampler = RankSampler(0, sizes.micro_batch, dist.get_rank(), dist.get_world_size(), limit=limit)
-    sums = torch.zeros(5, dtype=torch.float64)
+    nsp = engine.module.config.next_sentence_prediction
+    sums = torch.zeros(6, dtype=torch.float64)
     engine.eval()
     with torch.no_grad():
         for batch in make_loader(dataset, sampler, sizes.micro_batch, num_workers=0):
-            out = engine(**_model_inputs(batch, acc.device, engine.module.config.next_sentence_prediction))
+            inputs = _model_inputs(batch, acc.device, nsp)
+            sums += eval_sums(engine(**inputs), inputs)
             acc.mark_step()
-            n = batch["input_ids"].shape[0]
-            values = _losses(out).cpu().double()
-            sums += torch.cat([values * n, torch.tensor([n], dtype=torch.float64)])
     engine.train()
-    # float32 on the wire: HPUs have no float64
+    # float32 on the wire: HPUs have no float64 (the counts stay exact below 2^24)
     sums = sums.float().to(acc.device)
     dist.all_reduce(sums)
-    sums = sums.cpu().double()
-    n = sums[4].item()
-    return {"loss": sums[0].item() / n, "mlm_loss": sums[1].item() / n, "nsp_loss": sums[2].item() / n,
-            "mlm_accuracy": sums[3].item() / n, "samples": int(n)}
+    return eval_record(sums.cpu().double(), nsp)
 
 
 RUN_LOCK = ".run.lock"

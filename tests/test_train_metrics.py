@@ -1,9 +1,11 @@
 """Metrics sinks and helpers: throughput window, MFU peaks, metrics.jsonl / eval.jsonl, progress line."""
 
 import json
+import math
 import time
 
 import pytest
+import torch
 
 from training.metrics import MetricsWriter, Throughput, format_duration, peak_tflops
 
@@ -236,3 +238,40 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
     assert records[3]["tokens_per_s"] == 100.0 * 128
     assert records[3]["tflops_per_device"] == flops * 100.0 / 1 / 1e12
     assert [records[s]["consumed_samples"] for s in (1, 2, 3, 4)] == [4, 8, 12, 16]
+
+
+def test_evaluation_is_per_masked_token_and_per_sequence_over_all_batches():
+    """Two batches, one masked token in the first (a hit) and three in the second (one hit): the MLM accuracy is
+    2/4, not the mean of the batches' 1/1 and 1/3 weighted by their one sequence each (0.667), as it was."""
+    from modeling import PreTrainingOutput
+    from run_pretraining import eval_record, eval_sums
+
+    def batch(labels, logits, nsp_label, nsp_logits):
+        inputs = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "masked_lm_labels": torch.tensor([labels]),
+                  "next_sentence_labels": torch.tensor([nsp_label])}
+        out = PreTrainingOutput(None, None, None, None, torch.tensor([logits]), torch.tensor([nsp_logits]))
+        return eval_sums(out, inputs)
+
+    def nll(logits, label):  # cross-entropy of one prediction, by hand
+        return math.log(sum(math.exp(x) for x in logits)) - logits[label]
+
+    a = [[0.0, 3.0, 0.0, 0.0], [9.0, 0.0, 0.0, 0.0], [9.0, 0.0, 0.0, 0.0]]  # the last two slots are unused
+    b = [[2.0, 0.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0], [0.0, 1.0, 0.0, 0.0]]
+    sums = batch([1, -100, -100], a, 0, [2.0, 0.0]) + batch([2, 3, 0], b, 1, [0.5, 0.0])
+    record = eval_record(sums, nsp=True)
+    mlm_loss = (nll(a[0], 1) + nll(b[0], 2) + nll(b[1], 3) + nll(b[2], 0)) / 4
+    nsp_loss = (nll([2.0, 0.0], 0) + nll([0.5, 0.0], 1)) / 2
+    assert record == pytest.approx({"loss": mlm_loss + nsp_loss, "mlm_loss": mlm_loss, "mlm_accuracy": 0.5,
+                                    "nsp_loss": nsp_loss, "nsp_accuracy": 0.5, "samples": 2, "masked_tokens": 4},
+                                   rel=1e-6)
+    assert list(record) == ["loss", "mlm_loss", "mlm_accuracy", "nsp_loss", "nsp_accuracy", "samples", "masked_tokens"]
+    without_nsp = eval_record(sums, nsp=False)  # a model without an NSP head: no NSP figures, loss = MLM loss
+    assert without_nsp == pytest.approx({"loss": mlm_loss, "mlm_loss": mlm_loss, "mlm_accuracy": 0.5, "samples": 2,
+                                         "masked_tokens": 4}, rel=1e-6)
+
+
+def test_an_evaluation_line_shows_the_accuracies(tmp_path):
+    writer = MetricsWriter(tmp_path, total_steps=100, start_step=0, enabled=True)
+    line = writer.progress_line({"step": 50, "loss": 2.0, "mlm_accuracy": 0.41234, "nsp_accuracy": 0.875}, "eval")
+    writer.close()
+    assert line == "eval step 50/100 | loss 2.0000 | mlm accuracy 0.4123 | nsp accuracy 0.8750"

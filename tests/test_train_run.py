@@ -141,6 +141,10 @@ def test_bf16_zero1_two_ranks_trains(bf16_run):
     evals = records(bf16_run, "eval.jsonl")
     assert sorted(evals) == [8, 16] and evals[16]["samples"] == 32
     assert evals[16]["loss"] < evals[8]["loss"]
+    final = evals[16]
+    assert final["loss"] == pytest.approx(final["mlm_loss"] + final["nsp_loss"], rel=1e-12)
+    assert 32 < final["masked_tokens"] <= 32 * 20  # the MLM figures are per masked token of the 32 samples
+    assert 0 <= final["mlm_accuracy"] <= 1 and 0 <= final["nsp_accuracy"] <= 1
     assert (bf16_run / "tensorboard").is_dir()
 
 

@@ -224,6 +224,9 @@ class MetricsWriter:
         parts = [f"{prefix} step {step}/{self.total_steps}", f"loss {record['loss']:.4f}"]
         if "lr" in record:
             parts.append(f"lr {record['lr']:.3e}")
+        if prefix == "eval":
+            parts += [f"{key.replace('_', ' ')} {record[key]:.4f}" for key in ("mlm_accuracy", "nsp_accuracy")
+                      if key in record]
         if record.get("seq_per_s"):
             parts.append(f"{record['seq_per_s']:.1f} seq/s")
         done = step - self.start_step
