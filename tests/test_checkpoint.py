@@ -512,6 +512,24 @@ def test_init_weights_from_a_hugging_face_directory_with_another_vocab_is_refuse
     assert weights.load_initial_weights(model, tmp_path / "hf", hf_vocab) == f"{tmp_path / 'hf'} (Hugging Face)"
 
 
+def test_init_weights_from_a_run_with_another_vocab_is_refused(tmp_path):
+    """--phase2 --init_checkpoint <a phase-1 run> whose shards had another vocab of the same size: the run's copy
+    of its vocab.txt is compared with the phase-2 shards' before any weight is read."""
+    import modeling
+    from tests.test_modeling import small_config
+
+    run = tmp_path / "run"
+    _save(run / "checkpoints", 10)
+    small_config().to_json_file(run / "model_config.json")
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(996)]
+    (run / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    shards_vocab = tmp_path / "vocab.txt"
+    shards_vocab.write_text("\n".join(tokens[:5] + tokens[:4:-1]) + "\n")
+    with pytest.raises(CheckpointError, match=r"run: its vocabulary \(vocab.txt, 1001 tokens\) is not the shards' "
+                                              r".*token id 5 is 'w0' there, 'w995' in the shards"):
+        weights.load_initial_weights(modeling.BertForPreTraining(small_config()), run, shards_vocab)
+
+
 def test_init_weights_from_a_run_of_another_model_name_the_fields(tmp_path):
     """--phase2 --init_checkpoint <a phase-1 run> trained with another model config: its model_config.json is
     compared field by field before the weights are read (it was load_state_dict's line per tensor)."""

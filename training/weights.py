@@ -150,19 +150,19 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
     its partitions after a bf16 run), read memory-mapped into `model` before DeepSpeed wraps it, or those of a Hugging
     Face BERT directory (config.json and weights: an export of ours, or a published BERT to continue
     pretraining from). Optimizer state and schedule are not touched. Collective for a checkpoint: the
-    ranks share the CRC checks of its files. With `vocab_file` (the shards' vocab.txt), a Hugging Face
-    directory's vocabulary must be that one: a vocab of the same size but other tokens would train every
-    embedding on another token's text."""
+    ranks share the CRC checks of its files. With `vocab_file` (the shards' vocab.txt), the vocabulary of
+    `init_dir` (a run's copy, a Hugging Face directory's) must be that one: a vocab of the same size but
+    other tokens would train every embedding on another token's text."""
     ckpt_dir = checkpoint_dir(init_dir)
     if not ckpt_dir.is_dir() and (init_dir / "config.json").is_file():
-        if vocab_file is not None and vocab_file.is_file():
-            _check_hf_vocab(init_dir, vocab_file)
+        _check_vocab(init_dir, vocab_file)
         return _load_hf(model, init_dir)
     found = find_resume(ckpt_dir)
     if found is None:
         raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
                               "the --output_dir of a finished phase-1 run or at a Hugging Face BERT directory")
     _check_phase1_config(init_dir / "model_config.json", model)
+    _check_vocab(init_dir, vocab_file)
     tag, state = found
     verify_checksums(ckpt_dir, tag, state)
     weights, _ = read_fp32_weights(ckpt_dir / tag, fp32_module_suffices=True)
@@ -189,15 +189,17 @@ def _check_phase1_config(config_file: Path, model: BertForPreTraining) -> None:
                               f"({'; '.join(differ)}); pass that run's model config as --config_file")
 
 
-def _check_hf_vocab(hf_dir: Path, vocab_file: Path) -> None:
-    """The tokens of a Hugging Face directory (its vocab.txt, else the WordPiece vocab of its tokenizer.json,
-    as our exports have only that) against the shards' vocab.txt, id by id. A directory with neither is
-    not checked."""
-    if (hf_dir / "vocab.txt").is_file():
-        source = hf_dir / "vocab.txt"
+def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
+    """The tokens of --init_checkpoint (its vocab.txt: a run's copy of its shards', a published BERT's; else the
+    WordPiece vocab of its tokenizer.json, as our exports have only that) against the shards' vocab.txt, id
+    by id. A directory with neither, or shards without a vocab.txt, is not checked."""
+    if vocab_file is None or not vocab_file.is_file():
+        return
+    if (init_dir / "vocab.txt").is_file():
+        source = init_dir / "vocab.txt"
         theirs = source.read_text(encoding="utf-8").split("\n")
-    elif (hf_dir / "tokenizer.json").is_file():
-        source = hf_dir / "tokenizer.json"
+    elif (init_dir / "tokenizer.json").is_file():
+        source = init_dir / "tokenizer.json"
         vocab = json.loads(source.read_text(encoding="utf-8")).get("model", {}).get("vocab")
         if not isinstance(vocab, dict):
             return  # not a WordPiece tokenizer: no vocab to compare
@@ -211,7 +213,7 @@ def _check_hf_vocab(hf_dir: Path, vocab_file: Path) -> None:
     first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
     there = repr(theirs[first]) if first < len(theirs) else "absent"
     here = repr(ours[first]) if first < len(ours) else "absent"
-    raise CheckpointError(f"--init_checkpoint {hf_dir}: its vocabulary ({source.name}, {len(theirs)} tokens) is not "
+    raise CheckpointError(f"--init_checkpoint {init_dir}: its vocabulary ({source.name}, {len(theirs)} tokens) is not "
                           f"the shards' {vocab_file} ({len(ours)} tokens): token id {first} is {there} there, {here} "
                           "in the shards, so its embeddings would be trained on other tokens' text; make the shards "
                           "with that vocabulary (data.prepare --vocab_file)")
