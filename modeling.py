@@ -543,11 +543,12 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int) -> 
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertTokenizerFast
 
-    from data.vocab import cased_tokens
+    from data.vocab import CASED_TOKENS_TOLERATED, cased_tokens
 
     lines = vocab_file.read_text(encoding="utf-8").splitlines()
     words = [w for w in lines if w and not w.startswith("[")]
-    lower = not cased_tokens(words)  # as data.prepare checks a given vocab's case
+    # As data.prepare checks a given vocab's case: a lower-cased run's vocab may hold a few stray cased tokens.
+    lower = len(cased_tokens(words)) <= CASED_TOKENS_TOLERATED * len(lines)
     wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
     tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
                                   sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",

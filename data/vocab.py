@@ -128,10 +128,16 @@ def cased_tokens(tokens: list[str]) -> list[str]:
     return [t for t in tokens if t not in SPECIAL_TOKENS and uncased.normalize_str(t) != t]
 
 
+# A lower-cased run's vocab may hold this fraction of cased tokens (check_case); the export's tokenizer
+# lower-cases for a vocab within it (modeling.save_tokenizer), as such a run did.
+CASED_TOKENS_TOLERATED = 0.01
+
+
 def check_case(vocab: Vocab, lower_case: bool) -> None:
     """Refuse a vocab whose case contradicts the tokenization's (Google's validate_case_matches_checkpoint).
 
-    Cased or uncased is decided by `cased_tokens`, as the export decides it (`modeling.save_tokenizer`).
+    Cased or uncased is decided by `cased_tokens`, as the export decides it (`modeling.save_tokenizer`,
+    which lower-cases for up to CASED_TOKENS_TOLERATED of them, as a lower-cased run may have).
     Cased text against an uncased vocab turns every capitalised or accented word into [UNK]; uncased text
     against a cased vocab can never produce its cased tokens. A few stray cased tokens in a custom vocab
     pass. A vocab with neither (Han alone, say) counts as uncased: lower-casing then changes nothing the
@@ -143,7 +149,7 @@ def check_case(vocab: Vocab, lower_case: bool) -> None:
             f"{vocab.path} is an uncased vocab (no token has a capital letter, an accent or a combining mark), but "
             "lower-casing is off: every capitalised or accented word would become [UNK]. Drop --no_lower_case, "
             "or pass a cased vocab.txt")
-    if lower_case and len(cased) > 0.01 * len(vocab.tokens):
+    if lower_case and len(cased) > CASED_TOKENS_TOLERATED * len(vocab.tokens):
         raise PipelineError(
             f"{vocab.path} is a cased vocab ({len(cased)} tokens such as {cased[0]!r} have capitals, accents or "
             "combining marks), but the text is lower-cased and stripped of accents, so those tokens could never "

@@ -487,6 +487,49 @@ def test_init_weights_from_a_hugging_face_directory(tmp_path):
         weights.load_initial_weights(model, tmp_path / "hf")
 
 
+def test_init_weights_from_a_hugging_face_directory_with_another_vocab_is_refused(tmp_path):
+    """A published BERT (vocab.txt) or an export of ours (tokenizer.json only) whose tokens are not the shards':
+    same vocab_size, so the config check passes, but every embedding would be trained on another token's text
+    (data.prepare trains a 30522-token vocab unless given bert-base-uncased's)."""
+    import modeling
+    from tests.test_modeling import small_config
+
+    specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    words = [f"w{i}" for i in range(1001 - len(specials))]
+    hf_vocab, shards_vocab = tmp_path / "hf_vocab.txt", tmp_path / "shards_vocab.txt"
+    hf_vocab.write_text("\n".join(specials + words) + "\n")
+    shards_vocab.write_text("\n".join(specials + words[::-1]) + "\n")  # the same tokens, other ids
+    modeling.save_hf(modeling.BertForPreTraining(small_config()), tmp_path / "hf", vocab_file=hf_vocab)
+    model = modeling.BertForPreTraining(small_config())
+    with pytest.raises(CheckpointError, match=r"hf: its vocabulary \(tokenizer.json, 1001 tokens\) is not the "
+                                              r"shards' .*shards_vocab.txt \(1001 tokens\): token id 5 is 'w0' "
+                                              r"there, 'w995' in the shards"):
+        weights.load_initial_weights(model, tmp_path / "hf", shards_vocab)
+    (tmp_path / "hf" / "vocab.txt").write_text(shards_vocab.read_text().replace("w995", "x995"))  # as published
+    with pytest.raises(CheckpointError, match=r"vocab.txt, 1001 tokens.*token id 5 is 'x995' there, 'w995'"):
+        weights.load_initial_weights(model, tmp_path / "hf", shards_vocab)
+    (tmp_path / "hf" / "vocab.txt").unlink()
+    assert weights.load_initial_weights(model, tmp_path / "hf", hf_vocab) == f"{tmp_path / 'hf'} (Hugging Face)"
+
+
+def test_init_weights_from_a_run_with_another_vocab_is_refused(tmp_path):
+    """--phase2 --init_checkpoint <a phase-1 run> whose shards had another vocab of the same size: the run's copy
+    of its vocab.txt is compared with the phase-2 shards' before any weight is read."""
+    import modeling
+    from tests.test_modeling import small_config
+
+    run = tmp_path / "run"
+    _save(run / "checkpoints", 10)
+    small_config().to_json_file(run / "model_config.json")
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(996)]
+    (run / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    shards_vocab = tmp_path / "vocab.txt"
+    shards_vocab.write_text("\n".join(tokens[:5] + tokens[:4:-1]) + "\n")
+    with pytest.raises(CheckpointError, match=r"run: its vocabulary \(vocab.txt, 1001 tokens\) is not the shards' "
+                                              r".*token id 5 is 'w0' there, 'w995' in the shards"):
+        weights.load_initial_weights(modeling.BertForPreTraining(small_config()), run, shards_vocab)
+
+
 def test_init_weights_from_a_run_of_another_model_name_the_fields(tmp_path):
     """--phase2 --init_checkpoint <a phase-1 run> trained with another model config: its model_config.json is
     compared field by field before the weights are read (it was load_state_dict's line per tensor)."""

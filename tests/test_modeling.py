@@ -449,3 +449,24 @@ def test_the_exported_tokenizer_tokenizes_as_the_shards_were(tmp_path, text, low
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert exported(text.strip(), add_special_tokens=False)["input_ids"] == ids.tolist()
     assert exported.unk_token_id not in ids.tolist()
+
+
+def test_the_exported_tokenizer_lower_cases_as_a_run_with_a_few_stray_cased_tokens_did(tmp_path, bert_vocab):
+    """data.prepare lower-cases with a given vocab that holds a few cased tokens (up to 1%); the export must
+    too, or every capitalised word of a user's text becomes [UNK] or other pieces than in training."""
+    from transformers import AutoTokenizer
+
+    from data.tokens import WordPieceTokenizer
+    from data.vocab import check_case, load_vocab
+
+    lines = bert_vocab.read_text(encoding="utf-8").splitlines()
+    lines[lines.index("gunners")] = "McDonald"  # one custom cased token
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    check_case(load_vocab(vocab), lower_case=True)  # a lower-cased run accepts it
+    modeling.save_tokenizer(vocab, tmp_path / "hf", 512)
+    text = "The Quick brown Fox in Zürich"
+    ids, _ = WordPieceTokenizer(vocab, lower_case=True).tokenize_sentences([text])
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported.convert_ids_to_tokens(exported(text, add_special_tokens=False)["input_ids"]) == [
+        "the", "quick", "brown", "fox", "in", "zurich"] == exported.convert_ids_to_tokens(ids.tolist())

@@ -10,6 +10,7 @@ through DeepSpeed's documented `safe_set_full_fp32_param`.
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -144,20 +145,24 @@ _ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
                  "next_sentence_prediction")
 
 
-def load_initial_weights(model: BertForPreTraining, init_dir: Path) -> str:
+def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: Path | None = None) -> str:
     """Phase 2: the fp32 weights of `init_dir`'s latest checkpoint (its fp32 master weights, merged from
     its partitions after a bf16 run), read memory-mapped into `model` before DeepSpeed wraps it, or those of a Hugging
     Face BERT directory (config.json and weights: an export of ours, or a published BERT to continue
     pretraining from). Optimizer state and schedule are not touched. Collective for a checkpoint: the
-    ranks share the CRC checks of its files."""
+    ranks share the CRC checks of its files. With `vocab_file` (the shards' vocab.txt), the vocabulary of
+    `init_dir` (a run's copy, a Hugging Face directory's) must be that one: a vocab of the same size but
+    other tokens would train every embedding on another token's text."""
     ckpt_dir = checkpoint_dir(init_dir)
     if not ckpt_dir.is_dir() and (init_dir / "config.json").is_file():
+        _check_vocab(init_dir, vocab_file)
         return _load_hf(model, init_dir)
     found = find_resume(ckpt_dir)
     if found is None:
         raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
                               "the --output_dir of a finished phase-1 run or at a Hugging Face BERT directory")
     _check_phase1_config(init_dir / "model_config.json", model)
+    _check_vocab(init_dir, vocab_file)
     tag, state = found
     verify_checksums(ckpt_dir, tag, state)
     weights, _ = read_fp32_weights(ckpt_dir / tag, fp32_module_suffices=True)
@@ -182,6 +187,36 @@ def _check_phase1_config(config_file: Path, model: BertForPreTraining) -> None:
     if differ:
         raise CheckpointError(f"{config_file}: the phase-1 run trained another model than --config_file "
                               f"({'; '.join(differ)}); pass that run's model config as --config_file")
+
+
+def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
+    """The tokens of --init_checkpoint (its vocab.txt: a run's copy of its shards', a published BERT's; else the
+    WordPiece vocab of its tokenizer.json, as our exports have only that) against the shards' vocab.txt, id
+    by id. A directory with neither, or shards without a vocab.txt, is not checked."""
+    if vocab_file is None or not vocab_file.is_file():
+        return
+    if (init_dir / "vocab.txt").is_file():
+        source = init_dir / "vocab.txt"
+        theirs = source.read_text(encoding="utf-8").split("\n")
+    elif (init_dir / "tokenizer.json").is_file():
+        source = init_dir / "tokenizer.json"
+        vocab = json.loads(source.read_text(encoding="utf-8")).get("model", {}).get("vocab")
+        if not isinstance(vocab, dict):
+            return  # not a WordPiece tokenizer: no vocab to compare
+        theirs = sorted(vocab, key=vocab.get)
+    else:
+        return
+    ours = vocab_file.read_text(encoding="utf-8").split("\n")
+    theirs, ours = ([t.rstrip() for t in tokens if t.strip()] for tokens in (theirs, ours))
+    if theirs == ours:
+        return
+    first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+    there = repr(theirs[first]) if first < len(theirs) else "absent"
+    here = repr(ours[first]) if first < len(ours) else "absent"
+    raise CheckpointError(f"--init_checkpoint {init_dir}: its vocabulary ({source.name}, {len(theirs)} tokens) is not "
+                          f"the shards' {vocab_file} ({len(ours)} tokens): token id {first} is {there} there, {here} "
+                          "in the shards, so its embeddings would be trained on other tokens' text; make the shards "
+                          "with that vocabulary (data.prepare --vocab_file)")
 
 
 def _load_hf(model: BertForPreTraining, hf_dir: Path) -> str:
