@@ -98,6 +98,8 @@ check_port() { [[ "$2" =~ ^[1-9][0-9]{0,4}$ && "$2" -le 65535 ]] || die "$1 must
 check_port --master_port "$MASTER_PORT_ARG"
 [[ -z "$SSH_PORT" ]] || check_port --ssh_port "$SSH_PORT"
 [[ -z "$HOSTFILE" || -z "$HOSTS" ]] || die "give --hostfile or --hosts, not both"
+repeated="$(tr ',' '\n' <<<"$HOSTS" | awk 'NF && seen[$1]++ {print $1; exit}')"
+[[ -z "$repeated" ]] || die "--hosts lists $repeated twice; list each host once"
 [[ -z "$HOSTFILE" || -f "$HOSTFILE" ]] || die "hostfile $HOSTFILE does not exist"
 
 LAUNCH_DIR="$OUTPUT_DIR/launch"
