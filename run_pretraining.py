@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data.cli import HelpFormatter
+from data.cli import HelpFormatter, file_in_the_way
 from modeling import (
     IGNORE_INDEX,
     ActivationCheckpointing,
@@ -148,11 +148,9 @@ def check_args(args: argparse.Namespace) -> None:
 def check_output_dir(path: Path) -> None:
     """Refuse a file where the run's directory, or one above it, would be: mkdir would fail only
     after the model and engine were built."""
-    for existing in (path, *path.parents):
-        if existing.exists():
-            if not existing.is_dir():
-                raise RunConfigError(f"--output_dir {path}: {existing} is a file, not a directory; pass a directory")
-            return
+    blocker = file_in_the_way(path)
+    if blocker is not None:
+        raise RunConfigError(f"--output_dir {path}: {blocker} is a file, not a directory; pass a directory")
 
 
 def schedule_config(args: argparse.Namespace) -> ScheduleConfig:

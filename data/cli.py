@@ -1,9 +1,11 @@
-"""The help layout shared by the project's command lines (data stages, training, export)."""
+"""The help layout and argument checks shared by the project's command lines (data stages, training,
+export)."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -34,6 +36,11 @@ def positive_int(text: str) -> int:
 
 def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that stands where the directory `path`, or one above it, would be (None if there is none)."""
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
 def add_workers_argument(

@@ -25,6 +25,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from data.cli import file_in_the_way
+
 PARAMS_FILE = "_PARAMS.json"
 COMPLETE_FILE = "_COMPLETE.json"
 LOCK_FILE = "_LOCK"
@@ -111,7 +113,7 @@ def make_dir(path: Path, flag: str | None = None) -> None:
     try:
         path.mkdir(parents=True, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as exc:
-        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        blocker = file_in_the_way(path)
         what = f"{blocker} is a file, not a directory" if blocker else f"it cannot be a directory ({exc.strerror})"
         raise PipelineError(f"{name}: {what}; pass a directory path (it is created if missing)") from exc
     except OSError as exc:

@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.cli import HelpFormatter, positive_int
+from data.cli import HelpFormatter, file_in_the_way, positive_int
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "configs" / "models" / "bert-demo.json"
@@ -216,9 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     # Checked before the minutes of data pipeline that would come before the step that fails.
     if args.articles < 4:
         parser.error(f"--articles must be >= 4 (the dump has one article of each kind), got {args.articles}")
-    existing = next(p for p in (args.output_dir.resolve(), *args.output_dir.resolve().parents) if p.exists())
-    if not existing.is_dir():
-        parser.error(f"--output_dir {args.output_dir}: {existing} is a file, not a directory; pass a directory")
+    blocker = file_in_the_way(args.output_dir.resolve())
+    if blocker is not None:
+        parser.error(f"--output_dir {args.output_dir}: {blocker} is a file, not a directory; pass a directory")
     cfg = DemoConfig(output_dir=args.output_dir.resolve(), articles=args.articles, vocab_size=args.vocab_size,
                      max_steps=args.max_steps, processes=args.processes, seed=args.seed, log_freq=args.log_freq)
     from data.stage import PipelineError

@@ -197,7 +197,7 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
         return
     if (init_dir / "vocab.txt").is_file():
         source = init_dir / "vocab.txt"
-        theirs = source.read_text(encoding="utf-8").split("\n")
+        theirs = _vocab_tokens(source)
     elif (init_dir / "tokenizer.json").is_file():
         source = init_dir / "tokenizer.json"
         vocab = json.loads(source.read_text(encoding="utf-8")).get("model", {}).get("vocab")
@@ -206,8 +206,7 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
         theirs = sorted(vocab, key=vocab.get)
     else:
         return
-    ours = vocab_file.read_text(encoding="utf-8").split("\n")
-    theirs, ours = ([t.rstrip() for t in tokens if t.strip()] for tokens in (theirs, ours))
+    ours = _vocab_tokens(vocab_file)
     if theirs == ours:
         return
     first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
@@ -217,6 +216,17 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
                           f"the shards' {vocab_file} ({len(ours)} tokens): token id {first} is {there} there, {here} "
                           "in the shards, so its embeddings would be trained on other tokens' text; make the shards "
                           "with that vocabulary (data.prepare --vocab_file)")
+
+
+def _vocab_tokens(path: Path) -> list[str]:
+    """A vocab.txt's tokens, numbered as the tokenizers number them (data.vocab.load_vocab)."""
+    from data.stage import PipelineError
+    from data.vocab import load_vocab
+
+    try:
+        return load_vocab(path).tokens
+    except PipelineError as e:
+        raise CheckpointError(str(e)) from e
 
 
 def _load_hf(model: BertForPreTraining, hf_dir: Path) -> str:
