@@ -41,6 +41,8 @@ fi
 ORIGINAL_ARGS=("$@")
 
 die() { echo "launch.sh: error: $*" >&2; exit 2; }
+# The value of a variable the job scheduler sets, or a clear error (inside $(...) the exit ends the script via set -e).
+job_var() { [[ -n "${!1:-}" ]] || die "$1 is not set: $2"; printf '%s' "${!1}"; }
 abspath() { realpath -m -- "$1"; }
 command -v "$PYTHON" >/dev/null || die "the interpreter PYTHON=$PYTHON is not an executable; set PYTHON to one (e.g. .venv/bin/python)"
 
@@ -151,21 +153,27 @@ case "$LAUNCHER" in
       exec "${CMD[@]}"
     fi
     NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}"
-    NODE_RANK="${SLURM_NODEID:?SLURM_NODEID is not set inside the srun task}"
+    NODE_RANK="$(job_var SLURM_NODEID "srun sets it in each task")"
     if [[ -z "$MASTER_ADDR_ARG" ]]; then
+      nodelist="$(job_var SLURM_JOB_NODELIST "the master is the allocation's first host; pass --master_addr")"
+      command -v scontrol >/dev/null \
+        || die "scontrol is not on PATH on $(hostname), so the first host of the node list '$nodelist' cannot be found; pass --master_addr"
       # awk reads the whole list: `head -n 1` would exit early, and under pipefail a later write of
       # scontrol's (SIGPIPE, status 141) would end launch.sh without a message.
-      MASTER_ADDR_ARG="$(scontrol show hostnames "${SLURM_JOB_NODELIST:?SLURM_JOB_NODELIST is not set}" | awk 'NR == 1')"
+      MASTER_ADDR_ARG="$(scontrol show hostnames "$nodelist" | awk 'NR == 1')"
+      [[ -n "$MASTER_ADDR_ARG" ]] || die "'scontrol show hostnames $nodelist' printed no host; pass --master_addr"
     fi ;;
   aws-batch)
-    NNODES="${AWS_BATCH_JOB_NUM_NODES:?AWS_BATCH_JOB_NUM_NODES is not set: run this as an AWS Batch multi-node parallel job}"
-    NODE_RANK="${AWS_BATCH_JOB_NODE_INDEX:?AWS_BATCH_JOB_NODE_INDEX is not set}"
+    batch_job="run this as a node of an AWS Batch multi-node parallel job"
+    NNODES="$(job_var AWS_BATCH_JOB_NUM_NODES "$batch_job")"
+    NODE_RANK="$(job_var AWS_BATCH_JOB_NODE_INDEX "$batch_job")"
     if [[ -z "$MASTER_ADDR_ARG" ]]; then
       if [[ "$NODE_RANK" == "${AWS_BATCH_JOB_MAIN_NODE_INDEX:-0}" ]]; then
         MASTER_ADDR_ARG="$(hostname -I | awk '{print $1}')"  # Batch does not give the main node its own address
         [[ -n "$MASTER_ADDR_ARG" ]] || die "cannot tell this main node's IP address ('hostname -I' is empty); pass --master_addr"
       else
-        MASTER_ADDR_ARG="${AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS:?AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS is not set}"
+        MASTER_ADDR_ARG="$(job_var AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS \
+          "Batch sets it on every node but the main one (AWS_BATCH_JOB_MAIN_NODE_INDEX=${AWS_BATCH_JOB_MAIN_NODE_INDEX:-unset}, this node is $NODE_RANK); or pass --master_addr")"
       fi
     fi ;;
   *) die "--launcher must be deepspeed, torchrun, slurm or aws-batch, got '$LAUNCHER'" ;;

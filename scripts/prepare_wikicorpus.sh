@@ -47,6 +47,12 @@ for var in WORKERS:1 NUM_SHARDS:1 TEST_SHARDS:0; do
     [[ ${!name} =~ ^[0-9]+$ && $((10#${!name})) -ge $least ]] || env_error "$name" "must be an integer >= $least, got '${!name}'"
 done
 [[ $TEST_FRACTION =~ ^(0(\.[0-9]*)?|\.[0-9]+)$ ]] || env_error TEST_FRACTION "must be a number in [0, 1), got '$TEST_FRACTION'"
+no_fraction=0; if [[ $TEST_FRACTION =~ ^(0(\.0*)?|\.0+)$ ]]; then no_fraction=1; fi
+if [[ $((10#$TEST_SHARDS)) == 0 && $no_fraction == 0 ]]; then
+    env_error TEST_SHARDS "is 0 but TEST_FRACTION is $TEST_FRACTION: the held-out documents would be written nowhere; set TEST_FRACTION=0 too, to train on every document"
+elif [[ $((10#$TEST_SHARDS)) != 0 && $no_fraction == 1 ]]; then
+    env_error TEST_FRACTION "is $TEST_FRACTION but TEST_SHARDS is $TEST_SHARDS: no document is held out for the test shards; set TEST_SHARDS=0 too, or a TEST_FRACTION above 0"
+fi
 
 if [[ -n ${DUMP:-} ]]; then
     source_args=(--input "$(absolute "$DUMP")")

@@ -318,6 +318,22 @@ def test_prepare_wikicorpus_script_names_the_environment_variable_that_is_wrong(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("settings, message", [
+    ({"TEST_SHARDS": "0"}, "TEST_SHARDS is 0 but TEST_FRACTION is 0.02: the held-out documents would be written "
+                           "nowhere; set TEST_FRACTION=0 too, to train on every document"),
+    ({"TEST_FRACTION": "0.0"}, "TEST_FRACTION is 0.0 but TEST_SHARDS is 8: no document is held out for the test "
+                               "shards; set TEST_SHARDS=0 too, or a TEST_FRACTION above 0"),
+])
+def test_prepare_wikicorpus_script_names_the_variable_that_disagrees_with_the_other(settings, message, tmp_path):
+    """TEST_SHARDS=0 alone got data.prepare's error, which names --num_test_shards and --test_fraction."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TEST_SHARDS", "TEST_FRACTION")}
+    env.update(DUMP="/nonexistent/dump.xml.bz2", PYTHON=sys.executable, **settings)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "prepare_wikicorpus.sh"), "out"], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stderr) == (2, f"error: environment variable {message}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_help_gives_the_defaults_that_say_something(capsys):
     """Each option's default is appended to its help, except a switch's on/off state, a default of None and a
     default the help names itself."""

@@ -272,7 +272,13 @@ def test_aws_batch_mode_maps_the_job_variables(tmp_path: Path):
                                      AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS="10.0.3.7"))
     assert wrong.returncode == 2 and "--nodes is 4 but the aws-batch job has 2 nodes" in wrong.stderr
     missing = _launch(common)
-    assert missing.returncode != 0 and "AWS_BATCH_JOB_NUM_NODES is not set" in missing.stderr
+    assert missing.returncode == 2 and missing.stderr.strip() == (
+        "launch.sh: error: AWS_BATCH_JOB_NUM_NODES is not set: run this as a node of an AWS Batch multi-node parallel job")
+    # A worker node whose job did not pass the main node's address is told which variable and how to go on.
+    worker = _launch(common, env=_env(AWS_BATCH_JOB_NUM_NODES="4", AWS_BATCH_JOB_NODE_INDEX="2"))
+    assert worker.returncode == 2 and worker.stderr.strip() == (
+        "launch.sh: error: AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS is not set: Batch sets it on every node but "
+        "the main one (AWS_BATCH_JOB_MAIN_NODE_INDEX=unset, this node is 2); or pass --master_addr")
 
 
 def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
@@ -299,6 +305,15 @@ def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
                   SLURM_JOB_NODELIST="gpu[07-08]", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     inner = _command(_launch(common, env=listed))
     assert (_flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("0", "gpu07")
+    # Without scontrol, or without the variables srun sets, the error names what is missing and the way out.
+    no_scontrol = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="0", SLURM_JOB_NUM_NODES="2",
+                       SLURM_JOB_NODELIST="gpu[07-08]", PATH=f"{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin")
+    result = _launch(common, env=no_scontrol)
+    assert result.returncode == 2 and "scontrol is not on PATH" in result.stderr
+    assert "the first host of the node list 'gpu[07-08]' cannot be found; pass --master_addr" in result.stderr
+    no_rank = _launch(common, env=_env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_JOB_NUM_NODES="2"))
+    assert no_rank.returncode == 2
+    assert no_rank.stderr.strip() == "launch.sh: error: SLURM_NODEID is not set: srun sets it in each task"
 
 
 def test_clear_errors(tmp_path: Path):
