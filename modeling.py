@@ -539,7 +539,9 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
 def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int) -> None:
     """Hugging Face tokenizer files for a WordPiece vocab.txt, built from the `tokenizers` object:
     `BertTokenizerFast(vocab_file=...)` silently ignores the file in transformers 5.x (every token
-    becomes [UNK]). `model_max_length` (the model's positions) is what `truncation=True` cuts to."""
+    becomes [UNK]). `model_max_length` (the model's positions) is what `truncation=True` cuts to.
+    A vocab.txt, written from the tokenizer in id order, goes beside tokenizer.json for the tools
+    that read only it (transformers 4.x's slow BertTokenizer, NVIDIA's and Google's scripts)."""
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertTokenizerFast
 
@@ -557,6 +559,8 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int) -> 
         raise ValueError(f"{vocab_file}: the tokenizer built from it has {len(tokenizer)} tokens but the file has "
                          f"{len(lines)} lines; remove duplicate or blank lines")
     tokenizer.save_pretrained(directory)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    (directory / "vocab.txt").write_text("".join(f"{token}\n" for token in tokens), encoding="utf-8")
 
 
 def _replace_dir(new: Path, old: Path) -> None:

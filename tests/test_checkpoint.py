@@ -488,7 +488,8 @@ def test_init_weights_from_a_hugging_face_directory(tmp_path):
 
 
 def test_init_weights_from_a_hugging_face_directory_with_another_vocab_is_refused(tmp_path):
-    """A published BERT (vocab.txt) or an export of ours (tokenizer.json only) whose tokens are not the shards':
+    """A published BERT or an export of ours (vocab.txt), or a directory with only tokenizer.json (exports before
+    vocab.txt was added, some hub models), whose tokens are not the shards':
     same vocab_size, so the config check passes, but every embedding would be trained on another token's text
     (data.prepare trains a 30522-token vocab unless given bert-base-uncased's)."""
     import modeling
@@ -501,6 +502,10 @@ def test_init_weights_from_a_hugging_face_directory_with_another_vocab_is_refuse
     shards_vocab.write_text("\n".join(specials + words[::-1]) + "\n")  # the same tokens, other ids
     modeling.save_hf(modeling.BertForPreTraining(small_config()), tmp_path / "hf", vocab_file=hf_vocab)
     model = modeling.BertForPreTraining(small_config())
+    with pytest.raises(CheckpointError, match=r"hf: its vocabulary \(vocab.txt, 1001 tokens\) is not the shards' "
+                                              r".*shards_vocab.txt \(1001 tokens\): token id 5 is 'w0' there"):
+        weights.load_initial_weights(model, tmp_path / "hf", shards_vocab)
+    (tmp_path / "hf" / "vocab.txt").unlink()
     with pytest.raises(CheckpointError, match=r"hf: its vocabulary \(tokenizer.json, 1001 tokens\) is not the "
                                               r"shards' .*shards_vocab.txt \(1001 tokens\): token id 5 is 'w0' "
                                               r"there, 'w995' in the shards"):

@@ -166,7 +166,8 @@ def test_save_hf_replaces_only_an_earlier_export_and_honours_the_umask(tmp_path,
     assert torch.equal(exported, second.state_dict()[name][: len(exported)])
     assert not torch.equal(exported, model.state_dict()[name][: len(exported)])
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
-        "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.json": 0o644, "tokenizer_config.json": 0o644}
+        "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.json": 0o644, "tokenizer_config.json": 0o644,
+        "vocab.txt": 0o644}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
 
 
@@ -449,6 +450,12 @@ def test_the_exported_tokenizer_tokenizes_as_the_shards_were(tmp_path, text, low
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert exported(text.strip(), add_special_tokens=False)["input_ids"] == ids.tolist()
     assert exported.unk_token_id not in ids.tolist()
+    # The export's vocab.txt is the run's, and a tool that reads only it (tokenizer.json gone, as for
+    # transformers 4.x's slow BertTokenizer) with tokenizer_config.json's casing gets the same ids.
+    assert (tmp_path / "hf" / "vocab.txt").read_text(encoding="utf-8") == vocab.path.read_text(encoding="utf-8")
+    (tmp_path / "hf" / "tokenizer.json").unlink()
+    from_vocab = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert from_vocab(text.strip(), add_special_tokens=False)["input_ids"] == ids.tolist()
 
 
 def test_the_exported_tokenizer_lower_cases_as_a_run_with_a_few_stray_cased_tokens_did(tmp_path, bert_vocab):

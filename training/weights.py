@@ -190,9 +190,9 @@ def _check_phase1_config(config_file: Path, model: BertForPreTraining) -> None:
 
 
 def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
-    """The tokens of --init_checkpoint (its vocab.txt: a run's copy of its shards', a published BERT's; else the
-    WordPiece vocab of its tokenizer.json, as our exports have only that) against the shards' vocab.txt, id
-    by id. A directory with neither, or shards without a vocab.txt, is not checked."""
+    """The tokens of --init_checkpoint (its vocab.txt: a run's copy of its shards', a published BERT's, our
+    export's; else the WordPiece vocab of its tokenizer.json, for directories that hold only that) against the
+    shards' vocab.txt, id by id. A directory with neither, or shards without a vocab.txt, is not checked."""
     if vocab_file is None or not vocab_file.is_file():
         return
     if (init_dir / "vocab.txt").is_file():
