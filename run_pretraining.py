@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -556,7 +557,7 @@ def _try_lock(path: Path):
 def write_run_files(args: argparse.Namespace, config: BertConfig) -> None:
     """What export_hf needs beside the checkpoints: the model config and the vocabulary."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("model_config.json", "run_info.json"):  # a killed run's temporaries of the files rank 0 writes
+    for name in ("model_config.json", "run_info.json", "starts.jsonl"):  # a killed run's temporaries of rank 0's files
         remove_stale_temporaries(args.output_dir / name)
     config.to_json_file(args.output_dir / "model_config.json")
     vocab = args.input_dir / "vocab.txt"
@@ -564,6 +565,18 @@ def write_run_files(args: argparse.Namespace, config: BertConfig) -> None:
         tmp = args.output_dir / ".vocab.txt.tmp"
         shutil.copyfile(vocab, tmp)
         tmp.replace(args.output_dir / "vocab.txt")
+
+
+def record_start(output_dir: Path, info: dict, ds_config: dict) -> None:
+    """Append this start to <output_dir>/starts.jsonl: run_info.json and launch.sh's copy of the DeepSpeed
+    config describe only the latest start, and a resume may run with another world size or config."""
+    path = output_dir / "starts.jsonl"
+    earlier = path.read_text(encoding="utf-8") if path.is_file() else ""
+    if earlier and not earlier.endswith("\n"):
+        earlier += "\n"
+    record = {"time": datetime.now(timezone.utc).isoformat(timespec="seconds"), "host": socket.gethostname(),
+              "argv": sys.argv, **info, "deepspeed_config": ds_config}
+    atomic_write_text(path, earlier + json.dumps(record) + "\n")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -666,6 +679,7 @@ def train(args: argparse.Namespace) -> dict:
     }
     if rank == 0:
         atomic_write_text(args.output_dir / "run_info.json", json.dumps(info, indent=1) + "\n")
+        record_start(args.output_dir, info, ds_config)
 
     stop = StopRequest()
     guard = NonFiniteGuard(args.max_nonfinite_steps, skipped_batches, skipped_steps)

@@ -418,6 +418,12 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resumes_exactly(fp32_setup, phas
     ok(run(1, args(phase1_shards, out)))
     assert json.loads((out / "run_info.json").read_text())["start_step"] == stopped_at
     assert losses(out) == losses(reference)
+    # run_info.json holds the latest start; starts.jsonl every start, with the DeepSpeed config each one used.
+    starts = [json.loads(line) for line in (out / "starts.jsonl").read_text().splitlines()]
+    assert [(s["start_step"], s["resumed_from"]) for s in starts] == [(0, None), (stopped_at, f"step{stopped_at:08d}")]
+    given = json.loads((reference.parent / "ds.json").read_text())
+    assert all({k: s["deepspeed_config"][k] for k in given} == given for s in starts)
+    assert all(s["argv"][0].endswith("run_pretraining.py") and s["time"].endswith("+00:00") for s in starts)
 
 
 @pytest.mark.slow
