@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import time
 from bisect import bisect_left
 from dataclasses import asdict, dataclass
@@ -110,6 +111,19 @@ def validate(cfg: CreateConfig) -> None:
         raise PipelineError(f"dupe_factor must be >= 1, got {cfg.dupe_factor}")
     if cfg.seed < 0:
         raise PipelineError(f"seed must be >= 0 (numpy's seed sequences take no negative numbers), got {cfg.seed}")
+
+
+BERT_POSITIONS = 512  # max_position_embeddings of BERT, and of every model config in configs/models
+
+
+def long_sequence_warning(max_seq_length: int) -> str | None:
+    """Longer sequences are valid data but no shipped model can train on them; say so before the stages run,
+    since the trainer only refuses them after the shards are written."""
+    if max_seq_length <= BERT_POSITIONS:
+        return None
+    return (f"warning: --max_seq_length {max_seq_length} is above {BERT_POSITIONS}, the max_position_embeddings of "
+            "BERT and of every config in configs/models; run_pretraining.py refuses these shards unless its "
+            f"--config_file has max_position_embeddings of at least {max_seq_length}")
 
 
 def capped_masking(seq: int, pred: int, masked_lm_prob: float, source: str) -> str | None:
@@ -499,6 +513,9 @@ def main(argv: list[str] | None = None) -> None:
         if problem:
             p.error(problem)
         a.max_predictions_per_seq = 20
+    warning = long_sequence_warning(a.max_seq_length)
+    if warning:
+        print(warning, file=sys.stderr)
     r = stage.cli_call(create, CreateConfig(a.input_dir, a.vocab_file, a.output_dir, a.max_seq_length, a.max_predictions_per_seq,
                             a.dupe_factor, a.short_seq_prob, a.masked_lm_prob, a.whole_word_masking,
                             not a.dynamic_masking, a.test_fraction, a.seed, a.workers))

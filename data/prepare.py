@@ -37,6 +37,7 @@ from data.create import (
     capped_masking,
     create,
     held_out_documents,
+    long_sequence_warning,
     validate,
 )
 from data.download import (
@@ -248,6 +249,9 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         whole_word_masking=cfg.whole_word_masking, static_masking=cfg.static_masking,
         test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
     validate(create_cfg)  # before any long stage runs, like the given vocab's special tokens
+    warning = long_sequence_warning(cfg.max_seq_length)
+    if warning:
+        report(warning)
     check_shard_counts(cfg.num_shards, cfg.num_test_shards, cfg.test_fraction)
     check_name(cfg.name)
     if cfg.vocab_file is not None:

@@ -505,3 +505,30 @@ def test_the_unknown_warning_names_the_vocab_file_given(tmp_path, capsys):
                      flags=re.M)
     warning = f"warning: 86.96% of the tokens are [UNK] with the vocab {digits} (a vocab that fits the text leaves"
     assert [line[:len(warning)] for line in printed.splitlines() if line.startswith("warning")] == [warning] * 2
+
+
+def test_sequences_longer_than_any_shipped_model_takes_are_warned_of_before_the_stages(bert_vocab, tmp_path, capsys):
+    """--max_seq_length 100000 made 553 MB of instances from 2.6 MB of text, which the trainer then refused: the
+    warning comes before the first stage, so that a typo costs nothing."""
+    from data.create import BERT_POSITIONS
+    from data.create import main as create_main
+
+    shipped = {json.loads(p.read_text())["max_position_embeddings"] for p in (ROOT / "configs" / "models").glob("*.json")}
+    assert max(shipped) == BERT_POSITIONS
+    reported: list[str] = []
+    missing = tmp_path / "no_dump.xml.bz2"
+    with pytest.raises(PipelineError, match="no_dump.xml.bz2"):
+        prepare(PrepareConfig(missing, tmp_path / "out", bert_vocab, max_seq_length=1000, max_predictions_per_seq=150,
+                              workers=1), report=reported.append)
+    assert reported == ["warning: --max_seq_length 1000 is above 512, the max_position_embeddings of BERT and of every "
+                        "config in configs/models; run_pretraining.py refuses these shards unless its --config_file "
+                        "has max_position_embeddings of at least 1000"]
+    reported.clear()
+    with pytest.raises(PipelineError):
+        prepare(PrepareConfig(missing, tmp_path / "out", bert_vocab, max_seq_length=512, max_predictions_per_seq=80,
+                              workers=1), report=reported.append)
+    assert reported == []
+    with pytest.raises(SystemExit):
+        create_main(["--input_dir", str(tmp_path / "none"), "--vocab_file", str(bert_vocab), "--output_dir",
+                     str(tmp_path / "instances"), "--max_seq_length", "600", "--max_predictions_per_seq", "90"])
+    assert "warning: --max_seq_length 600 is above 512" in capsys.readouterr().err
