@@ -51,6 +51,19 @@ def test_shard_cli_reshards_the_same_instances(phase1_shards, tmp_path, capsys):
     assert all({source[bytes(row)] for row in shard["input_ids"]} == {0, 1, 2} for shard in shards)
     with pytest.raises(PipelineError, match="too few for 10000000 training shards; use fewer training shards"):
         shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "other", 10**7, 1))
+    # The boundary: as many test shards as test instances is one instance each; one more is refused.
+    n_test = json.loads((phase1_shards / "instances" / stage.COMPLETE_FILE).read_text())["summary"]["instances"]["test"]
+    with pytest.raises(PipelineError, match=f"has {n_test} test instances, too few for {n_test + 1} test shards; use "
+                                            "fewer test shards or a larger --test_fraction"):
+        shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "one_more", 1, n_test + 1))
+    assert not (tmp_path / "one_more").exists()
+    one_each = shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", tmp_path / "one_each", 1, n_test))
+    assert one_each.shards["test"] == one_each.instances["test"] == n_test
+    test_shards = sorted((tmp_path / "one_each" / "test").glob("*.hdf5"))
+    assert len(test_shards) == n_test
+    for path in test_shards:
+        with h5py.File(path, "r") as f:
+            assert len(f["input_ids"]) == 1
     # a seed that held no document out: the advice is a larger --test_fraction, not "fewer shards"
     no_test = tmp_path / "instances_without_test"
     no_test.mkdir()
