@@ -101,6 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--num_steps_per_checkpoint", type=int, default=200,
                    help="save a checkpoint every N steps (and at the last step, or on SIGTERM/SIGINT)")
     g.add_argument("--keep_checkpoints", type=int, default=3, help="how many newest checkpoints to keep")
+    g.add_argument("--steps_this_run", type=int,
+                   help="train at most this many steps in this run, save a checkpoint and exit 0; the same "
+                        "command continues (for jobs with a time limit; NVIDIA's flag)")
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log_freq", type=int, default=10, help="log every N steps")
     g.add_argument("--eval_freq", type=int, default=0,
@@ -131,6 +134,8 @@ def check_args(args: argparse.Namespace) -> None:
             raise RunConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise RunConfigError(f"--weight_decay must be a finite number >= 0, got {args.weight_decay}")
+    if args.steps_this_run is not None and args.steps_this_run < 1:
+        raise RunConfigError(f"--steps_this_run must be >= 1, got {args.steps_this_run}")
     for name in ("eval_freq", "num_eval_samples", "num_workers", "seed"):
         if getattr(args, name) < 0:
             raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
@@ -691,7 +696,7 @@ def train(args: argparse.Namespace) -> dict:
     consumed_at_step = consumed  # stream position at the end of the last complete window
     skipped_at_step = guard.counts()  # and the guard's counts up to it
     start_step = step
-    stopped = False
+    stopped = paused = False
 
     loader = make_loader(train_set, RankSampler(consumed, sizes.micro_batch, rank, world), sizes.micro_batch,
                          args.num_workers, pin_memory=acc.name == "cuda")
@@ -746,7 +751,10 @@ def train(args: argparse.Namespace) -> dict:
                 last_saved = step
             if stopped:
                 break
-        if stopped:
+            if args.steps_this_run and step - start_step >= args.steps_this_run and step < args.max_steps:
+                paused = True
+                break
+        if stopped or paused:
             # Preempted: keep everything up to the last complete step. The samples of a partial
             # window are read again on resume, as an uninterrupted run reads them.
             if step != last_saved:
@@ -755,15 +763,16 @@ def train(args: argparse.Namespace) -> dict:
             saved = (f"checkpoint {checkpoint.tag_for(step)} is saved; rerun the command to resume" if step
                      else "no step had completed, so nothing was saved; rerun the command to start")
             # through the bar, which is still open: printed directly, the line was glued to its end
-            writer.note(f"stop requested (signal {stop.signal or 'on another rank'}) at step {step}: {saved}",
-                        file=sys.stderr)
+            why = (f"stop requested (signal {stop.signal or 'on another rank'})" if stopped
+                   else f"--steps_this_run {args.steps_this_run} done")
+            writer.note(f"{why} at step {step} of {args.max_steps}: {saved}", file=sys.stderr)
         elif eval_set is not None and (step > start_step or final_evaluation_missing(writer, step)):
             writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
     finally:
         writer.close()
         if run_lock is not None:
             run_lock.close()
-    return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped,
+    return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped, "paused": paused,
             "skipped_batches": guard.skipped_batches, "skipped_steps": guard.skipped_steps}
 
 
@@ -793,7 +802,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    if summary["rank"] == 0 and not summary["stopped_by_signal"]:
+    if summary["rank"] == 0 and not (summary["stopped_by_signal"] or summary["paused"]):
         print(f"done: step {summary['final_step']} of {args.max_steps}", file=sys.stderr)
     return 0
 

@@ -147,7 +147,8 @@ def test_flags_parse_with_reference_names():
 
 
 @pytest.mark.parametrize("flag", ["--max_steps", "--num_steps_per_checkpoint", "--keep_checkpoints", "--log_freq",
-                                  "--max_nonfinite_steps", "--max_seq_length", "--max_predictions_per_seq"])
+                                  "--max_nonfinite_steps", "--max_seq_length", "--max_predictions_per_seq",
+                                  "--steps_this_run"])
 def test_counts_below_one_are_refused(flag):
     with pytest.raises(RunConfigError, match=f"^{flag} must be >= 1, got 0$"):
         parse_args(REQUIRED + [flag, "0"])  # a flag given twice: argparse takes the last value

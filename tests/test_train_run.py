@@ -427,6 +427,28 @@ def test_sigterm_saves_a_checkpoint_exits_0_and_resumes_exactly(fp32_setup, phas
 
 
 @pytest.mark.slow
+def test_steps_this_run_saves_exits_0_and_the_same_command_continues_exactly(fp32_setup, phase1_shards, tmp_path):
+    """For jobs with a time limit: each run of the same command trains at most --steps_this_run steps, saves a
+    checkpoint there (5 is not a multiple of --num_steps_per_checkpoint 4) and exits 0; the last one ends the
+    phase with its evaluation. Together they log what one uninterrupted run logs."""
+    args, reference = fp32_setup
+    out = tmp_path / "in_pieces"
+    for ends_at in (5, 10, FP32_STEPS):
+        result = ok(run(1, [*args(phase1_shards, out), "--steps_this_run", "5"]))
+        assert max(records(out)) == ends_at and read_latest(out / "checkpoints") == f"step{ends_at:08d}"
+        if ends_at < FP32_STEPS:
+            assert (f"--steps_this_run 5 done at step {ends_at} of {FP32_STEPS}: checkpoint step{ends_at:08d} is "
+                    "saved; rerun the command to resume") in result.stderr
+            assert "done: step" not in result.stderr and not (out / "eval.jsonl").read_text()
+        else:
+            assert f"done: step {FP32_STEPS} of {FP32_STEPS}" in result.stderr
+    assert losses(out) == losses(reference)
+    assert records(out, "eval.jsonl") == records(reference, "eval.jsonl")
+    starts = [json.loads(line)["start_step"] for line in (out / "starts.jsonl").read_text().splitlines()]
+    assert starts == [0, 5, 10]
+
+
+@pytest.mark.slow
 def test_overwritten_checkpoint_bytes_fail_loudly(fp32_setup, phase1_shards, tmp_path):
     args, reference = fp32_setup
     out = tmp_path / "garbled"
