@@ -755,8 +755,8 @@ def train(args: argparse.Namespace) -> dict:
                 paused = True
                 break
         if stopped or paused:
-            # Preempted: keep everything up to the last complete step. The samples of a partial
-            # window are read again on resume, as an uninterrupted run reads them.
+            # Preempted, or this run's steps done: keep everything up to the last complete step. The
+            # samples of a partial window are read again on resume, as an uninterrupted run reads them.
             if step != last_saved:
                 checkpoint.save(engine, ckpt_dir, step, consumed_at_step, args.seed, skipped_at_step, identity,
                                 args.keep_checkpoints)
