@@ -229,9 +229,13 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         if not isinstance(config.get(key, {}), dict):
             raise RunConfigError(f"{path}: '{key}' must be an object, got {config[key]!r}; write e.g. "
                                  f"{_SECTION_EXAMPLES[key]}")
-    for key, flag in (("optimizer", "--optimizer/--learning_rate"), ("scheduler", "--warmup_proportion etc.")):
+    for key, fix in (("optimizer", "this script builds it from --optimizer/--learning_rate"),
+                     ("scheduler", "this script builds it from --warmup_proportion etc."),
+                     ("activation_checkpointing", "DeepSpeed applies it only to models that call deepspeed."
+                      "checkpointing, and this one would ignore it; use --checkpoint_activations "
+                      "[--checkpoint_activations_interval N]")):
         if key in config:
-            raise RunConfigError(f"{path}: remove the '{key}' section; this script builds it from {flag}")
+            raise RunConfigError(f"{path}: remove the '{key}' section; {fix}")
     if config.get("fp16", {}).get("enabled"):
         raise RunConfigError(f"{path}: fp16 is not supported; use \"bf16\": {{\"enabled\": true}}")
     zero = config.get("zero_optimization", {})

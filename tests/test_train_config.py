@@ -70,6 +70,9 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"fp16": {"enabled": True}}, "fp16 is not supported"),
     ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' section"),
     ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' section"),
+    ({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}},
+     r"remove the 'activation_checkpointing' section; DeepSpeed applies it only to models that call "
+     r"deepspeed.checkpointing, and this one would ignore it; use --checkpoint_activations"),
     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage 0 is not supported; use"),
     ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage 3 is not supported"),
     ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
