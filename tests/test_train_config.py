@@ -149,6 +149,29 @@ def test_flags_parse_with_reference_names():
     assert args.constant_proportion == 0.3 and args.poly_power == 1.0 and args.optimizer == "lamb"
 
 
+def test_reference_flags_are_refused_with_what_to_do_instead():
+    """NVIDIA's phase-1 command (run_pretraining.sh) and Habana's (run_bert_1.5b_8x.sh) carried over: each
+    flag this script covers otherwise is named with its equivalent, not argparse's "unrecognized arguments"."""
+    nvidia = ["--train_batch_size=8192", "--max_seq_length=128", "--max_predictions_per_seq=20", "--fp16",
+              "--gradient_accumulation_steps=128", "--allreduce_post_accumulation",
+              "--allreduce_post_accumulation_fp16", "--do_train", "--json-summary", "results/dllogger.json"]
+    with pytest.raises(RunConfigError) as info:
+        parse_args(REQUIRED + nvidia)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "flag(s) of NVIDIA's or Habana's run_pretraining.py that this script does not take:"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        "--train_batch_size", "--fp16", "--gradient_accumulation_steps", "--allreduce_post_accumulation",
+        "--allreduce_post_accumulation_fp16", "--do_train", "--json-summary"]
+    assert 'the global batch is "train_batch_size" in --deepspeed_config' in lines[1]
+    habana = ["--disable_progress_bar", "--optimizer=lans", "--use_lr_scheduler", "--resume_from_checkpoint",
+              "--bert_model=bert-base-uncased", "--scheduler_degree=1.0"]
+    with pytest.raises(RunConfigError, match=r"\n  --scheduler_degree: the decay exponent is --poly_power$"):
+        parse_args(REQUIRED + habana)
+    with pytest.raises(RunConfigError, match=r"^--steps_this_run must be >= 1, got -1; omit it to train to "
+                                             r"--max_steps \(what -1 meant in NVIDIA's and Habana's scripts\)$"):
+        parse_args(REQUIRED + ["--steps_this_run=-1"])
+
+
 @pytest.mark.parametrize("flag", ["--max_steps", "--num_steps_per_checkpoint", "--keep_checkpoints", "--log_freq",
                                   "--max_nonfinite_steps", "--max_seq_length", "--max_predictions_per_seq",
                                   "--steps_this_run"])
