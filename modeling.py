@@ -47,6 +47,17 @@ class ConfigError(ValueError):
     """A model config that cannot build a model; the message names the file, field and fix."""
 
 
+# Fields of NVIDIA's and Habana's BERT configs (bert_configs/*.json, bert_1.5b_config.json) that are
+# spelled otherwise here, or that their code does not read from the JSON: what to write instead.
+_REFERENCE_FIELDS = {
+    "layer_norm_large_model": "Habana's pre-LN switch; write \"pre_layer_norm\": true for pre-LN blocks "
+                              "(Megatron-BERT's layout, as in configs/models/bert-1.5b.json), or remove it if false",
+}
+_MISSING_FIELD_HINTS = {
+    "layer_norm_eps": "\"layer_norm_eps\": 1e-12 (BERT's; NVIDIA's and Habana's code fix it, their JSONs omit it)",
+}
+
+
 @dataclass
 class BertConfig:
     """Model shape. Field names are Hugging Face's BertConfig names; the last three are ours."""
@@ -105,15 +116,22 @@ class BertConfig:
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> BertConfig:
         names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [k for k in values if k not in names]
+        problems = []  # all of them at once: a reference config has a field to rename and one to add
+        reference = [k for k in values if k in _REFERENCE_FIELDS]
+        problems += [f"field '{k}' is {_REFERENCE_FIELDS[k]}" for k in reference]
+        unknown = [k for k in values if k not in names and k not in reference]
         if unknown:
             hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
             hint = "; ".join(f"'{k}'" + (f" (did you mean '{v[0]}'?)" if v else "") for k, v in hints.items())
-            raise ConfigError(f"{source}: unknown field(s) {hint}. Known fields: {', '.join(names)}")
+            problems.append(f"unknown field(s) {hint}. Known fields: {', '.join(names)}")
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
         missing = [k for k in required if k not in values]
         if missing:
-            raise ConfigError(f"{source}: missing field(s) {', '.join(missing)}; add them to the JSON")
+            hints = [_MISSING_FIELD_HINTS[k] for k in missing if k in _MISSING_FIELD_HINTS]
+            problems.append(f"missing field(s) {', '.join(missing)}; add them to the JSON"
+                            + (f", e.g. {', '.join(hints)}" if hints else ""))
+        if problems:
+            raise ConfigError(f"{source}: " + "; ".join(problems))
         config = cls.__new__(cls)
         for f in dataclasses.fields(cls):
             setattr(config, f.name, values.get(f.name, f.default))

@@ -61,8 +61,46 @@ class DivergedError(RuntimeError):
 
 # ----------------------------------------------------------------------------- command line
 
+_BF16 = 'fp16 is not supported; bf16 is "bf16": {"enabled": true} in --deepspeed_config (the default)'
+_RESUME = "rerunning the same command resumes from <output_dir>/checkpoints/latest; drop it"
+_ALLREDUCE = ("DeepSpeed's ZeRO decides when gradients are reduced (stage 1: once per optimizer step, after the "
+              "accumulation); drop it")
+# Flags of NVIDIA's and Habana's run_pretraining.py that this script covers otherwise: refused with what
+# to do instead, rather than argparse's bare "unrecognized arguments".
+REFERENCE_FLAGS = {
+    "--train_batch_size": 'the global batch is "train_batch_size" in --deepspeed_config',
+    "--gradient_accumulation_steps": 'set "train_batch_size" in --deepspeed_config: the accumulation steps '
+                                     "follow from it, the micro batch and the world size",
+    "--fp16": _BF16, "--amp": _BF16,
+    "--loss_scale": "bf16 needs no loss scaling; drop it", "--init_loss_scale": "bf16 needs no loss scaling; drop it",
+    "--allreduce_post_accumulation": _ALLREDUCE, "--allreduce_post_accumulation_fp16": _ALLREDUCE,
+    "--resume_from_checkpoint": _RESUME, "--resume_step": _RESUME,
+    "--phase1_end_step": "phase 2 is a run of its own (--phase2 --init_checkpoint <phase-1 --output_dir>, "
+                         "another --output_dir) whose steps count from 0; drop it",
+    "--do_train": "this script always trains; drop it",
+    "--json-summary": "metrics are written to <output_dir>/metrics.jsonl and eval.jsonl; drop it",
+    "--use_env": "LOCAL_RANK is read from the environment whenever it is set; drop it",
+    "--bert_model": "the model is --config_file, the vocabulary the shards' vocab.txt; drop it",
+    "--disable_progress_bar": "set TQDM_DISABLE=1 in the environment instead",
+    "--scheduler_degree": "the decay exponent is --poly_power",
+    "--use_lr_scheduler": "the schedule is always on (--warmup_proportion, --constant_proportion, --poly_power); "
+                          "drop it",
+    "--num_train_epochs": "the length of a phase is --max_steps",
+    "--skip_checkpoint": "checkpoints are always saved, at least at the last step (a --num_steps_per_checkpoint "
+                         "above --max_steps saves only that one)",
+}
+
+
+def check_reference_flags(argv: list[str]) -> None:
+    given = dict.fromkeys(a.split("=", 1)[0] for a in argv if a.startswith("--"))
+    found = [flag for flag in given if flag in REFERENCE_FLAGS]
+    if found:
+        raise RunConfigError("flag(s) of NVIDIA's or Habana's run_pretraining.py that this script does not take:\n"
+                             + "\n".join(f"  {flag}: {REFERENCE_FLAGS[flag]}" for flag in found))
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    check_reference_flags(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("data and model")
     g.add_argument("--input_dir", type=Path, required=True,
@@ -135,7 +173,9 @@ def check_args(args: argparse.Namespace) -> None:
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise RunConfigError(f"--weight_decay must be a finite number >= 0, got {args.weight_decay}")
     if args.steps_this_run is not None and args.steps_this_run < 1:
-        raise RunConfigError(f"--steps_this_run must be >= 1, got {args.steps_this_run}")
+        raise RunConfigError(f"--steps_this_run must be >= 1, got {args.steps_this_run}" +
+                             ("; omit it to train to --max_steps (what -1 meant in NVIDIA's and Habana's scripts)"
+                              if args.steps_this_run < 0 else ""))
     for name in ("eval_freq", "num_eval_samples", "num_workers", "seed"):
         if getattr(args, name) < 0:
             raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
@@ -229,9 +269,13 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         if not isinstance(config.get(key, {}), dict):
             raise RunConfigError(f"{path}: '{key}' must be an object, got {config[key]!r}; write e.g. "
                                  f"{_SECTION_EXAMPLES[key]}")
-    for key, flag in (("optimizer", "--optimizer/--learning_rate"), ("scheduler", "--warmup_proportion etc.")):
+    for key, fix in (("optimizer", "this script builds it from --optimizer/--learning_rate"),
+                     ("scheduler", "this script builds it from --warmup_proportion etc."),
+                     ("activation_checkpointing", "DeepSpeed applies it only to models that call deepspeed."
+                      "checkpointing, and this one would ignore it; use --checkpoint_activations "
+                      "[--checkpoint_activations_interval N]")):
         if key in config:
-            raise RunConfigError(f"{path}: remove the '{key}' section; this script builds it from {flag}")
+            raise RunConfigError(f"{path}: remove the '{key}' section; {fix}")
     if config.get("fp16", {}).get("enabled"):
         raise RunConfigError(f"{path}: fp16 is not supported; use \"bf16\": {{\"enabled\": true}}")
     zero = config.get("zero_optimization", {})

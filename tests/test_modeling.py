@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -414,6 +415,37 @@ def test_bad_configs_give_clear_errors(tmp_path, changes, message):
     with pytest.raises(ConfigError, match=message) as info:
         BertConfig.from_json_file(path)
     assert str(path) in str(info.value)
+
+
+# NVIDIA DeepLearningExamples' bert_configs/large.json and Habana's scripts/bert_1.5b_config.json, as
+# they are: BERT's field names, no layer_norm_eps (their code fixes 1e-12), Habana's pre-LN switch.
+NVIDIA_LARGE = {"attention_probs_dropout_prob": 0.1, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+                "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 4096,
+                "max_position_embeddings": 512, "num_attention_heads": 16, "num_hidden_layers": 24,
+                "type_vocab_size": 2, "vocab_size": 30522}
+HABANA_1_5B = {"hidden_size": 1600, "hidden_act": "gelu", "initializer_range": 0.02, "vocab_size": 30522,
+               "hidden_dropout_prob": 0.1, "num_attention_heads": 25, "type_vocab_size": 2,
+               "max_position_embeddings": 512, "num_hidden_layers": 48, "intermediate_size": 6400,
+               "attention_probs_dropout_prob": 0.1, "layer_norm_large_model": True}
+
+
+def test_reference_configs_are_refused_with_the_fields_to_write(tmp_path):
+    """Not "did you mean 'layer_norm_eps'?" for Habana's pre-LN switch, and the value of the field
+    their JSONs omit; with what the message says written, they load as the shipped configs."""
+    nvidia, habana = tmp_path / "large.json", tmp_path / "bert_1.5b_config.json"
+    nvidia.write_text(json.dumps(NVIDIA_LARGE))
+    habana.write_text(json.dumps(HABANA_1_5B))
+    eps = r"missing field\(s\) layer_norm_eps; add them to the JSON, e.g. \"layer_norm_eps\": 1e-12 \(BERT's"
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(nvidia))}: {eps}"):
+        BertConfig.from_json_file(nvidia)
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(habana))}: field 'layer_norm_large_model' is Habana's "
+                                          r"pre-LN switch; write \"pre_layer_norm\": true .*; " + eps):
+        BertConfig.from_json_file(habana)
+    fixed = BertConfig.from_dict(NVIDIA_LARGE | {"layer_norm_eps": 1e-12})
+    assert fixed == BertConfig.from_json_file(MODEL_CONFIGS / "bert-large.json")
+    habana_fixed = {k: v for k, v in HABANA_1_5B.items() if k != "layer_norm_large_model"}
+    fixed = BertConfig.from_dict(habana_fixed | {"layer_norm_eps": 1e-12, "pre_layer_norm": True})
+    assert fixed == BertConfig.from_json_file(MODEL_CONFIGS / "bert-1.5b.json")
 
 
 def test_unreadable_config_files(tmp_path):

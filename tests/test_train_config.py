@@ -70,6 +70,9 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"fp16": {"enabled": True}}, "fp16 is not supported"),
     ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' section"),
     ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' section"),
+    ({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}},
+     r"remove the 'activation_checkpointing' section; DeepSpeed applies it only to models that call "
+     r"deepspeed.checkpointing, and this one would ignore it; use --checkpoint_activations"),
     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage 0 is not supported; use"),
     ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage 3 is not supported"),
     ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
@@ -144,6 +147,29 @@ def test_flags_parse_with_reference_names():
                                   "--checkpoint_activations", "--constant_proportion", "0.3"])
     assert args.local_rank == 3 and args.phase2 and args.checkpoint_activations
     assert args.constant_proportion == 0.3 and args.poly_power == 1.0 and args.optimizer == "lamb"
+
+
+def test_reference_flags_are_refused_with_what_to_do_instead():
+    """NVIDIA's phase-1 command (run_pretraining.sh) and Habana's (run_bert_1.5b_8x.sh) carried over: each
+    flag this script covers otherwise is named with its equivalent, not argparse's "unrecognized arguments"."""
+    nvidia = ["--train_batch_size=8192", "--max_seq_length=128", "--max_predictions_per_seq=20", "--fp16",
+              "--gradient_accumulation_steps=128", "--allreduce_post_accumulation",
+              "--allreduce_post_accumulation_fp16", "--do_train", "--json-summary", "results/dllogger.json"]
+    with pytest.raises(RunConfigError) as info:
+        parse_args(REQUIRED + nvidia)
+    lines = str(info.value).splitlines()
+    assert lines[0] == "flag(s) of NVIDIA's or Habana's run_pretraining.py that this script does not take:"
+    assert [line.split(":")[0].strip() for line in lines[1:]] == [
+        "--train_batch_size", "--fp16", "--gradient_accumulation_steps", "--allreduce_post_accumulation",
+        "--allreduce_post_accumulation_fp16", "--do_train", "--json-summary"]
+    assert 'the global batch is "train_batch_size" in --deepspeed_config' in lines[1]
+    habana = ["--disable_progress_bar", "--optimizer=lans", "--use_lr_scheduler", "--resume_from_checkpoint",
+              "--bert_model=bert-base-uncased", "--scheduler_degree=1.0"]
+    with pytest.raises(RunConfigError, match=r"\n  --scheduler_degree: the decay exponent is --poly_power$"):
+        parse_args(REQUIRED + habana)
+    with pytest.raises(RunConfigError, match=r"^--steps_this_run must be >= 1, got -1; omit it to train to "
+                                             r"--max_steps \(what -1 meant in NVIDIA's and Habana's scripts\)$"):
+        parse_args(REQUIRED + ["--steps_this_run=-1"])
 
 
 @pytest.mark.parametrize("flag", ["--max_steps", "--num_steps_per_checkpoint", "--keep_checkpoints", "--log_freq",

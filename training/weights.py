@@ -157,6 +157,7 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
     if not ckpt_dir.is_dir() and (init_dir / "config.json").is_file():
         _check_vocab(init_dir, vocab_file)
         return _load_hf(model, init_dir)
+    _refuse_reference_checkpoint(init_dir, ckpt_dir)
     found = find_resume(ckpt_dir)
     if found is None:
         raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
@@ -172,6 +173,23 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
         raise CheckpointError(f"{ckpt_dir / tag}: the phase-1 weights do not fit --config_file ({e}). Use the "
                               "phase-1 model config") from e
     return f"{ckpt_dir / tag}"
+
+
+def _refuse_reference_checkpoint(init_dir: Path, ckpt_dir: Path) -> None:
+    """NVIDIA's and Habana's run_pretraining.py save ckpt_<step>.pt (torch.save of a dict of their model's
+    state_dict, in their parameter names, and optimizer state) and take that file as --init_checkpoint: say
+    what is read instead of "no checkpoint under <file>/checkpoints"."""
+    supported = ("the --output_dir of a phase-1 run of this script, or a Hugging Face BERT directory (config.json "
+                 "and model.safetensors or pytorch_model.bin)")
+    if init_dir.is_file():
+        raise CheckpointError(f"--init_checkpoint {init_dir} is a file; NVIDIA's and Habana's ckpt_<step>.pt "
+                              f"checkpoints are not read. Pass {supported}")
+    if not ckpt_dir.is_dir() and init_dir.is_dir():
+        theirs = sorted(p.name for p in init_dir.glob("ckpt_*.pt"))
+        if theirs:
+            raise CheckpointError(f"--init_checkpoint {init_dir} holds {', '.join(theirs[:3])}"
+                                  f"{', ...' if len(theirs) > 3 else ''}: NVIDIA's or Habana's checkpoints, which "
+                                  f"are not read. Pass {supported}")
 
 
 def _check_phase1_config(config_file: Path, model: BertForPreTraining) -> None:
