@@ -670,7 +670,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--input", type=Path, required=True, help="MediaWiki XML dump, .xml or .xml.bz2")
     p.add_argument("--output_dir", type=Path, required=True, help="the articles directory")
     add_workers_argument(p)
-    p.add_argument("--articles_per_part", type=int, default=2000)
+    p.add_argument("--articles_per_part", type=int, default=2000, help="articles per part file (the parallel work unit)")
     a = p.parse_args(argv)
     r = stage.cli_call(extract, ExtractConfig(a.input, a.output_dir, a.workers, a.articles_per_part))
     print(f"extract: {r.line()}, {r.seconds:.1f} s")

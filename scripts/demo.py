@@ -205,13 +205,15 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    parser.add_argument("--output_dir", type=Path, default=DemoConfig.output_dir)
+    parser.add_argument("--output_dir", type=Path, default=DemoConfig.output_dir,
+                        help="where the dump, data, run and export go")
     parser.add_argument("--articles", type=int, default=DemoConfig.articles, help="articles in the generated dump")
     parser.add_argument("--vocab_size", type=int, default=DemoConfig.vocab_size, help="WordPiece vocab to train")
     parser.add_argument("--max_steps", type=positive_int, help="training steps (default: the demo preset's)")
     parser.add_argument("--processes", type=positive_int, default=DemoConfig.processes, help="training processes")
-    parser.add_argument("--seed", type=int, default=DemoConfig.seed)
-    parser.add_argument("--log_freq", type=positive_int, default=DemoConfig.log_freq)
+    parser.add_argument("--seed", type=int, default=DemoConfig.seed, help="dump, data and training seed")
+    parser.add_argument("--log_freq", type=positive_int, default=DemoConfig.log_freq,
+                        help="steps between logged records; evaluation every 10 records")
     args = parser.parse_args(argv)
     # Checked before the minutes of data pipeline that would come before the step that fails.
     if args.articles < 4:

@@ -545,3 +545,31 @@ def test_sequences_longer_than_any_shipped_model_takes_are_warned_of_before_the_
         create_main(["--input_dir", str(tmp_path / "none"), "--vocab_file", str(bert_vocab), "--output_dir",
                      str(tmp_path / "instances"), "--max_seq_length", "600", "--max_predictions_per_seq", "90"])
     assert "warning: --max_seq_length 600 is above 512" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["data.prepare", "data.download", "data.extract", "data.segment", "data.vocab",
+                                    "data.tokens", "data.create", "data.shard", "scripts.demo"])
+def test_help_shows_the_default_of_every_option(module: str, monkeypatch):
+    """data.cli.HelpFormatter appends each option's default to its help, but argparse prints nothing for an
+    option without help: `data.extract --help` did not show --articles_per_part's 2000, nor `scripts/demo.py
+    --help` the --output_dir, --seed and --log_freq defaults that the README states."""
+    import importlib
+
+    parsers = []
+
+    def keep_parser(self, *args, **kwargs):
+        parsers.append(self)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", keep_parser)
+    with pytest.raises(SystemExit):
+        importlib.import_module(module).main([])
+    parser = parsers[0]
+    shown = "".join(parser.format_help().split())
+    for action in parser._actions:
+        if not action.option_strings or action.nargs == 0 or action.default in (None, argparse.SUPPRESS):
+            continue
+        assert action.help, f"{module} {action.option_strings[0]} has no help, so its default is not shown"
+        if "default" in action.help:  # the help names its default itself, as --workers does
+            continue
+        assert "".join(f"(default: {action.default})".split()) in shown, (module, action.option_strings[0])

@@ -15,7 +15,7 @@ import torch
 from data.create import CreateConfig, create
 from data.shard import ShardConfig, shard
 from modeling import IGNORE_INDEX
-from training.loader import DataConfigError, RankSampler, find_shards, make_loader, open_split
+from training.loader import DataConfigError, RankSampler, find_shards, inspect_shard, make_loader, open_split
 
 VOCAB = 30522
 
@@ -246,12 +246,26 @@ def test_workers_prefetch_the_same_batches(phase1_shards):
 
 
 def test_sequence_length_mismatch_names_file_and_flag(phase1_shards):
-    with pytest.raises(DataConfigError, match=r"wikicorpus_en_training_0\.hdf5.*--max_seq_length is 512"):
+    # the lengths are numbers: the message said "has sequence length (128,)" and "holds (20,) predictions"
+    with pytest.raises(DataConfigError, match=r"wikicorpus_en_training_0\.hdf5: 'input_ids' has sequence length 128 "
+                                              r"but --max_seq_length is 512; pass --max_seq_length 128 or"):
         training_set(phase1_shards, max_seq_length=512)
 
 
+def test_a_dataset_of_the_wrong_rank_is_named_with_its_shape(tmp_path):
+    """A 1-D input_ids had shape[1:] == (), and the error told to pass --max_seq_length <row count>."""
+    path = tmp_path / "x_training_0.hdf5"
+    with h5py.File(path, "w") as f:
+        for key in ("input_ids", "input_mask", "segment_ids", "next_sentence_labels"):
+            f.create_dataset(key, data=np.zeros(6, dtype=np.int32))
+    with pytest.raises(DataConfigError, match=r"x_training_0\.hdf5: dataset 'input_ids' has shape \(6,\); "
+                                              r"expected \[rows, positions\]"):
+        inspect_shard(path, 128, 20, 30522)
+
+
 def test_max_predictions_mismatch_names_file_and_flag(phase1_shards, dynamic_shards):
-    with pytest.raises(DataConfigError, match=r"\.hdf5.*--max_predictions_per_seq is 80; pass --max_predictions_per_seq 20"):
+    with pytest.raises(DataConfigError, match=r"\.hdf5: 'masked_lm_positions' holds 20 predictions per sequence but "
+                                              r"--max_predictions_per_seq is 80; pass --max_predictions_per_seq 20"):
         training_set(phase1_shards, max_predictions=80)
     # without static masks the attribute is checked the same way: the shards' --max_predictions_per_seq counts
     with pytest.raises(DataConfigError, match=r"attribute max_predictions_per_seq=20 but --max_predictions_per_seq "

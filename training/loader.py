@@ -108,18 +108,21 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
                 raise DataConfigError(f"{path}: dataset '{key}' has dtype {ds.dtype}; expected an integer dtype")
             if ds.shape[0] != n:
                 raise DataConfigError(f"{path}: dataset '{key}' has {ds.shape[0]} rows but input_ids has {n}")
+        for key in ("input_ids", "input_mask", "segment_ids") + tuple(present):
+            if f[key].ndim != 2:
+                raise DataConfigError(f"{path}: dataset '{key}' has shape {f[key].shape}; expected [rows, positions]")
         for key in ("input_ids", "input_mask", "segment_ids"):
-            if f[key].shape[1:] != (max_seq_length,):
+            if f[key].shape[1] != max_seq_length:
                 raise DataConfigError(
-                    f"{path}: '{key}' has sequence length {f[key].shape[1:]} but --max_seq_length is "
-                    f"{max_seq_length}; pass --max_seq_length {f[key].shape[-1]} or use shards made for {max_seq_length}")
+                    f"{path}: '{key}' has sequence length {f[key].shape[1]} but --max_seq_length is "
+                    f"{max_seq_length}; pass --max_seq_length {f[key].shape[1]} or use shards made for {max_seq_length}")
         if static:
             for key in MASK_KEYS:
-                if f[key].shape[1:] != (max_predictions,):
+                if f[key].shape[1] != max_predictions:
                     raise DataConfigError(
-                        f"{path}: '{key}' holds {f[key].shape[1:]} predictions per sequence but "
+                        f"{path}: '{key}' holds {f[key].shape[1]} predictions per sequence but "
                         f"--max_predictions_per_seq is {max_predictions}; pass --max_predictions_per_seq "
-                        f"{f[key].shape[-1]}")
+                        f"{f[key].shape[1]}")
         attrs = dict(f.attrs)
     _check_attrs(path, attrs, static, max_seq_length, max_predictions, vocab_size)
     prob = float(attrs.get("masked_lm_prob", BERT_MASKED_LM_PROB))
