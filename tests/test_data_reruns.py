@@ -155,6 +155,33 @@ def test_a_run_into_a_directory_another_run_is_writing_is_refused_and_takes_noth
     assert not (out / stage.LOCK_FILE).exists()  # a finished stage keeps no lock file
 
 
+# Run data.segment, SIGKILLed right after it writes its _COMPLETE.json, before it releases its lock.
+_KILLED_AFTER_COMPLETE = """
+import os, signal, sys
+from data import segment, stage
+write = stage.write_json_atomic
+def write_then_die(path, obj, compact=False):
+    write(path, obj, compact)
+    if path.name == stage.COMPLETE_FILE:
+        os.kill(os.getpid(), signal.SIGKILL)
+stage.write_json_atomic = write_then_die
+segment.main(sys.argv[1:])
+"""
+
+
+def test_a_run_killed_between_its_completion_record_and_its_unlock_leaves_no_lock_file(phase1_shards, tmp_path):
+    """The rerun found the stage finished and returned, so the killed run's _LOCK stayed for good."""
+    extracted, sentences = phase1_shards / "text" / "extracted", tmp_path / "sentences"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER_COMPLETE, "--input_dir", str(extracted),
+                           "--output_dir", str(sentences), "--workers", "1"], cwd=ROOT, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (sentences / COMPLETE_FILE).is_file() and (sentences / stage.LOCK_FILE).is_file()
+    segment(SegmentConfig(extracted, sentences))
+    assert not (sentences / stage.LOCK_FILE).exists()
+    assert _same_parts(sentences, phase1_shards / "text" / "sentences", "part-*.txt")
+
+
 def _killed_before_part(whole: Path, copy: Path, part: str) -> dict:
     """A copy of the finished stage directory `whole` as a run killed before it wrote `part` left it; returns the
     summary the uninterrupted run recorded."""
