@@ -611,3 +611,44 @@ def test_bounded_map_yields_in_input_order_and_reads_at_most_twice_workers_ahead
     assert next(results) == 0 and read == [0, 1, 2, 3]
     assert next(results) == 1 and read == [0, 1, 2, 3, 4]
     assert list(results) == [i * i for i in range(2, 12)] and len(read) == 12
+
+
+# Two workers that print their pids and wait.
+_TWO_WORKERS = """
+import os, time
+from data.parallel import bounded_map
+def report_and_wait(_):
+    print(os.getpid(), flush=True)
+    time.sleep(120)
+list(bounded_map(report_and_wait, range(2), 2))
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_parent_killed_alone(tmp_path):
+    """A data command killed alone (SIGKILL to its pid, as the OOM killer does, not to its process group) left
+    its workers blocked on their queues for good."""
+    pids = tmp_path / "pids"
+    with pids.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _TWO_WORKERS], cwd=ROOT, stdout=out)
+    deadline = time.monotonic() + 60
+    while len(pids.read_text().split()) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.kill()  # the parent alone
+    proc.wait()
+    workers = [int(pid) for pid in pids.read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(map(_running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in workers if _running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)  # the workers this test started
+    assert not alive
