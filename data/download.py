@@ -411,11 +411,16 @@ def download(cfg: DownloadConfig) -> Path:
     final = cfg.output_dir / name
     part = cfg.output_dir / f"{name}.part"
     try:
+        lock = cfg.output_dir / f".{name}.lock"
         if not final.is_file():
             cfg.output_dir.mkdir(parents=True, exist_ok=True)
-            with _exclusive(cfg.output_dir / f".{name}.lock", f"another download of {name} into {cfg.output_dir}"):
+            with _exclusive(lock, f"another download of {name} into {cfg.output_dir}"):
                 if not final.is_file():  # else finished by the run that held the lock
                     _download_verified(cfg, part, final)
+        else:
+            # A run killed after its rename left its lock file and the part file's validators.
+            _validator_path(part).unlink(missing_ok=True)
+            _remove_stale_lock(lock)
         for algorithm in _ALGORITHMS:  # copies kept by earlier mismatches: the verified file replaces them
             for old in cfg.output_dir.glob(f"{glob.escape(name)}.{algorithm}-*"):
                 old.unlink(missing_ok=True)
@@ -503,6 +508,22 @@ def _exclusive(lock_path: Path, what: str) -> Iterator[None]:
     finally:
         lock_path.unlink(missing_ok=True)  # before the lock is released: see the check above
         lock.close()
+
+
+def _remove_stale_lock(lock_path: Path) -> None:
+    """Remove the lock file a killed run left, unless a run holds it (that run removes it)."""
+    try:
+        lock = lock_path.open("r")
+    except FileNotFoundError:
+        return
+    with lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
+                lock_path.unlink()  # before the lock is released, as _exclusive does
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,8 +9,11 @@ of items is known (a list), no more workers are started than there are items.
 from __future__ import annotations
 
 import collections
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sized
 from concurrent.futures import Future, ProcessPoolExecutor
 from typing import TypeVar
@@ -30,7 +33,8 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
     # fork: workers inherit the imported modules, so there is no per-worker start-up import cost.
     ctx = multiprocessing.get_context("fork")
     pending: collections.deque[Future[R]] = collections.deque()
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx) as pool:
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with,
+                             initargs=(os.getpid(),)) as pool:
         # With fork, the first submit starts every worker. Do it before `items` is first read: a
         # producer may start threads (the dump read-ahead does), and forking while a thread holds
         # a lock can deadlock the child.
@@ -41,3 +45,15 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with(parent: int) -> None:
+    """Have this worker killed when `parent` dies. A parent killed alone (SIGKILL to its pid, the
+    OOM killer) otherwise leaves its workers blocked on their queues for good, holding their memory."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # it died before the line above
+        os._exit(1)

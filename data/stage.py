@@ -264,6 +264,7 @@ def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     """
     summary = completed(stage_dir, params)
     if summary is not None:
+        _remove_stale_lock(stage_dir)
         return summary
     make_dir(stage_dir)
     fd = _lock(stage_dir)
@@ -351,6 +352,24 @@ def _lock(stage_dir: Path) -> int:
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()} {fd}\n".encode())
     return fd
+
+
+def _remove_stale_lock(stage_dir: Path) -> None:
+    """Remove the lock file of a finished stage that a run killed between writing `_COMPLETE.json` and
+    releasing the lock left, unless a run holds it (that run is finishing, and removes it)."""
+    path = stage_dir / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return  # none (the usual case), or a directory this run cannot write to
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _same_file(fd, path):
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass  # held, or not removable here: left as it is
+    finally:
+        os.close(fd)
 
 
 def _unlock(stage_dir: Path) -> None:

@@ -6,6 +6,9 @@ import email.utils
 import hashlib
 import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -65,6 +68,33 @@ def test_drops_after_progress_do_not_use_up_the_retries(wiki_mirror, multistream
     assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == multistream_sample.read_bytes()
     assert [r for p, r in site.requests if p == _dump_path()] == [
         None, *(f"bytes={n}-" for n in range(100_000, 600_000, 100_000))]
+
+
+# Run data.download, SIGKILLed at the fsync of the directory that follows the rename into place.
+_KILLED_AFTER_THE_RENAME = """
+import os, signal, stat, sys
+from data import download
+fsync = os.fsync
+def killing_fsync(fd):
+    if stat.S_ISDIR(os.fstat(fd).st_mode):
+        os.kill(os.getpid(), signal.SIGKILL)
+    fsync(fd)
+download.os.fsync = killing_fsync
+download.main(["--url", sys.argv[1], "--output_dir", sys.argv[2]])
+"""
+
+
+def test_a_run_killed_after_its_rename_leaves_nothing_behind_after_the_rerun(wiki_mirror, multistream_sample,
+                                                                               tmp_path):
+    """Killed between the rename and the removal of its lock file, a run left `.<name>.lock` for good:
+    the rerun found the dump and skipped the download, lock and all."""
+    mirror, _ = wiki_mirror
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER_THE_RENAME, dump_url(mirror, DATE), str(tmp_path)],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    assert (tmp_path / NAME).is_file() and (tmp_path / f".{NAME}.lock").is_file()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == multistream_sample.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [NAME]
 
 
 def test_404_is_a_clear_error_and_leaves_no_file(wiki_mirror, tmp_path, capsys):

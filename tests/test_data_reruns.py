@@ -155,6 +155,33 @@ def test_a_run_into_a_directory_another_run_is_writing_is_refused_and_takes_noth
     assert not (out / stage.LOCK_FILE).exists()  # a finished stage keeps no lock file
 
 
+# Run data.segment, SIGKILLed right after it writes its _COMPLETE.json, before it releases its lock.
+_KILLED_AFTER_COMPLETE = """
+import os, signal, sys
+from data import segment, stage
+write = stage.write_json_atomic
+def write_then_die(path, obj, compact=False):
+    write(path, obj, compact)
+    if path.name == stage.COMPLETE_FILE:
+        os.kill(os.getpid(), signal.SIGKILL)
+stage.write_json_atomic = write_then_die
+segment.main(sys.argv[1:])
+"""
+
+
+def test_a_run_killed_between_its_completion_record_and_its_unlock_leaves_no_lock_file(phase1_shards, tmp_path):
+    """The rerun found the stage finished and returned, so the killed run's _LOCK stayed for good."""
+    extracted, sentences = phase1_shards / "text" / "extracted", tmp_path / "sentences"
+    proc = subprocess.run([sys.executable, "-c", _KILLED_AFTER_COMPLETE, "--input_dir", str(extracted),
+                           "--output_dir", str(sentences), "--workers", "1"], cwd=ROOT, capture_output=True,
+                          timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert (sentences / COMPLETE_FILE).is_file() and (sentences / stage.LOCK_FILE).is_file()
+    segment(SegmentConfig(extracted, sentences))
+    assert not (sentences / stage.LOCK_FILE).exists()
+    assert _same_parts(sentences, phase1_shards / "text" / "sentences", "part-*.txt")
+
+
 def _killed_before_part(whole: Path, copy: Path, part: str) -> dict:
     """A copy of the finished stage directory `whole` as a run killed before it wrote `part` left it; returns the
     summary the uninterrupted run recorded."""
@@ -584,3 +611,44 @@ def test_bounded_map_yields_in_input_order_and_reads_at_most_twice_workers_ahead
     assert next(results) == 0 and read == [0, 1, 2, 3]
     assert next(results) == 1 and read == [0, 1, 2, 3, 4]
     assert list(results) == [i * i for i in range(2, 12)] and len(read) == 12
+
+
+# Two workers that print their pids and wait.
+_TWO_WORKERS = """
+import os, time
+from data.parallel import bounded_map
+def report_and_wait(_):
+    print(os.getpid(), flush=True)
+    time.sleep(120)
+list(bounded_map(report_and_wait, range(2), 2))
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_workers_die_with_a_parent_killed_alone(tmp_path):
+    """A data command killed alone (SIGKILL to its pid, as the OOM killer does, not to its process group) left
+    its workers blocked on their queues for good."""
+    pids = tmp_path / "pids"
+    with pids.open("w") as out:
+        proc = subprocess.Popen([sys.executable, "-c", _TWO_WORKERS], cwd=ROOT, stdout=out)
+    deadline = time.monotonic() + 60
+    while len(pids.read_text().split()) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    proc.kill()  # the parent alone
+    proc.wait()
+    workers = [int(pid) for pid in pids.read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(map(_running, workers)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    alive = [pid for pid in workers if _running(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)  # the workers this test started
+    assert not alive
