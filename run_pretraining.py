@@ -543,8 +543,8 @@ def eval_record(sums: torch.Tensor, nsp: bool) -> dict:
     record = {"mlm_loss": mlm_loss_sum / masked, "mlm_accuracy": mlm_hits / masked}
     if nsp:
         record |= {"nsp_loss": nsp_loss_sum / n, "nsp_accuracy": nsp_hits / n}
-    record["loss"] = record["mlm_loss"] + record.get("nsp_loss", 0.0)
-    return {"loss": record.pop("loss"), **record, "samples": int(n), "masked_tokens": int(masked)}
+    loss = record["mlm_loss"] + record.get("nsp_loss", 0.0)
+    return {"loss": loss, **record, "samples": int(n), "masked_tokens": int(masked)}
 
 
 def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -> dict:

@@ -129,9 +129,11 @@ def long_sequence_warning(max_seq_length: int) -> str | None:
 def capped_masking(seq: int, pred: int, masked_lm_prob: float, source: str) -> str | None:
     """Why `pred` predictions, not given but taken from `source` (a default or a preset), would cap the masking
     below masked_lm_prob; None when they do not. Impossible values are left to `validate`."""
-    if seq < 1 or not 0 <= masked_lm_prob < 1 or round(masked_lm_prob * seq) <= pred:
+    if seq < 1 or not 0 <= masked_lm_prob < 1:
         return None
     wanted = round(masked_lm_prob * seq)
+    if wanted <= pred:
+        return None
     return (f"{source} --max_predictions_per_seq {pred} would mask at most {pred} of {seq} tokens "
             f"({pred / seq:.1%}), fewer than --masked_lm_prob {masked_lm_prob} asks for ({wanted}); pass "
             f"--max_predictions_per_seq {wanted} or more (given explicitly, a smaller cap is kept)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -182,7 +183,7 @@ class MetricsWriter:
             staging.mkdir(exist_ok=True)
             dropped.append(path.name)
 
-        _, self.eval_steps = (drop_records_after(path, start_step, lambda p=path: before_dropping(p))
+        _, self.eval_steps = (drop_records_after(path, start_step, functools.partial(before_dropping, path))
                               for path in paths)
         if start_step == 0 and dropped:
             # No checkpoint to resume from, yet an earlier run logged steps here: say so rather than start over
