@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from data.shard import ShardConfig, shard
+from data.vocab import VocabConfig, build_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 # The settings of the phase1_shards fixture (tests/conftest.py), as CLI flags.
@@ -109,3 +110,19 @@ def test_a_disk_full_as_a_shard_closes_is_a_line_and_leaves_no_damaged_shard(com
     rerun = _run("data.shard", args)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert _digests(out, "*.hdf5") == expected
+
+
+def test_a_full_disk_as_a_trained_vocab_is_saved_is_a_line(phase1_shards, tmp_path):
+    """tokenizers raises the failed write as a bare Exception ("File too large (os error 27)"): a traceback."""
+    corpus = phase1_shards / "text" / "sentences"
+    reference = build_vocab(VocabConfig(tmp_path / "reference", None, corpus, 8000, True, workers=1))
+    out = tmp_path / "out"
+    args = ["--corpus_dir", str(corpus), "--vocab_size", "8000", "--output_dir", str(out), "--workers", "1"]
+    failed = _run("data.vocab", args, 20_000)  # the trained vocab.txt is about 54 kB
+    trained = out / "vocab_training" / "model" / "vocab.txt"
+    _assert_one_line(failed, f"error: {trained}: File too large; free space there and {RERUN}")
+    assert not (out / "vocab.txt").exists() and not trained.exists() and _temporaries(out) == []
+
+    rerun = _run("data.vocab", args)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (out / "vocab.txt").read_bytes() == reference.path.read_bytes()
