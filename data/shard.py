@@ -97,11 +97,19 @@ def _write_shard(task: _ShardTask) -> tuple[int, int]:
             pieces = [load_instances(task.part_dirs[p] / f"{key}.npy")[lo:hi] for p, lo, hi in task.slices]
             arrays[key] = np.concatenate(pieces)
         order = np.random.default_rng(task.seed).permutation(len(arrays[task.keys[0]]))
-        with stage.atomic_path(task.path) as tmp, h5py.File(tmp, "w") as f:
-            for key in task.keys:
-                f.create_dataset(key, data=arrays[key][order], dtype=DTYPES[key], compression=task.compression)
-            for k, v in task.attrs.items():
-                f.attrs[k] = v
+        # The file is made in memory (the bytes HDF5 writes to a file) and written by Python, so a full disk is
+        # that write's OSError. Written by HDF5, a full disk as it closed the file raised a RuntimeError, crashed
+        # the process, or let a damaged shard be renamed into place. Each array goes once it is in the image.
+        with stage.atomic_path(task.path) as tmp:
+            with h5py.File(tmp, "w", driver="core", backing_store=False) as f:
+                for key in task.keys:
+                    f.create_dataset(key, data=arrays.pop(key)[order], dtype=DTYPES[key],
+                                     compression=task.compression)
+                for k, v in task.attrs.items():
+                    f.attrs[k] = v
+                f.flush()
+                image = f.id.get_file_image()
+            tmp.write_bytes(image)
     try:
         with h5py.File(task.path, "r") as f:
             return len(f["next_sentence_labels"]), task.path.stat().st_size

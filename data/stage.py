@@ -71,6 +71,14 @@ def atomic_path(final: Path) -> Iterator[Path]:
     _remove(tmp)
     try:
         yield tmp
+    except OSError as exc:
+        _remove(tmp)
+        named = [Path(name) for name in (exc.filename, exc.filename2) if name is not None]
+        if named and not any(path == tmp or tmp in path.parents for path in named):
+            raise
+        # A failed write names no file (Path.write_bytes, numpy, h5py) or the temporary, which is gone: name
+        # the file, whose disk may not be the output directory's (--text_dir on another one).
+        raise OSError(exc.errno, exc.strerror or str(exc), str(final)) from exc
     except BaseException:
         _remove(tmp)
         raise
@@ -349,8 +357,12 @@ def _lock(stage_dir: Path) -> int:
             break
         # The holder finished and removed the file between our open and our lock: lock the new one.
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.write(fd, f"{os.getpid()} {fd}\n".encode())
+    try:
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()} {fd}\n".encode())
+    except OSError as exc:  # a full disk: named, as the write's error names no file
+        os.close(fd)
+        raise OSError(exc.errno, exc.strerror, str(path)) from exc
     return fd
 
 
@@ -448,8 +460,11 @@ def disk_error(exc: OSError, output_dir: Path | None) -> str | None:
     """The line for a write that failed because the disk is full or not writable (None for any other
     OSError; the input files' errors are PipelineErrors). Every file is written to a temporary name first,
     so the rerun goes on from the files written before it."""
-    # numpy's short write ("N requested and M written") carries no errno.
-    short_write = exc.errno is None and " requested and " in str(exc) and str(exc).endswith(" written")
+    # numpy's short write ("N requested and M written") carries no errno: the write's error (ENOSPC, EFBIG)
+    # is lost, but a regular file's write stops short only on a full disk or at a size limit.
+    text = exc.strerror or (exc.args[0] if exc.args else "")
+    short_write = (exc.errno is None and isinstance(text, str) and " requested and " in text
+                   and text.endswith(" written"))
     if short_write or exc.errno in _DISK_FULL:
         fix = "free space there"
     elif exc.errno in _DENIED:
@@ -457,7 +472,8 @@ def disk_error(exc: OSError, output_dir: Path | None) -> str | None:
     else:
         return None
     # errno's words, not h5py's message of many lines
-    reason = f"a write failed ({exc})" if short_write else os.strerror(exc.errno)
+    reason = (f"No space left on device, or a quota or file size limit reached (a write stopped short: {text})"
+              if short_write else os.strerror(exc.errno))
     where = exc.filename2 or exc.filename or output_dir  # filename2: the destination of a copy or rename
     return f"error: {f'{where}: ' if where else ''}{reason}; {fix} and rerun the same command to continue where it stopped"
 

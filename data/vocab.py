@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
+import re
 import shlex
 import shutil
 from dataclasses import dataclass
@@ -217,7 +219,7 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
         tokenizer = _train(files, cfg)
         with stage.atomic_path(stage_dir / "model") as tmp:
             tmp.mkdir()
-            tokenizer.save_model(str(tmp))
+            _save_model(tokenizer, tmp, trained)
         done = stage.finish(stage_dir, params, {"vocab_size": load_vocab(trained).size, "sha1": stage.file_sha1(trained)})
     if not target.is_file():
         with stage.atomic_path(target) as tmp:
@@ -225,6 +227,19 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     elif stage.file_sha1(target) != done["sha1"]:
         raise PipelineError(_other_vocab(target, f"the vocab trained into {trained}"))
     return load_vocab(target)
+
+
+def _save_model(tokenizer: BertWordPieceTokenizer, directory: Path, final: Path) -> None:
+    """Save the trained vocab into `directory`. The Rust library raises a failed write (a full disk) as a bare
+    Exception with the OS error's number in its text ("No space left on device (os error 28)"): it is raised
+    as the OSError it is, naming the vocab file (`final`), for the line that says to free space."""
+    try:
+        tokenizer.save_model(str(directory))
+    except Exception as exc:  # noqa: BLE001 - the library's only exception type; others are raised as they are
+        code = re.search(r"\(os error (\d+)\)$", str(exc))
+        if code is None:
+            raise
+        raise OSError(int(code[1]), os.strerror(int(code[1])), str(final)) from exc
 
 
 def _count_characters(path: Path) -> collections.Counter[str]:

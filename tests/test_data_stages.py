@@ -272,9 +272,13 @@ def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
     # h5py: errno's words, not its message of many lines
     (OSError(errno.ENOSPC, "Can't synchronously write data (file write failed: time = ...\n, errno = 28, ...)"),
      "out", "No space left on device", "free space there"),
-    # numpy's short write in data.create, with no errno and no path: the stage's output directory
-    (OSError("3635456 requested and 126848 written"), "out", "a write failed (3635456 requested and 126848 written)",
-     "free space there"),
+    # numpy's short write in data.create, with no errno and no path: the stage's output directory (atomic_path
+    # names the file it writes, as in the next case); the lost errno was ENOSPC or EFBIG
+    (OSError("3635456 requested and 126848 written"), "out", "No space left on device, or a quota or file size "
+     "limit reached (a write stopped short: 3635456 requested and 126848 written)", "free space there"),
+    (OSError(None, "3635456 requested and 126848 written", "out/instances/training/part-00000"),
+     "out/instances/training/part-00000", "No space left on device, or a quota or file size limit reached (a write "
+     "stopped short: 3635456 requested and 126848 written)", "free space there"),
     (PermissionError(errno.EACCES, "Permission denied", "out/part-00000.txt"), "out/part-00000.txt",
      "Permission denied", "make it writable (or pass another output directory)"),
     (OSError(errno.EROFS, "Read-only file system", "out/_LOCK"), "out/_LOCK", "Read-only file system",
