@@ -327,23 +327,26 @@ import torch.distributed as dist
 
 from training import checkpoint
 
-rank, ckpt_dir, port, identity = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank, ckpt_dir, port, identity, fault = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 
 
-class Engine:  # writes the files DeepSpeed writes for this rank
+class Engine:  # writes the files DeepSpeed writes for this rank, then waits in the barrier DeepSpeed ends with
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         tag_dir = Path(save_dir) / tag
         tag_dir.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"m" * 120)
+        if rank == 1 and fault == "write":  # what torch.save raises on a full disk
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4308")
         (tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"o" * 50)
+        dist.barrier()
 
 
 def unreadable(tag_dir, names):
     raise OSError(5, "Input/output error")
 
 
-if rank == 1:  # only rank 1 cannot read its share of the files back
+if rank == 1 and fault == "read":  # only rank 1 cannot read its share of the files back
     checkpoint.describe_files = unreadable
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 try:
@@ -356,22 +359,43 @@ finally:
 """
 
 
+def _save_on_two_ranks(ckpt_dir: Path, fault: str) -> list[str]:
+    """SAVE_ON_A_RANK on ranks 0 and 1; what each printed (both must exit 0)."""
+    port = str(free_port())
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", SAVE_ON_A_RANK, str(rank), str(ckpt_dir), port,
+                               repr(_state(20)["identity"]), fault], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+    return [out for out, _ in outputs]
+
+
 def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_path):
     """Rank 1's read-back error travels to rank 0, which keeps 'latest' and raises it on both ranks
     (raised on rank 1 alone, it would leave rank 0 waiting in the gather)."""
     _save(tmp_path, 10)
-    port = str(free_port())
-    root = Path(__file__).resolve().parents[1]
-    procs = [subprocess.Popen([sys.executable, "-c", SAVE_ON_A_RANK, str(rank), str(tmp_path), port,
-                               repr(_state(20)["identity"])], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
-             for rank in (0, 1)]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-2000:]
+    for out in _save_on_two_ranks(tmp_path, "read"):
         assert re.fullmatch(r"CheckpointError: rank 1 could not read back .*step00000020: \[Errno 5\] Input/output "
                             r"error; 'latest' was left at the previous checkpoint\n", out), out
     assert read_latest(tmp_path) == "step00000010"
+
+
+def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
+    """DeepSpeed's save_checkpoint raised on rank 1 alone (torch.save on a full disk), while rank 0 waited
+    in the barrier it ends with: rank 1 died with a traceback and rank 0 with gloo's "Connection closed by
+    peer" (or, where a dead peer goes unnoticed, at the process group's timeout). Now rank 1 joins that
+    barrier, and both raise rank 1's error, naming the tag, the cause, the free space and the fix; the
+    unfinished tag is removed and 'latest' is kept."""
+    _save(tmp_path, 10)
+    for out in _save_on_two_ranks(tmp_path, "write"):
+        assert re.fullmatch(rf"CheckpointError: rank 1 could not write checkpoint {re.escape(str(tmp_path))}/"
+                            r"step00000020 \(RuntimeError: .* unexpected pos 4416 vs 4308; [0-9.]+ MiB free there\)\. "
+                            r"'latest' was left as it was; if the disk is full, free space there \(.*\) and rerun "
+                            r"the same command: it resumes from step00000010\n", out), out
+    assert read_latest(tmp_path) == "step00000010" and not (tmp_path / "step00000020").exists()
 
 
 def _record_fsyncs(monkeypatch) -> list[tuple[str, str]]:
