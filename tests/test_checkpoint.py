@@ -450,6 +450,22 @@ def test_small_files_are_replaced_whole_and_get_the_users_umask(tmp_path):
     assert [p.name for p in path.parent.iterdir()] == ["run_info.json"]
 
 
+def test_a_small_file_that_does_not_fit_names_itself_and_keeps_the_old_content(tmp_path):
+    """Writes past 2000 bytes fail with EFBIG (RLIMIT_FSIZE), as on a full disk, whose error names no file."""
+    import errno
+    import resource
+
+    script = ("import sys; from pathlib import Path; from training.atomic import atomic_write_text\n"
+              "try:\n    atomic_write_text(Path(sys.argv[1]), 'x' * 5000)\n"
+              "except OSError as e:\n    print(type(e).__name__, e.errno, e.filename)\n")
+    path = tmp_path / "run_info.json"
+    path.write_text("{}\n")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script, str(path)], cwd=root, capture_output=True, text=True,
+                            timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000)))
+    assert result.stdout == f"OSError {errno.EFBIG} {path}\n", result.stderr[-2000:]
+    assert path.read_text() == "{}\n" and [p.name for p in tmp_path.iterdir()] == ["run_info.json"]
+
 def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     from training.atomic import remove_stale_temporaries
 
