@@ -398,6 +398,70 @@ def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
     assert read_latest(tmp_path) == "step00000010" and not (tmp_path / "step00000020").exists()
 
 
+CONVERT_ON_A_FULL_DISK = """
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from training import checkpoint
+from training.atomic import atomic_write_text
+
+rank, ckpt_dir, port = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+tmp = ckpt_dir / ".step00000010_universal.tmp"
+
+
+def convert_until_the_disk_is_full(cmd, **kwargs):  # ds_to_universal, stopped by a full disk
+    (tmp / "zero").mkdir(parents=True)
+    (tmp / "zero" / "part").write_bytes(b"x" * 1000)
+    return subprocess.CompletedProcess(cmd, 1, "", "OSError: [Errno 28] No space left on device")
+
+
+def full_while_the_partial_conversion_is_there(path, text):
+    if tmp.exists():
+        raise OSError(28, "No space left on device")
+    return atomic_write_text(path, text)
+
+
+if rank == 0:
+    checkpoint.subprocess.run = convert_until_the_disk_is_full
+    checkpoint.atomic_write_text = full_while_the_partial_conversion_is_there
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+try:
+    checkpoint.universal_tag(ckpt_dir, "step00000010", poll_seconds=0.05)
+    print("converted")
+except checkpoint.CheckpointError as e:
+    print(f"CheckpointError: {e}")
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_a_conversion_stopped_by_a_full_disk_fails_every_rank_and_gives_the_space_back(tmp_path):
+    """The universal conversion filled the disk, so rank 0 could not write the mark that tells the other
+    ranks (which wait on the file system, not in a collective) that it failed: rank 0 died with an OSError
+    and the others waited for good (on one node the launcher killed them), the partial conversion still
+    holding the space. Now it is removed first, and every rank raises the conversion's error."""
+    _save(tmp_path, 10)
+    root = Path(__file__).resolve().parents[1]
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", CONVERT_ON_A_FULL_DISK, str(rank), str(tmp_path), port],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root)}) for rank in (0, 1)]
+    try:
+        outputs = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+        assert out.startswith(f"CheckpointError: converting {tmp_path / 'step00000010'} to a universal checkpoint "
+                              "failed"), out
+        assert "No space left on device" in out and out.rstrip().endswith(
+            "if the disk is full, free space there and rerun the same command)"), out
+    assert not (tmp_path / ".step00000010_universal.tmp").exists()
+
 def _record_fsyncs(monkeypatch) -> list[tuple[str, str]]:
     """Record ("fsync", path) for every os.fsync and ("replace", destination) for every os.replace, in order."""
     events: list[tuple[str, str]] = []

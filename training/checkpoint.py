@@ -460,16 +460,31 @@ def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
                "--num_merge_workers", "1"]
         print(f"converting {ckpt_dir / tag} for another world size: {' '.join(cmd)}", file=sys.stderr)
         result = subprocess.run(cmd, capture_output=True, text=True)
+        problem = None
         if result.returncode != 0:
-            atomic_write_text(failed, f"converting {ckpt_dir / tag} to a universal checkpoint failed "
-                                      f"({' '.join(cmd)}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            problem = (f"converting {ckpt_dir / tag} to a universal checkpoint failed ({' '.join(cmd)}):\n"
+                       f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
         else:
-            (tmp / SOURCE_RUN_STATE).write_bytes(source)
-            os.replace(tmp, target)
-            # ds_to_universal pointed it at the temporary name
-            atomic_write_text(ckpt_dir / LATEST_UNIVERSAL, target.name)
-            if not ready():
-                atomic_write_text(failed, f"{' '.join(cmd)} wrote no {MODEL_STATES} into {target}")
+            try:
+                (tmp / SOURCE_RUN_STATE).write_bytes(source)
+                os.replace(tmp, target)
+                # ds_to_universal pointed it at the temporary name
+                atomic_write_text(ckpt_dir / LATEST_UNIVERSAL, target.name)
+            except OSError as e:
+                problem = f"{' '.join(cmd)} converted {ckpt_dir / tag}, but putting it in place failed: {e}"
+            else:
+                if not ready():
+                    problem = f"{' '.join(cmd)} wrote no {MODEL_STATES} into {target}"
+        if problem is not None:
+            try:
+                free = f"{shutil.disk_usage(ckpt_dir).free / 2**20:.1f} MiB"
+            except OSError:
+                free = "unknown"
+            # A conversion cut short by a full disk holds the space the mark needs (without the mark, the
+            # other ranks would wait for good); the next attempt converts again.
+            shutil.rmtree(tmp, ignore_errors=True)
+            atomic_write_text(failed, f"{problem}\n({free} was free in {ckpt_dir} when it stopped: if the disk "
+                                      "is full, free space there and rerun the same command)")
     while rank != 0 and not (ready() or failed.is_file()):
         time.sleep(poll_seconds)
     dist.barrier()
