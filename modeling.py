@@ -542,14 +542,18 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
     staging = directory.with_name(f".{directory.name}.tmp")
     if staging.exists():
         shutil.rmtree(staging)
-    to_hf_model(model).save_pretrained(staging)
-    if vocab_file is not None:
-        save_tokenizer(Path(vocab_file), staging, model.config.max_position_embeddings)
-    # safetensors writes through a 0600 temporary file; give every file the mode config.json got
-    # from the user's umask.
-    mode = (staging / "config.json").stat().st_mode & 0o777
-    for path in staging.iterdir():
-        path.chmod(mode)
+    try:
+        to_hf_model(model).save_pretrained(staging)
+        if vocab_file is not None:
+            save_tokenizer(Path(vocab_file), staging, model.config.max_position_embeddings)
+        # safetensors writes through a 0600 temporary file; give every file the mode config.json got
+        # from the user's umask.
+        mode = (staging / "config.json").stat().st_mode & 0o777
+        for path in staging.iterdir():
+            path.chmod(mode)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)  # a full disk's partial copy would hold on to the space
+        raise
     _replace_dir(staging, directory)
     return directory
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from data.cli import HelpFormatter, file_in_the_way
+from data.stage import disk_error
 from modeling import (
     IGNORE_INDEX,
     ActivationCheckpointing,
@@ -833,8 +834,10 @@ USER_ERRORS = (RunConfigError, DataConfigError, CheckpointError, ConfigError, Sc
 
 
 def main(argv: list[str] | None = None) -> int:
+    output_dir = None
     try:
         args = parse_args(argv)
+        output_dir = args.output_dir
         summary = train(args)
         # Every rank past its last collective before any of them tears gloo down: a rank whose peer
         # had already closed its connections once aborted at exit ("terminate called without an
@@ -842,6 +845,12 @@ def main(argv: list[str] | None = None) -> int:
         dist.barrier()
     except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # metrics, run_info.json, starts.jsonl: rank 0's files (checkpoints: CheckpointError)
+        line = disk_error(e, output_dir)
+        if line is None:
+            raise  # not the disk's state: a defect, whose traceback is needed
+        print(f"{line} (from its last checkpoint)", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from data.cli import HelpFormatter
 from modeling import BertConfig, BertForPreTraining, ConfigError, check_export_dir, save_hf
@@ -142,6 +143,10 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         save_hf(model.eval(), output, vocab_file=vocab_file)
     except ValueError as e:
         raise ExportError(str(e)) from e
+    except (OSError, SafetensorError) as e:  # safetensors reports a full disk as a SafetensorError
+        raise ExportError(f"could not write {output} ({type(e).__name__}: {e}); nothing was written under that "
+                          "name and an earlier export there is kept. If the disk is full, free space there and "
+                          "rerun the same command") from e
     return output, source
 
 

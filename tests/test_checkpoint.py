@@ -327,23 +327,26 @@ import torch.distributed as dist
 
 from training import checkpoint
 
-rank, ckpt_dir, port, identity = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+rank, ckpt_dir, port, identity, fault = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 
 
-class Engine:  # writes the files DeepSpeed writes for this rank
+class Engine:  # writes the files DeepSpeed writes for this rank, then waits in the barrier DeepSpeed ends with
     def save_checkpoint(self, save_dir, tag, client_state, save_latest):
         tag_dir = Path(save_dir) / tag
         tag_dir.mkdir(parents=True, exist_ok=True)
         if rank == 0:
             (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"m" * 120)
+        if rank == 1 and fault == "write":  # what torch.save raises on a full disk
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4308")
         (tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"o" * 50)
+        dist.barrier()
 
 
 def unreadable(tag_dir, names):
     raise OSError(5, "Input/output error")
 
 
-if rank == 1:  # only rank 1 cannot read its share of the files back
+if rank == 1 and fault == "read":  # only rank 1 cannot read its share of the files back
     checkpoint.describe_files = unreadable
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 try:
@@ -356,23 +359,108 @@ finally:
 """
 
 
+def _save_on_two_ranks(ckpt_dir: Path, fault: str) -> list[str]:
+    """SAVE_ON_A_RANK on ranks 0 and 1; what each printed (both must exit 0)."""
+    port = str(free_port())
+    root = Path(__file__).resolve().parents[1]
+    procs = [subprocess.Popen([sys.executable, "-c", SAVE_ON_A_RANK, str(rank), str(ckpt_dir), port,
+                               repr(_state(20)["identity"]), fault], cwd=root, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
+             for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+    return [out for out, _ in outputs]
+
+
 def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_path):
     """Rank 1's read-back error travels to rank 0, which keeps 'latest' and raises it on both ranks
     (raised on rank 1 alone, it would leave rank 0 waiting in the gather)."""
     _save(tmp_path, 10)
-    port = str(free_port())
-    root = Path(__file__).resolve().parents[1]
-    procs = [subprocess.Popen([sys.executable, "-c", SAVE_ON_A_RANK, str(rank), str(tmp_path), port,
-                               repr(_state(20)["identity"])], cwd=root, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
-             for rank in (0, 1)]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    for proc, (out, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-2000:]
+    for out in _save_on_two_ranks(tmp_path, "read"):
         assert re.fullmatch(r"CheckpointError: rank 1 could not read back .*step00000020: \[Errno 5\] Input/output "
                             r"error; 'latest' was left at the previous checkpoint\n", out), out
     assert read_latest(tmp_path) == "step00000010"
 
+
+def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
+    """DeepSpeed's save_checkpoint raised on rank 1 alone (torch.save on a full disk), while rank 0 waited
+    in the barrier it ends with: rank 1 died with a traceback and rank 0 with gloo's "Connection closed by
+    peer" (or, where a dead peer goes unnoticed, at the process group's timeout). Now rank 1 joins that
+    barrier, and both raise rank 1's error, naming the tag, the cause, the free space and the fix; the
+    unfinished tag is removed and 'latest' is kept."""
+    _save(tmp_path, 10)
+    for out in _save_on_two_ranks(tmp_path, "write"):
+        assert re.fullmatch(rf"CheckpointError: rank 1 could not write checkpoint {re.escape(str(tmp_path))}/"
+                            r"step00000020 \(RuntimeError: .* unexpected pos 4416 vs 4308; [0-9.]+ MiB free there\)\. "
+                            r"'latest' was left as it was; if the disk is full, free space there \(.*\) and rerun "
+                            r"the same command: it resumes from step00000010\n", out), out
+    assert read_latest(tmp_path) == "step00000010" and not (tmp_path / "step00000020").exists()
+
+
+CONVERT_ON_A_FULL_DISK = """
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from training import checkpoint
+from training.atomic import atomic_write_text
+
+rank, ckpt_dir, port = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+tmp = ckpt_dir / ".step00000010_universal.tmp"
+
+
+def convert_until_the_disk_is_full(cmd, **kwargs):  # ds_to_universal, stopped by a full disk
+    (tmp / "zero").mkdir(parents=True)
+    (tmp / "zero" / "part").write_bytes(b"x" * 1000)
+    return subprocess.CompletedProcess(cmd, 1, "", "OSError: [Errno 28] No space left on device")
+
+
+def full_while_the_partial_conversion_is_there(path, text):
+    if tmp.exists():
+        raise OSError(28, "No space left on device")
+    return atomic_write_text(path, text)
+
+
+if rank == 0:
+    checkpoint.subprocess.run = convert_until_the_disk_is_full
+    checkpoint.atomic_write_text = full_while_the_partial_conversion_is_there
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+try:
+    checkpoint.universal_tag(ckpt_dir, "step00000010", poll_seconds=0.05)
+    print("converted")
+except checkpoint.CheckpointError as e:
+    print(f"CheckpointError: {e}")
+finally:
+    dist.destroy_process_group()
+"""
+
+
+def test_a_conversion_stopped_by_a_full_disk_fails_every_rank_and_gives_the_space_back(tmp_path):
+    """The universal conversion filled the disk, so rank 0 could not write the mark that tells the other
+    ranks (which wait on the file system, not in a collective) that it failed: rank 0 died with an OSError
+    and the others waited for good (on one node the launcher killed them), the partial conversion still
+    holding the space. Now it is removed first, and every rank raises the conversion's error."""
+    _save(tmp_path, 10)
+    root = Path(__file__).resolve().parents[1]
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", CONVERT_ON_A_FULL_DISK, str(rank), str(tmp_path), port],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root)}) for rank in (0, 1)]
+    try:
+        outputs = [proc.communicate(timeout=60) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    for proc, (out, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+        assert out.startswith(f"CheckpointError: converting {tmp_path / 'step00000010'} to a universal checkpoint "
+                              "failed"), out
+        assert "No space left on device" in out and out.rstrip().endswith(
+            "if the disk is full, free space there and rerun the same command)"), out
+    assert not (tmp_path / ".step00000010_universal.tmp").exists()
 
 def _record_fsyncs(monkeypatch) -> list[tuple[str, str]]:
     """Record ("fsync", path) for every os.fsync and ("replace", destination) for every os.replace, in order."""
@@ -425,6 +513,22 @@ def test_small_files_are_replaced_whole_and_get_the_users_umask(tmp_path):
     assert path.read_text() == '{"a": 1}\n'
     assert [p.name for p in path.parent.iterdir()] == ["run_info.json"]
 
+
+def test_a_small_file_that_does_not_fit_names_itself_and_keeps_the_old_content(tmp_path):
+    """Writes past 2000 bytes fail with EFBIG (RLIMIT_FSIZE), as on a full disk, whose error names no file."""
+    import errno
+    import resource
+
+    script = ("import sys; from pathlib import Path; from training.atomic import atomic_write_text\n"
+              "try:\n    atomic_write_text(Path(sys.argv[1]), 'x' * 5000)\n"
+              "except OSError as e:\n    print(type(e).__name__, e.errno, e.filename)\n")
+    path = tmp_path / "run_info.json"
+    path.write_text("{}\n")
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", script, str(path)], cwd=root, capture_output=True, text=True,
+                            timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2000, 2000)))
+    assert result.stdout == f"OSError {errno.EFBIG} {path}\n", result.stderr[-2000:]
+    assert path.read_text() == "{}\n" and [p.name for p in tmp_path.iterdir()] == ["run_info.json"]
 
 def test_stale_temporaries_are_removed_and_nothing_else(tmp_path):
     from training.atomic import remove_stale_temporaries

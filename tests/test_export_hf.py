@@ -221,3 +221,28 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     with pytest.raises(ExportError, match=r"no 'latest' file, so no checkpoint was completed there \(the run "
                                           r"saved none yet\)"):
         export(fresh, tmp_path / "hf")
+
+
+def test_an_export_to_a_full_disk_says_so_keeps_the_earlier_export_and_leaves_no_staging(zero_run: Path,
+                                                                                         zero_export, tmp_path):
+    """Writes past 1 MB fail with EFBIG (RLIMIT_FSIZE; Python ignores SIGXFSZ), as on a full disk: safetensors
+    reports it as a SafetensorError, which was a traceback, and the staging directory was left holding the space."""
+    import resource
+
+    hf = tmp_path / "hf"
+    shutil.copytree(zero_export[0], hf)  # an earlier export, which a failed one must not touch
+    before = {p.name: p.read_bytes() for p in hf.iterdir()}
+    cmd = [sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--checkpoint", str(zero_run), "--output", str(hf)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20)))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: could not write {hf} (") and line.endswith(
+        "nothing was written under that name and an earlier export there is kept. If the disk is full, free space "
+        "there and rerun the same command"), line
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no .hf.tmp
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env).returncode == 0
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == before  # the same checkpoint: the same export

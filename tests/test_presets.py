@@ -266,3 +266,23 @@ def test_run_pretraining_accepts_every_preset_flag(path: Path, tmp_path: Path):
     assert (ns.optimizer, ns.num_steps_per_checkpoint, ns.checkpoint_activations, ns.phase2) == \
         (preset.optimizer, preset.num_steps_per_checkpoint, preset.checkpoint_activations, preset.phase == 2)
     assert ns.init_checkpoint == init
+
+
+def test_a_deepspeed_json_that_does_not_fit_is_one_line_and_the_old_one_stays(tmp_path: Path):
+    """Writes past 100 bytes fail with EFBIG (RLIMIT_FSIZE; Python ignores SIGXFSZ), as on a full disk: the
+    launcher's resolve step ended with a traceback whose error named no file."""
+    import resource
+    import subprocess
+    import sys
+
+    out = tmp_path / "launch" / "deepspeed_config.json"
+    out.parent.mkdir()
+    out.write_text('{"old": true}\n')
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-m", "training.presets", "resolve", "--preset", "demo", "--num_nodes",
+                             "1", "--deepspeed_config_out", str(out)], cwd=root, capture_output=True, text=True,
+                            timeout=120, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100)))
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr == (f"error: {out}: File too large; free space there and rerun the same command to continue "
+                             "where it stopped\n")
+    assert out.read_text() == '{"old": true}\n' and [p.name for p in out.parent.iterdir()] == [out.name]

@@ -342,3 +342,39 @@ def test_optimizer_flag_builds_that_optimizer_with_the_recipe_settings(flag, kin
     assert type(optimizer).__name__ == kind
     assert [(g["lr"], g["weight_decay"], g["betas"], g["eps"]) for g in optimizer.param_groups] == [
         (3e-3, 0.02, (0.9, 0.999), 1e-6), (3e-3, 0.0, (0.9, 0.999), 1e-6)]
+
+
+@pytest.mark.parametrize("error, line", [
+    (OSError(28, "No space left on device", "/run/metrics.jsonl"),
+     "error: /run/metrics.jsonl: No space left on device; free space there and rerun the same command to continue "
+     "where it stopped (from its last checkpoint)"),
+    (OSError(28, "No space left on device"),  # TensorBoard's writer thread names no file
+     "error: {out}: No space left on device; free space there and rerun the same command to continue where it "
+     "stopped (from its last checkpoint)"),
+])
+def test_a_full_disk_under_rank_0s_files_is_one_line_naming_the_path(tmp_path, monkeypatch, capsys, error, line):
+    """metrics.jsonl, eval.jsonl, TensorBoard, run_info.json, starts.jsonl: a full disk was a traceback."""
+    import run_pretraining
+
+    def full(args):
+        raise error
+
+    monkeypatch.setattr(run_pretraining, "train", full)
+    out = tmp_path / "run"
+    argv = ["--deepspeed", "--input_dir", str(tmp_path), "--output_dir", str(out), "--config_file", "m.json",
+            "--max_steps", "10"]
+    assert run_pretraining.main(argv) == 1
+    assert capsys.readouterr().err.strip() == line.format(out=out)
+
+
+def test_an_oserror_that_is_not_the_disks_state_keeps_its_traceback(tmp_path, monkeypatch):
+    import run_pretraining
+
+    def reset(args):
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(run_pretraining, "train", reset)
+    argv = ["--deepspeed", "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"), "--config_file",
+            "m.json", "--max_steps", "10"]
+    with pytest.raises(ConnectionResetError):
+        run_pretraining.main(argv)

@@ -275,3 +275,46 @@ def test_an_evaluation_line_shows_the_accuracies(tmp_path):
     line = writer.progress_line({"step": 50, "loss": 2.0, "mlm_accuracy": 0.41234, "nsp_accuracy": 0.875}, "eval")
     writer.close()
     assert line == "eval step 50/100 | loss 2.0000 | mlm accuracy 0.4123 | nsp accuracy 0.8750"
+
+
+LOG_UNTIL_THE_DISK_IS_FULL = """
+import sys
+from pathlib import Path
+
+from training.metrics import MetricsWriter
+
+writer = MetricsWriter(Path(sys.argv[1]), 1000, 0, enabled=True)
+try:
+    for step in range(1, 1000):
+        # a long text field (not a TensorBoard scalar): metrics.jsonl reaches the limit before the event file
+        writer.log({"step": step, "loss": 1.0 / step, "lr": 1e-4, "note": "x" * 200})
+except OSError as e:
+    print(f"{e.errno} {e.filename}")
+writer.close()  # nothing is left to write: it does not fail again
+print("closed")
+"""
+
+
+def test_a_full_disk_names_metrics_jsonl_and_the_resume_drops_the_cut_record(tmp_path):
+    """Writes past 1000 bytes fail with EFBIG (RLIMIT_FSIZE; Python ignores SIGXFSZ), as on a full disk.
+    Before, the error was "[Errno 28] No space left on device" without a file, raised again by close()
+    from the text buffer it kept."""
+    import errno
+    import resource
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", LOG_UNTIL_THE_DISK_IS_FULL, str(tmp_path)], cwd=root,
+                            capture_output=True, text=True, timeout=120,
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (1000, 1000)))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[-2:] == [f"{errno.EFBIG} {tmp_path / 'metrics.jsonl'}", "closed"]
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert len(text) == 1000 and not text.endswith("\n")  # the last record cut short
+    whole = len(text.splitlines()) - 1
+    writer = MetricsWriter(tmp_path, 1000, whole, enabled=True)  # a resume from step `whole`
+    writer.close()
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(
+        range(1, whole + 1))

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -460,6 +461,68 @@ def test_overwritten_checkpoint_bytes_fail_loudly(fp32_setup, phase1_shards, tmp
     result = run(1, args(phase1_shards, out))
     assert result.returncode == 1
     assert "CRC-32 differs" in result.stderr and str(victim) in result.stderr
+
+
+def file_size_limit(n: int):
+    """A preexec_fn: writes past `n` bytes fail with EFBIG (Python ignores SIGXFSZ), as on a full disk."""
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_a_save_stops_with_one_line_and_the_rerun_resumes_exactly(fp32_setup, phase1_shards,
+                                                                                     tmp_path):
+    """torch.save reports a full disk as a RuntimeError without path or errno, which ended the run with a
+    traceback and left the unfinished tag holding on to the space."""
+    args, reference = fp32_setup
+    out = tmp_path / "full"
+    ok(run(1, [*args(phase1_shards, out), "--steps_this_run", "4"]))
+    cmd, env = command(1, args(phase1_shards, out))
+    # room for the model states (18 MB), not for the optimizer partition (53 MB)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                            preexec_fn=file_size_limit(30 * 2**20))
+    ckpt = out / "checkpoints"
+    assert result.returncode == 1, result.stderr[-3000:]
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert errors[0].startswith(f"error: rank 0 could not write checkpoint {ckpt / 'step00000008'} (")
+    assert "free space there" in errors[0] and errors[0].endswith("rerun the same command: it resumes from step00000004")
+    assert read_latest(ckpt) == "step00000004" and not (ckpt / "step00000008").exists()
+    ok(run(1, args(phase1_shards, out)))
+    assert losses(out) == losses(reference)
+    assert records(out, "eval.jsonl") == records(reference, "eval.jsonl")
+
+
+ONE_RANK_LIMITED = """import os, resource, runpy, sys
+if os.environ["RANK"] == os.environ["LIMITED_RANK"]:
+    n = int(os.environ["LIMITED_BYTES"])
+    resource.setrlimit(resource.RLIMIT_FSIZE, (n, n))
+sys.argv[0] = os.environ["SCRIPT"]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_a_save_failing_on_one_rank_only_stops_every_rank_with_its_error(fp32_setup, phase1_shards, tmp_path):
+    """Rank 1 cannot write its optimizer partition (27 MB) while rank 0 writes everything: every rank
+    reports rank 1's error (before, rank 0 waited in DeepSpeed's barrier until gloo saw rank 1 gone and
+    said only "Connection closed by peer"), and the unfinished tag goes."""
+    args, _ = fp32_setup
+    out = tmp_path / "rank1"
+    cmd, env = command(2, args(phase1_shards, out))
+    wrapper = tmp_path / "limited.py"
+    wrapper.write_text(ONE_RANK_LIMITED)
+    env |= {"LIMITED_RANK": "1", "LIMITED_BYTES": str(20 * 2**20), "SCRIPT": cmd[-len(args(phase1_shards, out)) - 1]}
+    cmd[-len(args(phase1_shards, out)) - 1] = str(wrapper)
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode != 0
+    ckpt = out / "checkpoints"
+    errors = [line for line in result.stderr.splitlines()
+              if line.startswith(f"error: rank 1 could not write checkpoint {ckpt / 'step00000004'} (")]
+    # every rank raises it; torchrun may stop the slower one before it prints
+    assert errors, result.stderr[-4000:]
+    assert "Connection closed by peer" not in result.stderr
+    assert all(line.endswith("it starts again, as there is no checkpoint yet") for line in errors)
+    assert read_latest(ckpt) is None and not (ckpt / "step00000004").exists()
 
 
 def with_flag(args: list[str], flag: str, value: str) -> list[str]:

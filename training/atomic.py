@@ -31,11 +31,22 @@ def atomic_write_text(path: Path, text: str) -> Path:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise named(e, path) from e
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
     return path
+
+
+def named(e: OSError, path: Path) -> OSError:
+    """`e` with `path` as its file name when it has none: a write that fails on a full disk says only
+    "[Errno 28] No space left on device"."""
+    if e.filename is not None or e.errno is None:
+        return e
+    return OSError(e.errno, e.strerror, str(path))  # of the errno's subclass, as `e` was
 
 
 def remove_stale_temporaries(path: Path) -> None:

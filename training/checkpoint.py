@@ -255,26 +255,71 @@ def make_room(ckpt_dir: Path, tag: str) -> None:
         shutil.rmtree(ckpt_dir / tag)
 
 
+def _write_failure(tag_dir: Path, rank: int, e: BaseException) -> str:
+    """What a rank reports when it could not write its part of `tag_dir`. torch.save reports a full disk
+    as a RuntimeError without errno or path ("basic_ios::clear: iostream error", "unexpected pos ..."),
+    so the free space is looked up and told."""
+    try:
+        free = f"{shutil.disk_usage(tag_dir.parent).free / 2**20:.1f} MiB free there"
+    except OSError:
+        free = "free space unknown"
+    return f"rank {rank} could not write checkpoint {tag_dir} ({type(e).__name__}: {e}; {free})"
+
+
+def _save_failed(ckpt_dir: Path, error: str) -> str:
+    """`error` of a failed write of a save, with what to do (every rank sees `latest`: see "Storage" in
+    docs/TRAINING.md)."""
+    try:
+        latest = read_latest(ckpt_dir)
+    except (CheckpointError, OSError):
+        latest = None
+    resumes = f"it resumes from {latest}" if latest else "it starts again, as there is no checkpoint yet"
+    return (f"{error}. '{LATEST}' was left as it was; if the disk is full, free space there (a save needs room for "
+            f"one checkpoint more than --keep_checkpoints keeps) and rerun the same command: {resumes}")
+
+
 def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, skipped: tuple[int, int],
          identity: dict, keep: int) -> str:
-    """Collective: every rank calls it. `skipped`: the run's (skipped_batches, skipped_steps). Returns the tag."""
+    """Collective: every rank calls it. `skipped`: the run's (skipped_batches, skipped_steps). Returns the tag.
+
+    A write that fails on any rank (a full disk, an unwritable directory) is raised on every rank as one
+    CheckpointError, after every rank has left DeepSpeed's collectives: raised on that rank alone, it
+    would leave the others waiting in the next collective. The unfinished tag is removed (it would
+    hold on to the space) and `latest` keeps naming the previous checkpoint."""
     tag = tag_for(step)
+    tag_dir = ckpt_dir / tag
     rank = dist.get_rank()
+    error = None
     if rank == 0:
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
-        make_room(ckpt_dir, tag)
-    dist.barrier()
+        try:
+            ckpt_dir.mkdir(parents=True, exist_ok=True)
+            make_room(ckpt_dir, tag)
+        except OSError as e:
+            error = _save_failed(ckpt_dir, _write_failure(tag_dir, rank, e))
+    _raise_rank0_error(error)
     # The universal-checkpoint info lets ds_to_universal convert this tag for another world size.
     client_state = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}
-    engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    failure = None
+    try:
+        engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
+    except dist.DistError:
+        raise  # a rank that is gone: no collective can report it
+    except (OSError, RuntimeError) as e:
+        failure = _save_failed(ckpt_dir, _write_failure(tag_dir, rank, e))
+        # DeepSpeed 0.19.8 writes its files after its last collective but one: this is the barrier that
+        # save_checkpoint ends with, in which the ranks whose writes went through are waiting.
+        dist.barrier()
     dist.barrier()
     world = dist.get_world_size()
-    names = tag_files(ckpt_dir / tag)
     described: list[dict | str | None] = [None] * world
-    try:
-        mine: dict | str = describe_files(ckpt_dir / tag, names[rank::world])
-    except OSError as e:  # sent to rank 0 rather than raised here, which would leave the others waiting
-        mine = f"rank {rank} could not read back {ckpt_dir / tag}: {e}; 'latest' was left at the previous checkpoint"
+    mine: dict | str
+    if failure is not None:
+        mine = failure
+    else:
+        try:
+            mine = describe_files(tag_dir, tag_files(tag_dir)[rank::world])
+        except OSError as e:  # sent to rank 0 rather than raised here, which would leave the others waiting
+            mine = f"rank {rank} could not read back {tag_dir}: {e}; 'latest' was left at the previous checkpoint"
     dist.all_gather_object(described, mine)
     error = next((part for part in described if isinstance(part, str)), None)
     if rank == 0 and error is None:
@@ -284,8 +329,12 @@ def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, sk
                                    "seed": seed, "skipped_batches": skipped[0], "skipped_steps": skipped[1],
                                    "identity": identity},
                    keep, dict(sorted(files.items())))
-        except (CheckpointError, OSError) as e:
-            error = str(e)
+        except CheckpointError as e:
+            error = str(e)  # says what is wrong and that 'latest' was left as it was
+        except OSError as e:
+            error = _save_failed(ckpt_dir, _write_failure(tag_dir, rank, e))
+    if rank == 0 and error is not None and not (tag_dir / RUN_STATE).is_file():
+        shutil.rmtree(tag_dir, ignore_errors=True)  # unfinished: it would hold on to the space until the rerun
     _raise_rank0_error(error)
     return tag
 
@@ -411,16 +460,31 @@ def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
                "--num_merge_workers", "1"]
         print(f"converting {ckpt_dir / tag} for another world size: {' '.join(cmd)}", file=sys.stderr)
         result = subprocess.run(cmd, capture_output=True, text=True)
+        problem = None
         if result.returncode != 0:
-            atomic_write_text(failed, f"converting {ckpt_dir / tag} to a universal checkpoint failed "
-                                      f"({' '.join(cmd)}):\n{result.stdout[-2000:]}{result.stderr[-2000:]}")
+            problem = (f"converting {ckpt_dir / tag} to a universal checkpoint failed ({' '.join(cmd)}):\n"
+                       f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
         else:
-            (tmp / SOURCE_RUN_STATE).write_bytes(source)
-            os.replace(tmp, target)
-            # ds_to_universal pointed it at the temporary name
-            atomic_write_text(ckpt_dir / LATEST_UNIVERSAL, target.name)
-            if not ready():
-                atomic_write_text(failed, f"{' '.join(cmd)} wrote no {MODEL_STATES} into {target}")
+            try:
+                (tmp / SOURCE_RUN_STATE).write_bytes(source)
+                os.replace(tmp, target)
+                # ds_to_universal pointed it at the temporary name
+                atomic_write_text(ckpt_dir / LATEST_UNIVERSAL, target.name)
+            except OSError as e:
+                problem = f"{' '.join(cmd)} converted {ckpt_dir / tag}, but putting it in place failed: {e}"
+            else:
+                if not ready():
+                    problem = f"{' '.join(cmd)} wrote no {MODEL_STATES} into {target}"
+        if problem is not None:
+            try:
+                free = f"{shutil.disk_usage(ckpt_dir).free / 2**20:.1f} MiB"
+            except OSError:
+                free = "unknown"
+            # A conversion cut short by a full disk holds the space the mark needs (without the mark, the
+            # other ranks would wait for good); the next attempt converts again.
+            shutil.rmtree(tmp, ignore_errors=True)
+            atomic_write_text(failed, f"{problem}\n({free} was free in {ckpt_dir} when it stopped: if the disk "
+                                      "is full, free space there and rerun the same command)")
     while rank != 0 and not (ready() or failed.is_file()):
         time.sleep(poll_seconds)
     dist.barrier()

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from training.atomic import atomic_write_text, remove_stale_temporaries
+from training.atomic import atomic_write_text, named, remove_stale_temporaries
 from training.planner import device_peak_tflops
 
 # torch's device names ("NVIDIA H100 80GB HBM3", "GAUDI2"; first-generation Gaudi is "GAUDI") -> training.planner's
@@ -115,6 +115,17 @@ def drop_records_after(path: Path, step: int, before_dropping=None) -> set[int]:
     return steps
 
 
+def append_line(sink, line: str) -> None:
+    """Append `line` and a newline to the unbuffered binary file `sink`; an error names the file. A full
+    disk may leave the line cut short, which the resume's `drop_records_after` drops."""
+    data = memoryview((line + "\n").encode("utf-8"))
+    try:
+        while data:
+            data = data[sink.write(data):]
+    except OSError as e:
+        raise named(e, Path(sink.name)) from e
+
+
 def _add_scalars(tb, prefix: str, record: dict) -> None:
     for key, value in record.items():
         if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
@@ -191,7 +202,8 @@ class MetricsWriter:
             print(f"warning: {output_dir} has no checkpoint to resume from, but an earlier run logged steps in "
                   f"{' and '.join(dropped)}; this run starts at step 0 and moves those records to "
                   f"{' and '.join(name.replace('.jsonl', '.dropped.jsonl') for name in dropped)}", file=sys.stderr)
-        self.jsonl, self.eval_jsonl = (open(path, "a") for path in paths)  # noqa: SIM115
+        # Unbuffered: a record that a full disk cut short stays in no buffer to fail again at close.
+        self.jsonl, self.eval_jsonl = (open(path, "ab", buffering=0) for path in paths)  # noqa: SIM115
         if any(tb_dir.parent.glob(f".{tb_dir.name}.*")):
             rebuild_tensorboard(tb_dir, {"train": paths[0], "eval": paths[1]})
         self.tb = SummaryWriter(log_dir=str(tb_dir))
@@ -209,10 +221,11 @@ class MetricsWriter:
         """`prefix` "train" goes to metrics.jsonl, "eval" to eval.jsonl; both to TensorBoard."""
         if not self.enabled:
             return
-        sink = self.jsonl if prefix == "train" else self.eval_jsonl
-        sink.write(json.dumps(record) + "\n")
-        sink.flush()
-        _add_scalars(self.tb, prefix, record)
+        append_line(self.jsonl if prefix == "train" else self.eval_jsonl, json.dumps(record))
+        try:
+            _add_scalars(self.tb, prefix, record)
+        except OSError as e:  # an earlier write of TensorBoard's writer thread, raised here
+            raise named(e, Path(self.tb.get_logdir())) from e
         self.bar.write(self.progress_line(record, prefix))
 
     def note(self, message: str, file=None) -> None:
@@ -240,6 +253,9 @@ class MetricsWriter:
         if not self.enabled:
             return
         self.bar.close()
-        self.tb.close()
         self.jsonl.close()
         self.eval_jsonl.close()
+        try:
+            self.tb.close()
+        except OSError as e:
+            raise named(e, Path(self.tb.get_logdir())) from e

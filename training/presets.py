@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.stage import disk_error
 from training.atomic import atomic_write_text
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
@@ -423,6 +424,12 @@ def main(argv: list[str] | None = None) -> int:
         flags = run.run_args(out.resolve(), args.init_checkpoint)
     except PresetError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # writing the DeepSpeed JSON: the old one is kept
+        line = disk_error(e, None)
+        if line is None:
+            raise  # not the disk's state: a defect, whose traceback is needed
+        print(line, file=sys.stderr)
         return 2
     print(f"[presets] {run.preset.name}: {run.num_nodes} node(s) x {run.devices_per_node} devices, micro batch "
           f"{run.micro_batch_per_device}, gradient accumulation {run.gradient_accumulation_steps} "
