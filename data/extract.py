@@ -37,7 +37,13 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from tqdm import tqdm
-from wikiextractor.extract import Extractor, discardElements, placeholder_tags
+from wikiextractor.extract import (
+    EXT_LINK_URL_CLASS,
+    Extractor,
+    discardElements,
+    placeholder_tags,
+    wgUrlProtocols,
+)
 
 from data import multistream, stage
 from data.cli import HelpFormatter, add_workers_argument
@@ -48,7 +54,7 @@ PART_GLOB = "part-*.txt"
 # The version of the text this stage writes. Bump it whenever its output for the same dump changes
 # (another cleaning rule, part layout or chunk record): a finished extracted directory of another
 # version is then refused, and an unfinished one started afresh, instead of being reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -260,17 +266,42 @@ def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tup
 # (<onlyinclude> marks what a transclusion shows; the page itself shows its content).
 _INLINE_TAGS = ("onlyinclude", "chem", "ce", "q", "ins", "del", "mark", "ruby", "rb", "rp", "rt", "rtc", "time",
                 "data", "dfn", "samp", "bdo", "wbr", "h5", "h6", "meta", "link", "langconvert")
-# Not prose (music notation, maps, graphs, page-status icons, audio buttons, editor data): dropped
-# with their content, as wikiextractor does for <gallery> and <timeline>.
-_NON_PROSE_TAGS = ("score", "mapframe", "maplink", "graph", "indicator", "phonos", "templatedata", "charinsert")
+# Not prose (music notation, maps, graphs, page-status icons, audio buttons, editor data, code): dropped
+# with their content, as wikiextractor does for <gallery>, <timeline>, <pre> and <source>. Code blocks are
+# dropped here, before wikiextractor drops templates: the braces of code ("int f() {{") were taken for a
+# template, and wikiextractor's pattern for an unclosed <syntaxhighlight> backtracks for minutes.
+_NON_PROSE_TAGS = ("score", "mapframe", "maplink", "graph", "indicator", "phonos", "templatedata", "charinsert",
+                   "syntaxhighlight", "source", "pre")
 # One pass for all of them (wikiextractor would make two regex passes per tag).
 _INLINE = re.compile(rf"<(?:{'|'.join(_INLINE_TAGS)})\b[^>]*>|</\s*(?:{'|'.join(_INLINE_TAGS)})\s*>", re.I)
-_COMMENT = re.compile(r"<!--.*?-->", re.S)
-_NON_PROSE = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*?(?:/>|>.*?</\1\s*>)", re.I | re.S)
+# A comment without its end hides the rest of the page, as MediaWiki shows it.
+_COMMENT = re.compile(r"<!--.*?(?:-->|\Z)", re.S)
+# "<name" that no ">" ends before the next "<" is not an HTML tag: written "&lt;", which Wikipedia shows the
+# same ("a<b then c<d"). wikiextractor's tag patterns scan from each such "<" to the next ">" anywhere, which
+# took minutes for a page of many. The start tag of a MediaWiki extension runs to the next ">" whatever it
+# holds (`<ref name="a" <ref>` is one tag): the "<" inside it are written "&lt;" first.
+_STRAY_TAG_OPEN = re.compile(r"<(?=/?[A-Za-z][^<>]*(?:<|\Z))")
+_EXTENSION_TAGS = ("ref", "references", "nowiki", "pre", "gallery", "math", "chem", "ce", "score", "syntaxhighlight",
+                   "source", "timeline", "poem", "templatedata", "templatestyles", "mapframe", "maplink", "graph",
+                   "indicator", "imagemap", "inputbox", "categorytree", "hiero", "charinsert", "section", "phonos",
+                   "langconvert", "includeonly", "noinclude", "onlyinclude")
+_EXTENSION_START_WITH_LT = re.compile(rf"<(?:{'|'.join(_EXTENSION_TAGS)})\b[^<>]*<[^>]*(?:>|\Z)", re.I)
+# An element's content ends at its end tag, but no further than the next start tag of the same name, so
+# that each unclosed start tag is scanned to the next one, not to the end of the page; a start tag
+# without its end tag (shown as text by MediaWiki) is dropped alone (group 3 unset).
+_NON_PROSE = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*?(?:/>|>(?:(?:(?!<\1\b).)*?</\1\s*>)?)",
+                        re.I | re.S)
 # wikiextractor drops the paired forms of these (or turns them into formula_N / codice_N) but
 # leaves a self-closing one, such as <includeonly/>, in the text.
 _EMPTY_ELEMENT = re.compile(rf"<(?:{'|'.join([*placeholder_tags, *discardElements])})\b[^>]*/\s*>", re.I)
-_PLACEHOLDER = re.compile(rf"<({'|'.join(placeholder_tags)})\b([^>]*?)(?<!/)>.*?</\1\s*>", re.I | re.S)
+_PLACEHOLDER = re.compile(rf"<({'|'.join(placeholder_tags)})\b([^>]*?)(?<!/)>(?:((?:(?!<\1\b).)*?)</\1\s*>)?",
+                          re.I | re.S)
+# An external link's start ("[http://host/path "), and what ends its label: "]", or a line break or other
+# control character, which leaves it unclosed. wikiextractor's pattern backtracks over the whole URL and
+# the rest of the line for each unclosed one (minutes for a URL of 64 kB or a line of many).
+_EXTERNAL_LINK_START = re.compile(rf"\[(?:{'|'.join(map(re.escape, wgUrlProtocols))}){EXT_LINK_URL_CLASS}+\s*",
+                                  re.I)
+_LINK_LABEL_END = re.compile(r"[\]\x00-\x08\x0a-\x1f]")
 # Behaviour switches ("__NOTOC__"): wikiextractor knows only the English ones, and each wiki has its own
 # ("__KEIN_INHALTSVERZEICHNIS__", "__БЕЗ_ОГЛАВЛЕНИЯ__", "__目次非表示__"). Candidates, not glued to a word;
 # `_is_switch` decides (Python's \w leaves out the combining marks of scripts such as Devanagari).
@@ -285,19 +316,41 @@ _SWITCH_CATEGORIES = frozenset(("Lu", "Lo", "Lm", "Mn", "Mc", "Nd"))
 # wikitext instead: each line is marked as prose or as a list item before cleaning.
 _PROSE, _LIST = "\ufdd0", "\ufdd1"
 _LIST_ITEM = re.compile(r":*[*#;]")  # "*", "#", ";", also nested under ":" indents (":*")
+# A line that starts with 4 or more "=" is always a heading to wikiextractor, which drops it; from 7 on,
+# dropped here, as its heading pattern backtracks over the run of "=" (hours for a line of a million).
+_LONG_HEADING = "=" * 7
 
 
 def _prepare_wikitext(wikitext: str) -> str:
     """The wikitext without the tags wikiextractor mishandles, each line marked as prose or list item."""
     text = wikitext.replace(_PROSE, "").replace(_LIST, "")
     text = _COMMENT.sub("", text)  # first, so that no tag or line inside a comment is seen
+    if "<" in text:
+        text = _EXTENSION_START_WITH_LT.sub(lambda m: m[0][0] + m[0][1:].replace("<", "&lt;"), text)
+        text = _STRAY_TAG_OPEN.sub("&lt;", text)
     text = _NON_PROSE.sub("", text)
     text = _INLINE.sub("", text)
     text = _EMPTY_ELEMENT.sub("", text)
     text = _empty_placeholders(text)
     if "__" in text:  # rare: the scan below tries every position
         text = _SWITCH_CANDIDATE.sub(lambda m: "" if _is_switch(m[1]) else m[0], text)
+    text = _unclosed_external_links(text)
     return "\n".join(_mark_line(line) for line in text.split("\n"))
+
+
+def _unclosed_external_links(text: str) -> str:
+    """The text with the "[" of each external link that no "]" closes written "&#91;", which Wikipedia shows
+    the same; one scan, however many there are."""
+    parts, done = [], 0
+    end, end_char = -1, ""  # the next "]" or control character after the last link start
+    for start in _EXTERNAL_LINK_START.finditer(text):
+        if end < start.end():
+            found = _LINK_LABEL_END.search(text, start.end())
+            end, end_char = (found.start(), found[0]) if found else (len(text), "")
+        if end_char != "]":
+            parts += [text[done:start.start()], "&#91;"]
+            done = start.start() + 1
+    return "".join(parts) + text[done:] if parts else text
 
 
 def _is_switch(word: str) -> bool:
@@ -312,11 +365,17 @@ def _empty_placeholders(text: str) -> str:
     formula ("{{[H^+]^2} \\over ...}}") were taken for a template, which left "<math>" in the text. Equal
     elements get equal contents, as wikiextractor gives equal elements the same number."""
     ids: dict[str, int] = {}
-    return _PLACEHOLDER.sub(lambda m: f"<{m[1]}{m[2]}>{ids.setdefault(m[0], len(ids))}</{m[1]}>", text)
+
+    def emptied(m: re.Match) -> str:
+        if m[3] is None:  # a start tag without its end tag: dropped
+            return ""
+        return f"<{m[1]}{m[2]}>{ids.setdefault(m[0], len(ids))}</{m[1]}>"
+
+    return _PLACEHOLDER.sub(emptied, text)
 
 
 def _mark_line(line: str) -> str:
-    if _LIST_ITEM.match(line):
+    if _LIST_ITEM.match(line) or line.startswith(_LONG_HEADING):
         return _LIST + line
     # Left to wikiextractor: paragraph breaks, headings and ":" indents (kept as text, even when
     # what follows the ":" cleans to "#...").
