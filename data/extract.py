@@ -80,6 +80,7 @@ class ExtractResult:
     other_namespaces: int
     empty: int  # articles that cleaning leaves without text
     no_namespace: int  # pages without <ns> in a dump whose <siteinfo> lists no namespaces
+    other_models: int  # namespace-0 pages whose <model> is not wikitext (Lua, CSS, JSON)
 
     def line(self) -> str:
         """What the stage did, in one line."""
@@ -89,8 +90,10 @@ class ExtractResult:
     def skipped_pages(self) -> str:
         unknown = (f", {_plural(self.no_namespace, 'page')} of unknown namespace (no <ns> element, and no "
                    "<namespaces> list in the dump's <siteinfo> to tell it from the title)" if self.no_namespace else "")
+        models = (f", {_plural(self.other_models, 'page')} of another content model than wikitext (such as Lua or CSS)"
+                  if self.other_models else "")
         return (f"{_plural(self.redirects, 'redirect')}, {_plural(self.other_namespaces, 'page')} outside the article "
-                f"namespace{unknown}, {_plural(self.empty, 'article')} empty once cleaned")
+                f"namespace{unknown}{models}, {_plural(self.empty, 'article')} empty once cleaned")
 
 
 def _plural(count: int, noun: str) -> str:
@@ -232,7 +235,8 @@ def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
 
 # What a <page> is, for the counts of pages that are not articles.
 ARTICLE, REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE = "article", "redirect", "other_namespace", "no_namespace"
-SKIPPED_KINDS = (REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE)
+OTHER_MODEL = "other_model"
+SKIPPED_KINDS = (REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE, OTHER_MODEL)
 
 
 def _site_namespaces(siteinfo: ET.Element) -> dict[str, str] | None:
@@ -245,7 +249,9 @@ def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tup
     """(ARTICLE, (title, wikitext)) for a <page> of namespace 0 that is not a redirect, else (its kind, None).
 
     Dumps before export-0.6 have no <ns>: a title is then in the namespace its prefix names ("Talk:X"),
-    as the dump's <siteinfo> lists them, else in namespace 0.
+    as the dump's <siteinfo> lists them, else in namespace 0. A page of namespace 0 whose <model> is not
+    wikitext (a Lua module, a style sheet, JSON data, moved there by mistake) is not an article either; dumps
+    before export-0.8 have no <model>, and hold only wikitext.
     """
     title = page.findtext("{*}title") or ""
     ns = page.findtext("{*}ns")
@@ -258,6 +264,8 @@ def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tup
         return OTHER_NAMESPACE, None
     if page.find("{*}redirect") is not None:
         return REDIRECT, None
+    if page.findtext("{*}revision/{*}model", "wikitext") != "wikitext":
+        return OTHER_MODEL, None
     return ARTICLE, (title, page.findtext("{*}revision/{*}text") or "")
 
 
@@ -458,7 +466,8 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
         articles=done_now.documents, parts=done_now.parts, text_bytes=done_now.text_bytes,
         seconds=round(time.perf_counter() - start, 3), pages=sum(done_now.pages.values()),
         redirects=done_now.pages[REDIRECT], other_namespaces=done_now.pages[OTHER_NAMESPACE],
-        empty=done_now.pages[ARTICLE] - done_now.documents, no_namespace=done_now.pages[NO_NAMESPACE])
+        empty=done_now.pages[ARTICLE] - done_now.documents, no_namespace=done_now.pages[NO_NAMESPACE],
+        other_models=done_now.pages[OTHER_MODEL])
     if result.articles == 0:
         found = (f"of its {_plural(result.pages, 'page')}, {result.skipped_pages()}" if result.pages
                  else "it has no <page> element")

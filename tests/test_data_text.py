@@ -314,6 +314,26 @@ def test_pages_of_every_other_namespace_are_skipped_and_counted(tmp_path):
         "The river flows north through the valley.\n\n")
 
 
+def test_namespace_0_pages_of_another_content_model_are_skipped_and_counted(tmp_path):
+    """Found by the hostile-wikitext audit: a Lua module, a style sheet or JSON data in namespace 0 (moved there
+    by mistake) was cleaned as wikitext, and its code ("return 'Lua code here.'") written as text."""
+    pages = "".join(f"<page><title>Page {k}</title><ns>0</ns><id>{k}</id><revision><id>{k}</id>{model}<text>{text}"
+                    "</text></revision></page>"
+                    for k, (model, text) in enumerate([
+                        ("<model>wikitext</model>", "The river flows north."),
+                        ("", "A dump before export-0.8 has no model element."),
+                        ("<model>Scribunto</model>", "local p = {}\nfunction p.main()\n  return 'Lua code here.'\nend"),
+                        ("<model>sanitized-css</model>", "p { color: red; } /* Words in a comment. */"),
+                        ("<model>json</model>", "Words of JSON text.")], 1))
+    dump = tmp_path / "dump.xml"
+    dump.write_text(f"<mediawiki>{pages}</mediawiki>\n", encoding="utf-8")
+    result = extract(ExtractConfig(dump, tmp_path / "out"))
+    assert (result.pages, result.articles, result.other_models, result.other_namespaces) == (5, 2, 3, 0)
+    assert "3 pages of another content model than wikitext" in result.line()
+    assert (tmp_path / "out" / "part-00000.txt").read_text(encoding="utf-8") == (
+        "The river flows north.\n\nA dump before export-0.8 has no model element.\n\n")
+
+
 @pytest.mark.parametrize("setting, value", [("articles_per_part", 0), ("chunk_bytes", 0)])
 def test_settings_below_one_are_refused_before_any_work(sample_dump, tmp_path, setting, value):
     """A part of no article or chunks of no byte: a division by zero or a hang, after the stage began (workers:
