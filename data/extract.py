@@ -596,6 +596,9 @@ class _ChunkText:
     skipped: list[int]  # its pages of each of SKIPPED_KINDS
 
 
+_TITLE = re.compile(rb"<title>([^<]{1,300})</title>")  # to name a page that does not parse
+
+
 def _clean_chunk(chunk: _Chunk) -> _ChunkText:
     docs = []
     skipped = dict.fromkeys(SKIPPED_KINDS, 0)
@@ -604,8 +607,11 @@ def _clean_chunk(chunk: _Chunk) -> _ChunkText:
             kind, article = _page(ET.fromstring(page), chunk.namespaces)
         except ET.ParseError as exc:
             start = chunk.offsets[0] // multistream.unit_bits(chunk.level)
-            raise PipelineError(f"{chunk.path}: a page in the {multistream.unit_name(chunk.level)}s from byte {start} "
-                                f"is not well-formed XML ({exc}); the file is damaged or truncated") from exc
+            title = _TITLE.search(page)
+            which = f"the page {title[1].decode('utf-8', 'replace')!r}" if title else "a page"
+            raise PipelineError(f"{chunk.path}: {which} in the {multistream.unit_name(chunk.level)}s from byte {start} "
+                                f"is not well-formed XML ({exc}, counted from its <page> tag); the file is damaged "
+                                "or truncated") from exc
         if article is None:
             skipped[kind] += 1
         else:

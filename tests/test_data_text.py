@@ -334,6 +334,18 @@ def test_namespace_0_pages_of_another_content_model_are_skipped_and_counted(tmp_
         "The river flows north.\n\nA dump before export-0.8 has no model element.\n\n")
 
 
+@pytest.mark.parametrize("body", ["A &#0; NUL.", "A \x01 control character.", "A &#xD800; lone surrogate."])
+def test_a_page_that_is_not_xml_is_named_by_its_title(tmp_path, body):
+    """Characters XML forbids end the stage with one line that names the page, not only where its chunk starts."""
+    pages = "".join(f"<page><title>Page {k}</title><ns>0</ns><id>{k}</id><revision><id>{k}</id><text>{text}</text>"
+                    "</revision></page>" for k, text in enumerate(["Good words.", body, "More words."], 1))
+    dump = tmp_path / "dump.xml"
+    dump.write_text(f"<mediawiki>{pages}</mediawiki>\n", encoding="utf-8")
+    with pytest.raises(PipelineError, match=rf"{re.escape(str(dump))}: the page 'Page 2' in the byte ranges from byte 0 "
+                                            "is not well-formed XML"):
+        extract(ExtractConfig(dump, tmp_path / "out"))
+
+
 @pytest.mark.parametrize("setting, value", [("articles_per_part", 0), ("chunk_bytes", 0)])
 def test_settings_below_one_are_refused_before_any_work(sample_dump, tmp_path, setting, value):
     """A part of no article or chunks of no byte: a division by zero or a hang, after the stage began (workers:
