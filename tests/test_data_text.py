@@ -112,6 +112,18 @@ def test_unclosed_markup_is_dropped_alone_and_code_blocks_whole():
         "See label and [http://example.com/b unclosed", "Next."]
 
 
+def test_formulas_and_code_are_numbered_as_wikiextractor_numbers_them():
+    """formula_N / codice_N are now named after wikiextractor (its loop made a pass over the page per element):
+    N counts the tag's elements in order, headings and list items too, and equal elements share the first's."""
+    wikitext = ("A <math>x</math>, <code>a</code> <math>y</math> <MATH>x</MATH> <math>x</math> and <code>a</code>.\n"
+                "== H <math>z</math> ==\n* item <math>w</math>\nB <math>v</math> <math>x</math>.")
+    assert clean_article("T", wikitext) == ["A formula_1, codice_1 formula_2 formula_3 formula_1 and codice_1.",
+                                            "B formula_7 formula_1."]
+    # A tab before an attribute: wikiextractor's pattern missed it, and "<math display=inline>2</math>" was left.
+    assert clean_article("T", "a <math\tdisplay=inline>q</math> b <math display='block'>x</math> c.") == [
+        "a formula_1 b formula_2 c."]
+
+
 # Pages on which wikiextractor's patterns backtracked for minutes to hours (each took from 50 s to hours at these
 # sizes on the old code); each is now cleaned in well under a second. The timeout is the bound; the text
 # is checked too.
@@ -127,6 +139,7 @@ HOSTILE_PAGES = {  # name: (wikitext, its paragraphs, the first one's start)
     "many unclosed <syntaxhighlight>": ("<syntaxhighlight lang=c>int f() { words\n" * 4000, 4000,
                                         "int f() { words"),
     "a line of a million '='": ("==" + "=" * 1_000_000, 0, "Last words."),
+    "60,000 formulas": ("Text <math>x</math> words.\n\n" * 60000, 60000, "Text formula_1 words."),
 }
 
 
