@@ -276,12 +276,13 @@ def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tup
 # (<onlyinclude> marks what a transclusion shows; the page itself shows its content).
 _INLINE_TAGS = ("onlyinclude", "chem", "ce", "q", "ins", "del", "mark", "ruby", "rb", "rp", "rt", "rtc", "time",
                 "data", "dfn", "samp", "bdo", "wbr", "h5", "h6", "meta", "link", "langconvert")
-# Not prose (music notation, maps, graphs, page-status icons, audio buttons, editor data, code): dropped
-# with their content, as wikiextractor does for <gallery>, <timeline>, <pre> and <source>. Code blocks are
+# Not prose (music notation, maps, graphs, page-status icons, audio buttons, editor data, code, galleries):
+# dropped with their content, as wikiextractor does for <gallery>, <timeline>, <pre> and <source> (but it
+# left the start tag of an unclosed one). Code blocks are
 # dropped here, before wikiextractor drops templates: the braces of code ("int f() {{") were taken for a
 # template, and wikiextractor's pattern for an unclosed <syntaxhighlight> backtracks for minutes.
 _NON_PROSE_TAGS = ("score", "mapframe", "maplink", "graph", "indicator", "phonos", "templatedata", "charinsert",
-                   "syntaxhighlight", "source", "pre")
+                   "syntaxhighlight", "source", "pre", "gallery", "timeline", "imagemap")
 # One pass for all of them (wikiextractor would make two regex passes per tag).
 _INLINE = re.compile(rf"<(?:{'|'.join(_INLINE_TAGS)})\b[^>]*>|</\s*(?:{'|'.join(_INLINE_TAGS)})\s*>", re.I)
 # A comment without its end hides the rest of the page, as MediaWiki shows it.

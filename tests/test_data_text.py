@@ -104,6 +104,8 @@ def test_unclosed_markup_is_dropped_alone_and_code_blocks_whole():
     assert clean_article("T", "Code <syntaxhighlight lang=c>int f() {{ [[ }</syntaxhighlight> stays. After "
                               "<pre>{{{x}}} ]]</pre> also, <source>a {{ b</source> too.") == [
         "Code stays. After also, too."]
+    # wikiextractor drops a paired <gallery> but left an unclosed one's start tag.
+    assert clean_article("T", "A <gallery>x.jpg|cap</gallery> b.\n\nC <gallery>x.jpg words") == ["A b.", "C x.jpg words"]
     # A "<" that starts no tag is text, as before.
     assert clean_article("T", "If a<b then c<d, <span class=x>kept</span>.") == ["If a<b then c<d, kept."]
     # ... but the start tag of an extension such as <ref> runs to its ">", as in MediaWiki.
