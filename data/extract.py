@@ -37,7 +37,15 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from tqdm import tqdm
-from wikiextractor.extract import Extractor, discardElements, placeholder_tags
+from wikiextractor.extract import (
+    EXT_LINK_URL_CLASS,
+    Extractor,
+    clean,
+    compact,
+    discardElements,
+    placeholder_tags,
+    wgUrlProtocols,
+)
 
 from data import multistream, stage
 from data.cli import HelpFormatter, add_workers_argument
@@ -48,7 +56,7 @@ PART_GLOB = "part-*.txt"
 # The version of the text this stage writes. Bump it whenever its output for the same dump changes
 # (another cleaning rule, part layout or chunk record): a finished extracted directory of another
 # version is then refused, and an unfinished one started afresh, instead of being reused.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -74,6 +82,7 @@ class ExtractResult:
     other_namespaces: int
     empty: int  # articles that cleaning leaves without text
     no_namespace: int  # pages without <ns> in a dump whose <siteinfo> lists no namespaces
+    other_models: int  # namespace-0 pages whose <model> is not wikitext (Lua, CSS, JSON)
 
     def line(self) -> str:
         """What the stage did, in one line."""
@@ -83,8 +92,10 @@ class ExtractResult:
     def skipped_pages(self) -> str:
         unknown = (f", {_plural(self.no_namespace, 'page')} of unknown namespace (no <ns> element, and no "
                    "<namespaces> list in the dump's <siteinfo> to tell it from the title)" if self.no_namespace else "")
+        models = (f", {_plural(self.other_models, 'page')} of another content model than wikitext (such as Lua or CSS)"
+                  if self.other_models else "")
         return (f"{_plural(self.redirects, 'redirect')}, {_plural(self.other_namespaces, 'page')} outside the article "
-                f"namespace{unknown}, {_plural(self.empty, 'article')} empty once cleaned")
+                f"namespace{unknown}{models}, {_plural(self.empty, 'article')} empty once cleaned")
 
 
 def _plural(count: int, noun: str) -> str:
@@ -226,7 +237,8 @@ def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
 
 # What a <page> is, for the counts of pages that are not articles.
 ARTICLE, REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE = "article", "redirect", "other_namespace", "no_namespace"
-SKIPPED_KINDS = (REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE)
+OTHER_MODEL = "other_model"
+SKIPPED_KINDS = (REDIRECT, OTHER_NAMESPACE, NO_NAMESPACE, OTHER_MODEL)
 
 
 def _site_namespaces(siteinfo: ET.Element) -> dict[str, str] | None:
@@ -239,7 +251,9 @@ def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tup
     """(ARTICLE, (title, wikitext)) for a <page> of namespace 0 that is not a redirect, else (its kind, None).
 
     Dumps before export-0.6 have no <ns>: a title is then in the namespace its prefix names ("Talk:X"),
-    as the dump's <siteinfo> lists them, else in namespace 0.
+    as the dump's <siteinfo> lists them, else in namespace 0. A page of namespace 0 whose <model> is not
+    wikitext (a Lua module, a style sheet, JSON data, moved there by mistake) is not an article either; dumps
+    before export-0.8 have no <model>, and hold only wikitext.
     """
     title = page.findtext("{*}title") or ""
     ns = page.findtext("{*}ns")
@@ -252,6 +266,8 @@ def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tup
         return OTHER_NAMESPACE, None
     if page.find("{*}redirect") is not None:
         return REDIRECT, None
+    if page.findtext("{*}revision/{*}model", "wikitext") != "wikitext":
+        return OTHER_MODEL, None
     return ARTICLE, (title, page.findtext("{*}revision/{*}text") or "")
 
 
@@ -260,17 +276,43 @@ def _page(page: ET.Element, namespaces: dict[str, str] | None) -> tuple[str, tup
 # (<onlyinclude> marks what a transclusion shows; the page itself shows its content).
 _INLINE_TAGS = ("onlyinclude", "chem", "ce", "q", "ins", "del", "mark", "ruby", "rb", "rp", "rt", "rtc", "time",
                 "data", "dfn", "samp", "bdo", "wbr", "h5", "h6", "meta", "link", "langconvert")
-# Not prose (music notation, maps, graphs, page-status icons, audio buttons, editor data): dropped
-# with their content, as wikiextractor does for <gallery> and <timeline>.
-_NON_PROSE_TAGS = ("score", "mapframe", "maplink", "graph", "indicator", "phonos", "templatedata", "charinsert")
+# Not prose (music notation, maps, graphs, page-status icons, audio buttons, editor data, code, galleries):
+# dropped with their content, as wikiextractor does for <gallery>, <timeline>, <pre> and <source> (but it
+# left the start tag of an unclosed one). Code blocks are
+# dropped here, before wikiextractor drops templates: the braces of code ("int f() {{") were taken for a
+# template, and wikiextractor's pattern for an unclosed <syntaxhighlight> backtracks for minutes.
+_NON_PROSE_TAGS = ("score", "mapframe", "maplink", "graph", "indicator", "phonos", "templatedata", "charinsert",
+                   "syntaxhighlight", "source", "pre", "gallery", "timeline", "imagemap")
 # One pass for all of them (wikiextractor would make two regex passes per tag).
 _INLINE = re.compile(rf"<(?:{'|'.join(_INLINE_TAGS)})\b[^>]*>|</\s*(?:{'|'.join(_INLINE_TAGS)})\s*>", re.I)
-_COMMENT = re.compile(r"<!--.*?-->", re.S)
-_NON_PROSE = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*?(?:/>|>.*?</\1\s*>)", re.I | re.S)
+# A comment without its end hides the rest of the page, as MediaWiki shows it.
+_COMMENT = re.compile(r"<!--.*?(?:-->|\Z)", re.S)
+# "<name" that no ">" ends before the next "<" is not an HTML tag: written "&lt;", which Wikipedia shows the
+# same ("a<b then c<d"). wikiextractor's tag patterns scan from each such "<" to the next ">" anywhere, which
+# took minutes for a page of many. The start tag of a MediaWiki extension runs to the next ">" whatever it
+# holds (`<ref name="a" <ref>` is one tag): the "<" inside it are written "&lt;" first.
+_STRAY_TAG_OPEN = re.compile(r"<(?=/?[A-Za-z][^<>]*(?:<|\Z))")
+_EXTENSION_TAGS = ("ref", "references", "nowiki", "pre", "gallery", "math", "chem", "ce", "score", "syntaxhighlight",
+                   "source", "timeline", "poem", "templatedata", "templatestyles", "mapframe", "maplink", "graph",
+                   "indicator", "imagemap", "inputbox", "categorytree", "hiero", "charinsert", "section", "phonos",
+                   "langconvert", "includeonly", "noinclude", "onlyinclude")
+_EXTENSION_START_WITH_LT = re.compile(rf"<(?:{'|'.join(_EXTENSION_TAGS)})\b[^<>]*<[^>]*(?:>|\Z)", re.I)
+# An element's content ends at its end tag, but no further than the next start tag of the same name, so
+# that each unclosed start tag is scanned to the next one, not to the end of the page; a start tag
+# without its end tag (shown as text by MediaWiki) is dropped alone (group 3 unset).
+_NON_PROSE = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*?(?:/>|>(?:(?:(?!<\1\b).)*?</\1\s*>)?)",
+                        re.I | re.S)
 # wikiextractor drops the paired forms of these (or turns them into formula_N / codice_N) but
 # leaves a self-closing one, such as <includeonly/>, in the text.
 _EMPTY_ELEMENT = re.compile(rf"<(?:{'|'.join([*placeholder_tags, *discardElements])})\b[^>]*/\s*>", re.I)
-_PLACEHOLDER = re.compile(rf"<({'|'.join(placeholder_tags)})\b([^>]*?)(?<!/)>.*?</\1\s*>", re.I | re.S)
+_PLACEHOLDER = re.compile(rf"<({'|'.join(placeholder_tags)})\b([^>]*?)(?<!/)>(?:((?:(?!<\1\b).)*?)</\1\s*>)?",
+                          re.I | re.S)
+# An external link's start ("[http://host/path "), and what ends its label: "]", or a line break or other
+# control character, which leaves it unclosed. wikiextractor's pattern backtracks over the whole URL and
+# the rest of the line for each unclosed one (minutes for a URL of 64 kB or a line of many).
+_EXTERNAL_LINK_START = re.compile(rf"\[(?:{'|'.join(map(re.escape, wgUrlProtocols))}){EXT_LINK_URL_CLASS}+\s*",
+                                  re.I)
+_LINK_LABEL_END = re.compile(r"[\]\x00-\x08\x0a-\x1f]")
 # Behaviour switches ("__NOTOC__"): wikiextractor knows only the English ones, and each wiki has its own
 # ("__KEIN_INHALTSVERZEICHNIS__", "__БЕЗ_ОГЛАВЛЕНИЯ__", "__目次非表示__"). Candidates, not glued to a word;
 # `_is_switch` decides (Python's \w leaves out the combining marks of scripts such as Devanagari).
@@ -284,20 +326,49 @@ _SWITCH_CATEGORIES = frozenset(("Lu", "Lo", "Lm", "Mn", "Mc", "Nd"))
 # before such a character ("'''#1 Record''' is ...") was lost; lists are decided on the raw
 # wikitext instead: each line is marked as prose or as a list item before cleaning.
 _PROSE, _LIST = "\ufdd0", "\ufdd1"
+# <math> and <code> elements go through wikiextractor as "\ufdd2<tag><id>\ufdd3" and are named formula_N /
+# codice_N after it (`_name_placeholders`): its own loop makes a pass over the whole page per element
+# (68 s for a 3.4 MB page of 100,000 formulas).
+_OPEN_MARK, _CLOSE_MARK = "\ufdd2", "\ufdd3"
+_PLACEHOLDER_MARK = re.compile(f"{_OPEN_MARK}([a-z]+)(\\d+){_CLOSE_MARK}")
 _LIST_ITEM = re.compile(r":*[*#;]")  # "*", "#", ";", also nested under ":" indents (":*")
+# A line that starts with 4 or more "=" is always a heading to wikiextractor, which drops it; from 7 on,
+# dropped here, as its heading pattern backtracks over the run of "=" (hours for a line of a million).
+_LONG_HEADING = "=" * 7
 
 
 def _prepare_wikitext(wikitext: str) -> str:
     """The wikitext without the tags wikiextractor mishandles, each line marked as prose or list item."""
-    text = wikitext.replace(_PROSE, "").replace(_LIST, "")
+    text = wikitext
+    for marker in (_PROSE, _LIST, _OPEN_MARK, _CLOSE_MARK):
+        text = text.replace(marker, "")
     text = _COMMENT.sub("", text)  # first, so that no tag or line inside a comment is seen
+    if "<" in text:
+        text = _EXTENSION_START_WITH_LT.sub(lambda m: m[0][0] + m[0][1:].replace("<", "&lt;"), text)
+        text = _STRAY_TAG_OPEN.sub("&lt;", text)
     text = _NON_PROSE.sub("", text)
     text = _INLINE.sub("", text)
     text = _EMPTY_ELEMENT.sub("", text)
     text = _empty_placeholders(text)
     if "__" in text:  # rare: the scan below tries every position
         text = _SWITCH_CANDIDATE.sub(lambda m: "" if _is_switch(m[1]) else m[0], text)
+    text = _unclosed_external_links(text)
     return "\n".join(_mark_line(line) for line in text.split("\n"))
+
+
+def _unclosed_external_links(text: str) -> str:
+    """The text with the "[" of each external link that no "]" closes written "&#91;", which Wikipedia shows
+    the same; one scan, however many there are."""
+    parts, done = [], 0
+    end, end_char = -1, ""  # the next "]" or control character after the last link start
+    for start in _EXTERNAL_LINK_START.finditer(text):
+        if end < start.end():
+            found = _LINK_LABEL_END.search(text, start.end())
+            end, end_char = (found.start(), found[0]) if found else (len(text), "")
+        if end_char != "]":
+            parts += [text[done:start.start()], "&#91;"]
+            done = start.start() + 1
+    return "".join(parts) + text[done:] if parts else text
 
 
 def _is_switch(word: str) -> bool:
@@ -308,15 +379,35 @@ def _is_switch(word: str) -> bool:
 
 
 def _empty_placeholders(text: str) -> str:
-    """<math> and <code> emptied: wikiextractor turns each into formula_N / codice_N anyway, and braces in a
-    formula ("{{[H^+]^2} \\over ...}}") were taken for a template, which left "<math>" in the text. Equal
-    elements get equal contents, as wikiextractor gives equal elements the same number."""
+    """<math> and <code> as marks (`_PLACEHOLDER_MARK`), to become formula_N / codice_N as wikiextractor names
+    them; braces in a formula ("{{[H^+]^2} \\over ...}}") were taken for a template, which left "<math>" in the
+    text. Equal elements get equal ids, as wikiextractor gives equal elements the same number."""
     ids: dict[str, int] = {}
-    return _PLACEHOLDER.sub(lambda m: f"<{m[1]}{m[2]}>{ids.setdefault(m[0], len(ids))}</{m[1]}>", text)
+
+    def marked(m: re.Match) -> str:
+        if m[3] is None:  # a start tag without its end tag: dropped
+            return ""
+        return f"{_OPEN_MARK}{m[1].lower()}{ids.setdefault(m[0], len(ids))}{_CLOSE_MARK}"
+
+    return _PLACEHOLDER.sub(marked, text)
+
+
+def _name_placeholders(text: str) -> str:
+    """The marks of `_empty_placeholders` as wikiextractor names the elements, in one pass: formula_N (codice_N for
+    <code>), N counting that tag's elements in the text, equal elements named as the first of them."""
+    counts: dict[str, int] = {}
+    numbers: dict[str, int] = {}
+
+    def name(m: re.Match) -> str:
+        prefix = placeholder_tags[m[1]]
+        counts[prefix] = counts.get(prefix, 0) + 1
+        return f"{prefix}_{numbers.setdefault(m[2], counts[prefix])}"
+
+    return _PLACEHOLDER_MARK.sub(name, text)
 
 
 def _mark_line(line: str) -> str:
-    if _LIST_ITEM.match(line):
+    if _LIST_ITEM.match(line) or line.startswith(_LONG_HEADING):
         return _LIST + line
     # Left to wikiextractor: paragraph breaks, headings and ":" indents (kept as text, even when
     # what follows the ":" cleans to "#...").
@@ -342,7 +433,10 @@ def clean_article(title: str, wikitext: str) -> list[str]:
     extractor = Extractor("0", "0", "", title, [], keepSections=False)
     # wikiextractor works on the dump's escaped text (it unescapes after stripping markup);
     # iterparse has already unescaped it, so escape it back to keep its order of operations.
-    lines = extractor.clean_text(escape(_prepare_wikitext(wikitext)), expand_templates=False, html_safe=False)
+    # clean_text() is clean() then compact(): the elements are named between the two, in the text compact()
+    # has not cut yet, so that they are counted as wikiextractor counts them.
+    text = clean(extractor, escape(_prepare_wikitext(wikitext)), expand_templates=False, html_safe=False)
+    lines = compact(_name_placeholders(text), extractor=extractor)
     return [paragraph for paragraph in map(_paragraph, lines) if paragraph]
 
 
@@ -399,7 +493,8 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
         articles=done_now.documents, parts=done_now.parts, text_bytes=done_now.text_bytes,
         seconds=round(time.perf_counter() - start, 3), pages=sum(done_now.pages.values()),
         redirects=done_now.pages[REDIRECT], other_namespaces=done_now.pages[OTHER_NAMESPACE],
-        empty=done_now.pages[ARTICLE] - done_now.documents, no_namespace=done_now.pages[NO_NAMESPACE])
+        empty=done_now.pages[ARTICLE] - done_now.documents, no_namespace=done_now.pages[NO_NAMESPACE],
+        other_models=done_now.pages[OTHER_MODEL])
     if result.articles == 0:
         found = (f"of its {_plural(result.pages, 'page')}, {result.skipped_pages()}" if result.pages
                  else "it has no <page> element")
@@ -528,6 +623,9 @@ class _ChunkText:
     skipped: list[int]  # its pages of each of SKIPPED_KINDS
 
 
+_TITLE = re.compile(rb"<title>([^<]{1,300})</title>")  # to name a page that does not parse
+
+
 def _clean_chunk(chunk: _Chunk) -> _ChunkText:
     docs = []
     skipped = dict.fromkeys(SKIPPED_KINDS, 0)
@@ -536,8 +634,11 @@ def _clean_chunk(chunk: _Chunk) -> _ChunkText:
             kind, article = _page(ET.fromstring(page), chunk.namespaces)
         except ET.ParseError as exc:
             start = chunk.offsets[0] // multistream.unit_bits(chunk.level)
-            raise PipelineError(f"{chunk.path}: a page in the {multistream.unit_name(chunk.level)}s from byte {start} "
-                                f"is not well-formed XML ({exc}); the file is damaged or truncated") from exc
+            title = _TITLE.search(page)
+            which = f"the page {title[1].decode('utf-8', 'replace')!r}" if title else "a page"
+            raise PipelineError(f"{chunk.path}: {which} in the {multistream.unit_name(chunk.level)}s from byte {start} "
+                                f"is not well-formed XML ({exc}, counted from its <page> tag); the file is damaged "
+                                "or truncated") from exc
         if article is None:
             skipped[kind] += 1
         else:

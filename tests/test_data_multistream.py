@@ -361,7 +361,7 @@ def test_pages_that_are_not_articles_are_counted_alike_by_every_reader(sample_du
 
     serial = _extract_serial(ExtractConfig(dump, tmp_path / "serial", workers=workers, articles_per_part=40))
     assert serial.documents == 105 and dict(serial.pages) == {"article": 106, "redirect": 99, "other_namespace": 1,
-                                                              "no_namespace": 0}
+                                                              "no_namespace": 0, "other_model": 0}
 
 
 def _export_04(xml: bytes) -> bytes:
@@ -388,7 +388,7 @@ def test_a_dump_without_ns_elements_takes_namespaces_from_the_title_prefixes(sam
     if form == "one reader":
         out.mkdir()
         done = _extract_serial(ExtractConfig(dump, out, workers=2, articles_per_part=40))
-        assert dict(done.pages) == {"article": 106, "redirect": 99, "other_namespace": 1, "no_namespace": 0}
+        assert dict(done.pages) == {"article": 106, "redirect": 99, "other_namespace": 1, "no_namespace": 0, "other_model": 0}
     else:
         result = extract(ExtractConfig(dump, out, workers=2, articles_per_part=40, chunk_bytes=100_000))
         assert (result.articles, result.redirects, result.other_namespaces, result.no_namespace) == (105, 99, 1, 0)

@@ -94,6 +94,65 @@ def test_prose_starting_with_a_hash_is_kept_and_list_items_are_dropped():
         "Intro.", "End."]
 
 
+def test_unclosed_markup_is_dropped_alone_and_code_blocks_whole():
+    """Found by the hostile-wikitext audit: a start tag of <math>, <score>, <pre>... without its end tag was left in
+    the text; an unclosed comment left "<!--" and what it hides; braces in code were taken for a template."""
+    # MediaWiki hides the rest of a page after a comment that does not end.
+    assert clean_article("T", "Kept text.\n\n<!-- hidden\n\nstill hidden") == ["Kept text."]
+    assert clean_article("T", "A <math>x^2 and words.\n\nB <score>c d\n\nC <syntaxhighlight lang=c>int\n\nD <pre>x") == [
+        "A x^2 and words.", "B c d", "C int", "D x"]
+    assert clean_article("T", "Code <syntaxhighlight lang=c>int f() {{ [[ }</syntaxhighlight> stays. After "
+                              "<pre>{{{x}}} ]]</pre> also, <source>a {{ b</source> too.") == [
+        "Code stays. After also, too."]
+    # wikiextractor drops a paired <gallery> but left an unclosed one's start tag.
+    assert clean_article("T", "A <gallery>x.jpg|cap</gallery> b.\n\nC <gallery>x.jpg words") == ["A b.", "C x.jpg words"]
+    # A "<" that starts no tag is text, as before.
+    assert clean_article("T", "If a<b then c<d, <span class=x>kept</span>.") == ["If a<b then c<d, kept."]
+    # ... but the start tag of an extension such as <ref> runs to its ">", as in MediaWiki.
+    assert clean_article("T", 'A fact.<ref name="a" <ref>cite</ref> More.') == ["A fact. More."]
+    assert clean_article("T", "See [http://example.com/a label] and [http://example.com/b unclosed\n\nNext.") == [
+        "See label and [http://example.com/b unclosed", "Next."]
+
+
+def test_formulas_and_code_are_numbered_as_wikiextractor_numbers_them():
+    """formula_N / codice_N are now named after wikiextractor (its loop made a pass over the page per element):
+    N counts the tag's elements in order, headings and list items too, and equal elements share the first's."""
+    wikitext = ("A <math>x</math>, <code>a</code> <math>y</math> <MATH>x</MATH> <math>x</math> and <code>a</code>.\n"
+                "== H <math>z</math> ==\n* item <math>w</math>\nB <math>v</math> <math>x</math>.")
+    assert clean_article("T", wikitext) == ["A formula_1, codice_1 formula_2 formula_3 formula_1 and codice_1.",
+                                            "B formula_7 formula_1."]
+    # A tab before an attribute: wikiextractor's pattern missed it, and "<math display=inline>2</math>" was left.
+    assert clean_article("T", "a <math\tdisplay=inline>q</math> b <math display='block'>x</math> c.") == [
+        "a formula_1 b formula_2 c."]
+
+
+# Pages on which wikiextractor's patterns backtracked for minutes to hours (each took from 50 s to hours at these
+# sizes on the old code); each is now cleaned in well under a second. The timeout is the bound; the text
+# is checked too.
+HOSTILE_PAGES = {  # name: (wikitext, its paragraphs, the first one's start)
+    "unclosed external link of a 128 kB URL": ("Intro [http://example.com/" + "a" * 131072 + " words", 1,
+                                              "Intro [http://example.com/aaa"),
+    "many unclosed external links on one line": ("Intro " + "[http://x " * 26000, 1, "Intro [http://x [http://x"),
+    # A "<" that ends no tag is shown as text by MediaWiki, and kept.
+    "many tag starts without '>'": ("Intro " + "<span " * 44000, 1, "Intro <span <span"),
+    "many tag starts with an unclosed quote": ("Intro " + '<br style="' * 24000, 1, 'Intro <br style="<br style='),
+    "many ref starts before one '>'": ("Intro " + "<ref " * 26000 + ">", 1, "Intro <ref <ref"),
+    "many ref starts without '>'": ("Intro " + "<ref " * 80000, 1, "Intro <ref <ref"),
+    "many unclosed <syntaxhighlight>": ("<syntaxhighlight lang=c>int f() { words\n" * 4000, 4000,
+                                        "int f() { words"),
+    "a line of a million '='": ("==" + "=" * 1_000_000, 0, "Last words."),
+    "60,000 formulas": ("Text <math>x</math> words.\n\n" * 60000, 60000, "Text formula_1 words."),
+}
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("name", HOSTILE_PAGES)
+def test_hostile_pages_are_cleaned_in_linear_time(name):
+    wikitext, paragraphs, first = HOSTILE_PAGES[name]
+    cleaned = clean_article("T", wikitext + "\n\nLast words.")
+    assert len(cleaned) == paragraphs + 1 and cleaned[0].startswith(first) and cleaned[-1] == "Last words."
+
+
 # Localized behaviour switches: German, Russian, Japanese (a script without case), and upper-case words in
 # Devanagari (combining marks) and with digits, as a wiki may define them.
 SWITCHES = ["__KEIN_INHALTSVERZEICHNIS__", "__NEUER_ABSCHNITTSLINK__", "__БЕЗ_ОГЛАВЛЕНИЯ__", "__目次非表示__",
@@ -268,6 +327,38 @@ def test_pages_of_every_other_namespace_are_skipped_and_counted(tmp_path):
     assert (result.pages, result.articles, result.other_namespaces, result.redirects) == (7, 1, 6, 0)
     assert (tmp_path / "out" / "part-00000.txt").read_text(encoding="utf-8") == (
         "The river flows north through the valley.\n\n")
+
+
+def test_namespace_0_pages_of_another_content_model_are_skipped_and_counted(tmp_path):
+    """Found by the hostile-wikitext audit: a Lua module, a style sheet or JSON data in namespace 0 (moved there
+    by mistake) was cleaned as wikitext, and its code ("return 'Lua code here.'") written as text."""
+    pages = "".join(f"<page><title>Page {k}</title><ns>0</ns><id>{k}</id><revision><id>{k}</id>{model}<text>{text}"
+                    "</text></revision></page>"
+                    for k, (model, text) in enumerate([
+                        ("<model>wikitext</model>", "The river flows north."),
+                        ("", "A dump before export-0.8 has no model element."),
+                        ("<model>Scribunto</model>", "local p = {}\nfunction p.main()\n  return 'Lua code here.'\nend"),
+                        ("<model>sanitized-css</model>", "p { color: red; } /* Words in a comment. */"),
+                        ("<model>json</model>", "Words of JSON text.")], 1))
+    dump = tmp_path / "dump.xml"
+    dump.write_text(f"<mediawiki>{pages}</mediawiki>\n", encoding="utf-8")
+    result = extract(ExtractConfig(dump, tmp_path / "out"))
+    assert (result.pages, result.articles, result.other_models, result.other_namespaces) == (5, 2, 3, 0)
+    assert "3 pages of another content model than wikitext" in result.line()
+    assert (tmp_path / "out" / "part-00000.txt").read_text(encoding="utf-8") == (
+        "The river flows north.\n\nA dump before export-0.8 has no model element.\n\n")
+
+
+@pytest.mark.parametrize("body", ["A &#0; NUL.", "A \x01 control character.", "A &#xD800; lone surrogate."])
+def test_a_page_that_is_not_xml_is_named_by_its_title(tmp_path, body):
+    """Characters XML forbids end the stage with one line that names the page, not only where its chunk starts."""
+    pages = "".join(f"<page><title>Page {k}</title><ns>0</ns><id>{k}</id><revision><id>{k}</id><text>{text}</text>"
+                    "</revision></page>" for k, text in enumerate(["Good words.", body, "More words."], 1))
+    dump = tmp_path / "dump.xml"
+    dump.write_text(f"<mediawiki>{pages}</mediawiki>\n", encoding="utf-8")
+    with pytest.raises(PipelineError, match=rf"{re.escape(str(dump))}: the page 'Page 2' in the byte ranges from byte 0 "
+                                            "is not well-formed XML"):
+        extract(ExtractConfig(dump, tmp_path / "out"))
 
 
 @pytest.mark.parametrize("setting, value", [("articles_per_part", 0), ("chunk_bytes", 0)])
