@@ -307,9 +307,10 @@ def chunk_pages(path: Path, offsets: tuple[int, ...], own: int, level: int | Non
             while end == -1:
                 if not read_on():
                     raise PipelineError(
-                        f"{path}: the page starting in the {unit_name(level)} at byte "
-                        f"{offsets[0] // unit_bits(level)} does not end within "
-                        f"{MAX_LOOKAHEAD_STREAMS} further units; the dump is truncated or not MediaWiki XML"
+                        f"{path}: the page starting in the {unit_name(level)}s from byte "
+                        f"{offsets[0] // unit_bits(level)} does not end within the {len(xml) - pos:,} bytes of XML "
+                        f"from its <page> tag ({MAX_LOOKAHEAD_STREAMS} further {unit_name(level)}s); MediaWiki "
+                        "holds a page's text under 2 MiB, so the dump is truncated or not MediaWiki XML"
                     )
                 end = xml.find(_END_PAGE, pos)
             end += len(_END_PAGE)

@@ -401,3 +401,21 @@ def test_a_dump_without_ns_elements_takes_namespaces_from_the_title_prefixes(sam
                                             r"the article namespace, 206 pages of unknown namespace \(no <ns> element, "
                                             r"and no <namespaces> list in the dump's <siteinfo>"):
         extract(ExtractConfig(bare, tmp_path / "bare", workers=2))
+
+
+def test_a_page_that_does_not_end_within_the_look_ahead_says_how_far_it_was_read(tmp_path):
+    """A page is read on for at most MAX_LOOKAHEAD_STREAMS units past its chunk; one that ends in the last of them
+    is whole, one that ends later is refused with how many bytes were read (the old line said "64 further units",
+    which gave no size to compare with MediaWiki's 2 MiB)."""
+    unit, n = 10, multistream.MAX_LOOKAHEAD_STREAMS
+    offsets = tuple(range(0, (n + 2) * unit, unit))  # one unit of the chunk's own, n to read on, and the end
+    fits = tmp_path / "fits.xml"
+    fits.write_bytes((b"<page>" + b"x" * ((n + 1) * unit - 13) + b"</page>").ljust((n + 1) * unit))
+    assert [len(p) for p in multistream.chunk_pages(fits, offsets, 1, multistream.PLAIN_XML)] == [(n + 1) * unit]
+    long = tmp_path / "long.xml"
+    long.write_bytes(b"<page>" + b"x" * ((n + 1) * unit + 100) + b"</page>")
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(long))}: the page starting in the byte ranges from "
+                                            rf"byte 0 does not end within the {(n + 1) * unit:,} bytes of XML from its "
+                                            rf"<page> tag \({n} further byte ranges\); MediaWiki holds a page's text "
+                                            "under 2 MiB, so the dump is truncated or not MediaWiki XML$"):
+        list(multistream.chunk_pages(long, offsets, 1, multistream.PLAIN_XML))
