@@ -297,6 +297,14 @@ _EXTENSION_TAGS = ("ref", "references", "nowiki", "pre", "gallery", "math", "che
                    "indicator", "imagemap", "inputbox", "categorytree", "hiero", "charinsert", "section", "phonos",
                    "langconvert", "includeonly", "noinclude", "onlyinclude")
 _EXTENSION_START_WITH_LT = re.compile(rf"<(?:{'|'.join(_EXTENSION_TAGS)})\b[^<>]*<[^>]*(?:>|\Z)", re.I)
+# <nowiki> shows its content as text: written as character references, which wikiextractor leaves alone and
+# turns back into the characters, so that "<nowiki>{{</nowiki>" does not open a template that swallows the
+# text up to a later "}}" and "<nowiki>[[x]]</nowiki>" stays "[[x]]", as Wikipedia shows them. Entities in it
+# stay entities (MediaWiki decodes them there too). An unclosed one shows as text, and its tag is dropped.
+_NOWIKI = re.compile(r"<nowiki\b[^<>]*?(?:/>|>((?:(?!<nowiki\b).)*?)</nowiki\s*>)", re.I | re.S)
+_NOWIKI_LITERAL = re.compile(r"(&(?:#\d+|#[xX][0-9a-fA-F]+|\w+);)|[<>\[\]{}|'=*#:;_~-]")
+
+
 # An element's content ends at its end tag, but no further than the next start tag of the same name, so
 # that each unclosed start tag is scanned to the next one, not to the end of the page; a start tag
 # without its end tag (shown as text by MediaWiki) is dropped alone (group 3 unset).
@@ -344,6 +352,7 @@ def _prepare_wikitext(wikitext: str) -> str:
         text = text.replace(marker, "")
     text = _COMMENT.sub("", text)  # first, so that no tag or line inside a comment is seen
     if "<" in text:
+        text = _NOWIKI.sub(_nowiki_text, text)
         text = _EXTENSION_START_WITH_LT.sub(lambda m: m[0][0] + m[0][1:].replace("<", "&lt;"), text)
         text = _STRAY_TAG_OPEN.sub("&lt;", text)
     text = _NON_PROSE.sub("", text)
@@ -354,6 +363,11 @@ def _prepare_wikitext(wikitext: str) -> str:
         text = _SWITCH_CANDIDATE.sub(lambda m: "" if _is_switch(m[1]) else m[0], text)
     text = _unclosed_external_links(text)
     return "\n".join(_mark_line(line) for line in text.split("\n"))
+
+
+def _nowiki_text(m: re.Match) -> str:
+    """A <nowiki> element's content, each character wikitext would read written as a character reference."""
+    return _NOWIKI_LITERAL.sub(lambda c: c[1] or f"&#{ord(c[0])};", m[1] or "")
 
 
 def _unclosed_external_links(text: str) -> str:

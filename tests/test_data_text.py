@@ -114,6 +114,21 @@ def test_unclosed_markup_is_dropped_alone_and_code_blocks_whole():
         "See label and [http://example.com/b unclosed", "Next."]
 
 
+def test_nowiki_shows_its_content_as_text():
+    """<nowiki> content was cleaned as wikitext: "<nowiki>{{</nowiki>" opened a template that swallowed the text up
+    to a later "}}", and "<nowiki>[[x]]</nowiki>" lost its brackets. Wikipedia shows the content as it is."""
+    assert clean_article("T", "The syntax <nowiki>{{</nowiki> opens a template. Gamma }} delta.\n\nNext.") == [
+        "The syntax {{ opens a template. Gamma }} delta.", "Next."]
+    assert clean_article("T", "Write <nowiki>[[link]]</nowiki> or <NoWiki>''x'' <ref>|}</nowiki> as such.") == [
+        "Write [[link]] or ''x'' <ref>|} as such."]
+    # A line of its own keeps its list marker or heading signs as text; entities are decoded as elsewhere.
+    assert clean_article("T", "Intro.\n<nowiki>* not a list, == not a heading ==, &amp; __NOTOC__</nowiki>") == [
+        "Intro.", "* not a list, == not a heading ==, & __NOTOC__"]
+    # Empty ones separate a link from its trail; an unclosed one is dropped and what follows is wikitext.
+    assert clean_article("T", "Two [[dog]]<nowiki/>s and [[cat]]<nowiki />s. A <nowiki>[[x]] y") == [
+        "Two dogs and cats. A x y"]
+
+
 def test_formulas_and_code_are_numbered_as_wikiextractor_numbers_them():
     """formula_N / codice_N are now named after wikiextractor (its loop made a pass over the page per element):
     N counts the tag's elements in order, headings and list items too, and equal elements share the first's."""
@@ -140,6 +155,8 @@ HOSTILE_PAGES = {  # name: (wikitext, its paragraphs, the first one's start)
     "many ref starts without '>'": ("Intro " + "<ref " * 80000, 1, "Intro <ref <ref"),
     "many unclosed <syntaxhighlight>": ("<syntaxhighlight lang=c>int f() { words\n" * 4000, 4000,
                                         "int f() { words"),
+    "many nowiki starts without '>'": ("Intro " + "<nowiki " * 44000, 1, "Intro <nowiki <nowiki"),
+    "many unclosed <nowiki>": ("Intro <nowiki>words " * 40000, 1, "Intro words Intro words"),
     "a line of a million '='": ("==" + "=" * 1_000_000, 0, "Last words."),
     "60,000 formulas": ("Text <math>x</math> words.\n\n" * 60000, 60000, "Text formula_1 words."),
 }
