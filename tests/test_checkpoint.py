@@ -326,6 +326,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from training import checkpoint
+from training.atomic import atomic_write_text
 
 rank, ckpt_dir, port, identity, fault = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 
@@ -338,6 +339,8 @@ class Engine:  # writes the files DeepSpeed writes for this rank, then waits in 
             (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"m" * 120)
         if rank == 1 and fault == "write":  # what torch.save raises on a full disk
             raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4416 vs 4308")
+        if fault == "gone":  # a backend error on every rank: no collective can report it
+            raise dist.DistError("peer gone")
         (tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"o" * 50)
         dist.barrier()
 
@@ -346,14 +349,30 @@ def unreadable(tag_dir, names):
     raise OSError(5, "Input/output error")
 
 
+def full_disk(*args):
+    raise OSError(28, "No space left on device")
+
+
+def latest_on_a_full_disk(path, text):
+    if path.name == checkpoint.LATEST:
+        raise OSError(28, "No space left on device")
+    return atomic_write_text(path, text)
+
+
 if rank == 1 and fault == "read":  # only rank 1 cannot read its share of the files back
     checkpoint.describe_files = unreadable
+if rank == 0 and fault == "room":  # rank 0 cannot make room for the tag
+    checkpoint.make_room = full_disk
+if rank == 0 and fault == "latest":  # run_state.json written, then `latest` does not fit
+    checkpoint.atomic_write_text = latest_on_a_full_disk
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 try:
     checkpoint.save(Engine(), ckpt_dir, 20, 320, 1, (0, 0), eval(identity), keep=2)
     print("saved")
 except checkpoint.CheckpointError as e:
     print(f"CheckpointError: {e}")
+except dist.DistError as e:
+    print(f"DistError: {e}")
 finally:
     dist.destroy_process_group()
 """
@@ -396,6 +415,37 @@ def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
                             r"'latest' was left as it was; if the disk is full, free space there \(.*\) and rerun "
                             r"the same command: it resumes from step00000010\n", out), out
     assert read_latest(tmp_path) == "step00000010" and not (tmp_path / "step00000020").exists()
+
+
+def test_rank_0_failing_to_make_room_fails_the_save_on_every_rank(tmp_path):
+    """make_room's error on rank 0 is raised on both ranks (raised on rank 0 alone, it left rank 1 waiting)."""
+    _save(tmp_path, 10)
+    for out in _save_on_two_ranks(tmp_path, "room"):
+        assert re.fullmatch(rf"CheckpointError: rank 0 could not write checkpoint {re.escape(str(tmp_path))}/"
+                            r"step00000020 \(OSError: \[Errno 28\] No space left on device; [0-9.]+ MiB free there\)\. "
+                            r"'latest' was left as it was; .* it resumes from step00000010\n", out), out
+    assert read_latest(tmp_path) == "step00000010"
+
+
+def test_a_full_disk_after_the_manifest_keeps_the_tag_for_the_rerun_to_commit(tmp_path):
+    """run_state.json was written and `latest` did not fit: the tag is complete, so it is kept (marked
+    commit_pending) rather than removed as unfinished, and the rerun's `recover` commits it."""
+    _save(tmp_path, 10)
+    for out in _save_on_two_ranks(tmp_path, "latest"):
+        assert re.fullmatch(rf"CheckpointError: rank 0 could not write checkpoint {re.escape(str(tmp_path))}/"
+                            r"step00000020 \(OSError: \[Errno 28\] No space left on device; [0-9.]+ MiB free there\)\. "
+                            r"'latest' was left as it was; .* it resumes from step00000010\n", out), out
+    assert read_latest(tmp_path) == "step00000010"
+    assert (tmp_path / "step00000020" / RUN_STATE).is_file() and (tmp_path / "step00000020" / COMMIT_PENDING).exists()
+    assert recover(tmp_path, keep=2) == "step00000020" and read_latest(tmp_path) == "step00000020"
+
+
+def test_a_backend_error_during_the_save_is_not_reported_as_a_write_failure(tmp_path):
+    """dist.DistError (NCCL and the other backends' errors) propagates as it is: no barrier is entered for it
+    and it is not called a full disk."""
+    _save(tmp_path, 10)
+    for out in _save_on_two_ranks(tmp_path, "gone"):
+        assert out == "DistError: peer gone\n", out
 
 
 CONVERT_ON_A_FULL_DISK = """

@@ -318,3 +318,23 @@ def test_a_full_disk_names_metrics_jsonl_and_the_resume_drops_the_cut_record(tmp
     writer.close()
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == list(
         range(1, whole + 1))
+
+
+def test_a_short_write_is_continued_until_the_whole_line_is_written(tmp_path):
+    """A write may take only part of the bytes (as at a full disk's or a size limit's edge): the rest is
+    written by further calls, and the line is UTF-8."""
+    from training.metrics import append_line
+
+    class Short:  # takes at most 3 bytes per call
+        name = str(tmp_path / "metrics.jsonl")
+
+        def __init__(self):
+            self.written = b""
+
+        def write(self, data):
+            self.written += bytes(data[:3])
+            return min(3, len(data))
+
+    sink = Short()
+    append_line(sink, '{"step": 1, "note": "é"}')
+    assert sink.written.decode("utf-8") == '{"step": 1, "note": "é"}\n'
