@@ -277,6 +277,16 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
                       "[--checkpoint_activations_interval N]")):
         if key in config:
             raise RunConfigError(f"{path}: remove the '{key}' section; {fix}")
+    section = config.get("checkpoint", {})
+    section = section if isinstance(section, dict) else {}
+    engines = [key for key in ("datastates_ckpt", "nebula") if key in config] + \
+        (["checkpoint.writer"] if "writer" in section else [])
+    if engines:  # they write after save_checkpoint returns, or on other ranks, which the save's checks would miss
+        raise RunConfigError(f"{path}: remove '{engines[0]}'; checkpoints are written by torch.save, checked (each "
+                             "file's size and CRC32) and committed when the save returns")
+    if "load_universal" in section:
+        raise RunConfigError(f"{path}: remove 'checkpoint.load_universal'; this script sets it when a run resumes on "
+                             "another world size, and it would read any other checkpoint wrongly")
     if config.get("fp16", {}).get("enabled"):
         raise RunConfigError(f"{path}: fp16 is not supported; use \"bf16\": {{\"enabled\": true}}")
     zero = config.get("zero_optimization", {})

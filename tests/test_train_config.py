@@ -73,6 +73,14 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}},
      r"remove the 'activation_checkpointing' section; DeepSpeed applies it only to models that call "
      r"deepspeed.checkpointing, and this one would ignore it; use --checkpoint_activations"),
+    # DeepSpeed's other checkpoint engines write after save_checkpoint returns, which run_state.json's checks miss.
+    ({"checkpoint": {"writer": {"type": "fast", "decoupled": True}}},
+     r"remove 'checkpoint.writer'; checkpoints are written by torch.save, checked \(each file's size and CRC32\) "
+     "and committed when the save returns"),
+    ({"datastates_ckpt": {"host_cache_size": 16}}, r"remove 'datastates_ckpt'; checkpoints are written by torch.save"),
+    ({"nebula": {"enabled": True}}, r"remove 'nebula'; checkpoints are written by torch.save"),
+    ({"checkpoint": {"load_universal": True}}, r"remove 'checkpoint.load_universal'; this script sets it when a run "
+                                               "resumes on another world size"),
     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage 0 is not supported; use"),
     ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage 3 is not supported"),
     ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
