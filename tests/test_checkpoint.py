@@ -6,6 +6,7 @@ tests/test_train_run.py."""
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import zlib
@@ -751,3 +752,24 @@ def test_a_load_that_fails_after_the_checksums_passed_is_not_called_corrupt(tmp_
     assert message.startswith(f"{tmp_path / 'step00000010'}: DeepSpeed cannot load the checkpoint (RuntimeError: ")
     assert "passed their size and CRC-32 checks, so this is rarely damage: resume with the DeepSpeed version, " \
            "DeepSpeed JSON and model config it was saved with" in message and "corrupt" not in message
+
+
+def test_a_prune_that_fails_after_the_commit_is_a_warning_and_the_save_stands(tmp_path, monkeypatch, capsys):
+    """The commit had moved `latest` when pruning failed; the error then said "'latest' was left as it was" and
+    named the new tag to resume from. The save stands, with a warning, and the next save prunes again."""
+    for step in (10, 20):
+        _save(tmp_path, step, keep=1)
+    real_rmtree = shutil.rmtree
+
+    def refuse(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(shutil, "rmtree", refuse)
+    state = _save(tmp_path, 30, keep=1)
+    assert state.step == 30 and read_latest(tmp_path) == "step00000030"
+    assert complete_tags(tmp_path) == ["step00000020", "step00000030"]
+    assert re.search(r"warning: \S+step00000030 is saved and 'latest' names it, but removing older checkpoints "
+                     r"failed \(\[Errno 13\] Permission denied: '\S+step00000020'\)", capsys.readouterr().err)
+    monkeypatch.setattr(shutil, "rmtree", real_rmtree)
+    _save(tmp_path, 40, keep=1)
+    assert complete_tags(tmp_path) == ["step00000040"]

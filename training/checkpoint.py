@@ -147,7 +147,11 @@ def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int, files: dict[
     atomic_write_text(tag_dir / RUN_STATE, json.dumps(asdict(state), indent=1) + "\n")
     atomic_write_text(ckpt_dir / LATEST, tag + "\n")
     pending.unlink()
-    prune(ckpt_dir, keep)
+    try:
+        prune(ckpt_dir, keep)
+    except OSError as e:  # the save is committed: only older checkpoints stay, which the next save prunes again
+        print(f"warning: {tag_dir} is saved and '{LATEST}' names it, but removing older checkpoints failed ({e}); "
+              f"they are kept until a later save removes them, or remove them by hand", file=sys.stderr)
     return state
 
 
