@@ -307,7 +307,8 @@ def save(engine, ckpt_dir: Path, step: int, consumed_samples: int, seed: int, sk
     try:
         engine.save_checkpoint(str(ckpt_dir), tag=tag, client_state=client_state, save_latest=False)
     except dist.DistError:
-        raise  # a rank that is gone: no collective can report it
+        raise  # a rank that is gone: no collective can report it (gloo says so with a plain RuntimeError,
+        # taken below for a write failure; the barrier there then fails at once, as the peer is gone)
     except (OSError, RuntimeError) as e:
         failure = _save_failed(ckpt_dir, _write_failure(tag_dir, rank, e))
         # DeepSpeed 0.19.8 writes its files after its last collective but one: this is the barrier that
