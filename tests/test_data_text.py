@@ -141,6 +141,18 @@ def test_formulas_and_code_are_numbered_as_wikiextractor_numbers_them():
         "a formula_1 b formula_2 c."]
 
 
+def test_an_element_runs_to_the_first_end_tag_of_its_name():
+    """As MediaWiki reads an extension tag, a start tag of the same name inside an element is content: the element
+    ended no further than the next start tag of its name, so "<math>a<math>b</math>" lost its first start tag alone
+    and gave "aformula_1", and "<pre>a <pre>b</pre>" kept "a" (the old regex, to the first end tag, was right)."""
+    assert clean_article("T", "A <math>a<math>b</math> c <math>a <MATH>b</math>, <math>a<math>b</math>.") == [
+        "A formula_1 c formula_2, formula_1."]
+    assert clean_article("T", "A <pre>a <pre>b</pre> c <score>d <score>e</score> f.") == ["A c f."]
+    assert clean_article("T", "A <nowiki>a<nowiki>[[b]]</nowiki> c.") == ["A a<nowiki>[[b]] c."]
+    # A start tag that no end tag follows is dropped alone, however many come before an element of another name.
+    assert clean_article("T", "A <math>x <pre>y <math>z <code>q</code> <pre>w.") == ["A x y z codice_1 w."]
+
+
 # Pages on which wikiextractor's patterns backtracked for minutes to hours (each took from 50 s to hours at these
 # sizes on the old code); each is now cleaned in well under a second. The timeout is the bound; the text
 # is checked too.
@@ -159,6 +171,8 @@ HOSTILE_PAGES = {  # name: (wikitext, its paragraphs, the first one's start)
     "many unclosed <nowiki>": ("Intro <nowiki>words " * 40000, 1, "Intro words Intro words"),
     "a line of a million '='": ("==" + "=" * 1_000_000, 0, "Last words."),
     "60,000 formulas": ("Text <math>x</math> words.\n\n" * 60000, 60000, "Text formula_1 words."),
+    "many unclosed <math> and <pre>": ("Intro " + "<math>a <pre>b " * 60000, 1, "Intro a b a b"),
+    "many <math> before one end tag": ("Intro " + "<math>a " * 60000 + "</math> words", 1, "Intro formula_1 words"),
 }
 
 
