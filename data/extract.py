@@ -336,6 +336,9 @@ _PROSE, _LIST = "\ufdd0", "\ufdd1"
 # (68 s for a 3.4 MB page of 100,000 formulas).
 _OPEN_MARK, _CLOSE_MARK = "\ufdd2", "\ufdd3"
 _PLACEHOLDER_MARK = re.compile(f"{_OPEN_MARK}([a-z]+)(\\d+){_CLOSE_MARK}")
+# A character reference to a marker, which wikiextractor turns into the marker ("&#xFDD2;foo1&#xFDD3;" was a mark
+# of no tag, a KeyError that ended the stage): dropped, as the markers themselves are.
+_MARKER_REFERENCE = re.compile(r"&#(?:0*6497[6-9]|x0*[fF][dD][dD][0-3]);")
 _LIST_ITEM = re.compile(r":*[*#;]")  # "*", "#", ";", also nested under ":" indents (":*")
 # A line that starts with 4 or more "=" is always a heading to wikiextractor, which drops it; from 7 on,
 # dropped here, as its heading pattern backtracks over the run of "=" (hours for a line of a million).
@@ -347,6 +350,8 @@ def _prepare_wikitext(wikitext: str) -> str:
     text = wikitext
     for marker in (_PROSE, _LIST, _OPEN_MARK, _CLOSE_MARK):
         text = text.replace(marker, "")
+    if "&#" in text:
+        text = _MARKER_REFERENCE.sub("", text)
     text = _COMMENT.sub("", text)  # first, so that no tag or line inside a comment is seen
     if "<" in text:
         text = _sub_elements(_NOWIKI_START, text, _nowiki_text)

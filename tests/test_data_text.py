@@ -153,6 +153,14 @@ def test_an_element_runs_to_the_first_end_tag_of_its_name():
     assert clean_article("T", "A <math>x <pre>y <math>z <code>q</code> <pre>w.") == ["A x y z codice_1 w."]
 
 
+def test_a_reference_to_a_marker_character_is_dropped_as_the_character_is():
+    """wikiextractor turns "&#xFDD2;" into U+FDD2, which marks a formula or code element for `_name_placeholders`:
+    "&#xFDD2;foo1&#xFDD3;" was a mark of no tag, a KeyError that ended the extract stage."""
+    assert clean_article("T", "A &#xfdd2;foo1&#xFDD3; b &#64978;math0&#64979; <math>y</math> c &#x0FDD0;d&#xFDD1;.") == [
+        "A foo1 b math0 formula_1 c d."]
+    assert clean_article("T", "A <nowiki>&#xFDD2;code1&#xFDD3;</nowiki> b &#XFDD2; c.") == ["A code1 b &#XFDD2; c."]
+
+
 # Pages on which wikiextractor's patterns backtracked for minutes to hours (each took from 50 s to hours at these
 # sizes on the old code); each is now cleaned in well under a second. The timeout is the bound; the text
 # is checked too.
