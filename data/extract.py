@@ -300,9 +300,11 @@ _EXTENSION_START_WITH_LT = re.compile(rf"<(?:{'|'.join(_EXTENSION_TAGS)})\b[^<>]
 # <nowiki> shows its content as text: written as character references, which wikiextractor leaves alone and
 # turns back into the characters, so that "<nowiki>{{</nowiki>" does not open a template that swallows the
 # text up to a later "}}" and "<nowiki>[[x]]</nowiki>" stays "[[x]]", as Wikipedia shows them. Entities in it
-# stay entities (MediaWiki decodes them there too). An unclosed one shows as text, and its tag is dropped.
+# stay entities (MediaWiki decodes them there too), and an "&" that starts none is written "&#38;", so that it
+# starts none with what follows the element ("<nowiki>&amp</nowiki>;" shows "&amp;"). An unclosed one shows as
+# text, and its tag is dropped.
 _NOWIKI_START = re.compile(r"<(nowiki)\b[^<>]*>", re.I)
-_NOWIKI_LITERAL = re.compile(r"(&(?:#\d+|#[xX][0-9a-fA-F]+|\w+);)|[<>\[\]{}|'=*#:;_~-]")
+_NOWIKI_LITERAL = re.compile(r"(&(?:#\d+|#[xX][0-9a-fA-F]+|\w+);)|[&<>\[\]{}|'=*#:;_~-]")
 
 
 _NON_PROSE_START = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*>", re.I)

@@ -124,6 +124,9 @@ def test_nowiki_shows_its_content_as_text():
     # A line of its own keeps its list marker or heading signs as text; entities are decoded as elsewhere.
     assert clean_article("T", "Intro.\n<nowiki>* not a list, == not a heading ==, &amp; __NOTOC__</nowiki>") == [
         "Intro.", "* not a list, == not a heading ==, & __NOTOC__"]
+    # An "&" in it that starts no entity starts none with what follows the element either.
+    assert clean_article("T", "A <nowiki>&amp</nowiki>; b <nowiki>&</nowiki>lt; c <nowiki>AT&T &amp; &#x41;</nowiki>.") == [
+        "A &amp; b &lt; c AT&T & A."]
     # Empty ones separate a link from its trail; an unclosed one is dropped and what follows is wikitext.
     assert clean_article("T", "Two [[dog]]<nowiki/>s and [[cat]]<nowiki />s. A <nowiki>[[x]] y") == [
         "Two dogs and cats. A x y"]
