@@ -31,7 +31,7 @@ import threading
 import time
 import unicodedata
 import xml.etree.ElementTree as ET
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from xml.sax.saxutils import escape
@@ -300,21 +300,20 @@ _EXTENSION_START_WITH_LT = re.compile(rf"<(?:{'|'.join(_EXTENSION_TAGS)})\b[^<>]
 # <nowiki> shows its content as text: written as character references, which wikiextractor leaves alone and
 # turns back into the characters, so that "<nowiki>{{</nowiki>" does not open a template that swallows the
 # text up to a later "}}" and "<nowiki>[[x]]</nowiki>" stays "[[x]]", as Wikipedia shows them. Entities in it
-# stay entities (MediaWiki decodes them there too). An unclosed one shows as text, and its tag is dropped.
-_NOWIKI = re.compile(r"<nowiki\b[^<>]*?(?:/>|>((?:(?!<nowiki\b).)*?)</nowiki\s*>)", re.I | re.S)
-_NOWIKI_LITERAL = re.compile(r"(&(?:#\d+|#[xX][0-9a-fA-F]+|\w+);)|[<>\[\]{}|'=*#:;_~-]")
+# stay entities (MediaWiki decodes them there too), and an "&" that starts none is written "&#38;", so that it
+# starts none with what follows the element ("<nowiki>&amp</nowiki>;" shows "&amp;"). An unclosed one shows as
+# text, and its tag is dropped.
+_NOWIKI_START = re.compile(r"<(nowiki)\b[^<>]*>", re.I)
+_NOWIKI_LITERAL = re.compile(r"(&(?:#\d+|#[xX][0-9a-fA-F]+|\w+);)|[&<>\[\]{}|'=*#:;_~-]")
 
 
-# An element's content ends at its end tag, but no further than the next start tag of the same name, so
-# that each unclosed start tag is scanned to the next one, not to the end of the page; a start tag
-# without its end tag (shown as text by MediaWiki) is dropped alone (group 3 unset).
-_NON_PROSE = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*?(?:/>|>(?:(?:(?!<\1\b).)*?</\1\s*>)?)",
-                        re.I | re.S)
+_NON_PROSE_START = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*>", re.I)
+# The end tag of each element read by `_sub_elements`.
+_END_TAGS = {name: re.compile(rf"</{name}\s*>", re.I) for name in ("nowiki", *_NON_PROSE_TAGS, *placeholder_tags)}
 # wikiextractor drops the paired forms of these (or turns them into formula_N / codice_N) but
 # leaves a self-closing one, such as <includeonly/>, in the text.
 _EMPTY_ELEMENT = re.compile(rf"<(?:{'|'.join([*placeholder_tags, *discardElements])})\b[^>]*/\s*>", re.I)
-_PLACEHOLDER = re.compile(rf"<({'|'.join(placeholder_tags)})\b([^>]*?)(?<!/)>(?:((?:(?!<\1\b).)*?)</\1\s*>)?",
-                          re.I | re.S)
+_PLACEHOLDER_START = re.compile(rf"<({'|'.join(placeholder_tags)})\b[^>]*(?<!/)>", re.I)
 # An external link's start ("[http://host/path "), and what ends its label: "]", or a line break or other
 # control character, which leaves it unclosed. wikiextractor's pattern backtracks over the whole URL and
 # the rest of the line for each unclosed one (minutes for a URL of 64 kB or a line of many).
@@ -339,6 +338,9 @@ _PROSE, _LIST = "\ufdd0", "\ufdd1"
 # (68 s for a 3.4 MB page of 100,000 formulas).
 _OPEN_MARK, _CLOSE_MARK = "\ufdd2", "\ufdd3"
 _PLACEHOLDER_MARK = re.compile(f"{_OPEN_MARK}([a-z]+)(\\d+){_CLOSE_MARK}")
+# A character reference to a marker, which wikiextractor turns into the marker ("&#xFDD2;foo1&#xFDD3;" was a mark
+# of no tag, a KeyError that ended the stage): dropped, as the markers themselves are.
+_MARKER_REFERENCE = re.compile(r"&#(?:0*6497[6-9]|x0*[fF][dD][dD][0-3]);")
 _LIST_ITEM = re.compile(r":*[*#;]")  # "*", "#", ";", also nested under ":" indents (":*")
 # A line that starts with 4 or more "=" is always a heading to wikiextractor, which drops it; from 7 on,
 # dropped here, as its heading pattern backtracks over the run of "=" (hours for a line of a million).
@@ -350,12 +352,14 @@ def _prepare_wikitext(wikitext: str) -> str:
     text = wikitext
     for marker in (_PROSE, _LIST, _OPEN_MARK, _CLOSE_MARK):
         text = text.replace(marker, "")
+    if "&#" in text:
+        text = _MARKER_REFERENCE.sub("", text)
     text = _COMMENT.sub("", text)  # first, so that no tag or line inside a comment is seen
     if "<" in text:
-        text = _NOWIKI.sub(_nowiki_text, text)
+        text = _sub_elements(_NOWIKI_START, text, _nowiki_text)
         text = _EXTENSION_START_WITH_LT.sub(lambda m: m[0][0] + m[0][1:].replace("<", "&lt;"), text)
         text = _STRAY_TAG_OPEN.sub("&lt;", text)
-    text = _NON_PROSE.sub("", text)
+    text = _sub_elements(_NON_PROSE_START, text, lambda tag, end: "")
     text = _INLINE.sub("", text)
     text = _EMPTY_ELEMENT.sub("", text)
     text = _empty_placeholders(text)
@@ -365,9 +369,33 @@ def _prepare_wikitext(wikitext: str) -> str:
     return "\n".join(_mark_line(line) for line in text.split("\n"))
 
 
-def _nowiki_text(m: re.Match) -> str:
-    """A <nowiki> element's content, each character wikitext would read written as a character reference."""
-    return _NOWIKI_LITERAL.sub(lambda c: c[1] or f"&#{ord(c[0])};", m[1] or "")
+def _sub_elements(start: re.Pattern, text: str, replace: Callable[[re.Match, re.Match | None], str]) -> str:
+    """The text with each element whose start tag `start` matches (group 1: the name) replaced by
+    replace(start tag, end tag). As MediaWiki reads an extension tag, the content runs to the first end tag of
+    the name, whatever it holds ("<math>a<math>b</math>" is one formula); a start tag that no end tag follows
+    (and a self-closing one) is given with end tag None. Once a name has no end tag left, its later start tags
+    are not scanned for one: one pass over the text, however many start tags are unclosed."""
+    parts, done = [], 0
+    unclosed: set[str] = set()  # names without an end tag after the current position
+    while (tag := start.search(text, done)) is not None:
+        end = None
+        name = tag[1].lower()
+        if not tag[0].endswith("/>") and name not in unclosed:
+            end = _END_TAGS[name].search(text, tag.end())
+            if end is None:
+                unclosed.add(name)
+        parts += [text[done:tag.start()], replace(tag, end)]
+        done = tag.end() if end is None else end.end()
+    return "".join(parts) + text[done:] if parts else text
+
+
+def _nowiki_text(tag: re.Match, end: re.Match | None) -> str:
+    """A <nowiki> element's content, each character wikitext would read written as a character reference; ""
+    for <nowiki/>, and an unclosed start tag as it is."""
+    if end is None:
+        return "" if tag[0].endswith("/>") else tag[0]
+    content = tag.string[tag.end():end.start()]
+    return _NOWIKI_LITERAL.sub(lambda c: c[1] or f"&#{ord(c[0])};", content)
 
 
 def _unclosed_external_links(text: str) -> str:
@@ -398,12 +426,13 @@ def _empty_placeholders(text: str) -> str:
     text. Equal elements get equal ids, as wikiextractor gives equal elements the same number."""
     ids: dict[str, int] = {}
 
-    def marked(m: re.Match) -> str:
-        if m[3] is None:  # a start tag without its end tag: dropped
+    def marked(tag: re.Match, end: re.Match | None) -> str:
+        if end is None:  # a start tag without its end tag: dropped
             return ""
-        return f"{_OPEN_MARK}{m[1].lower()}{ids.setdefault(m[0], len(ids))}{_CLOSE_MARK}"
+        element = tag.string[tag.start():end.end()]
+        return f"{_OPEN_MARK}{tag[1].lower()}{ids.setdefault(element, len(ids))}{_CLOSE_MARK}"
 
-    return _PLACEHOLDER.sub(marked, text)
+    return _sub_elements(_PLACEHOLDER_START, text, marked)
 
 
 def _name_placeholders(text: str) -> str:

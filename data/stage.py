@@ -73,7 +73,8 @@ def atomic_path(final: Path) -> Iterator[Path]:
         yield tmp
     except OSError as exc:
         _remove(tmp)
-        named = [Path(name) for name in (exc.filename, exc.filename2) if name is not None]
+        # (a call on a file descriptor, such as os.stat(fd), names it by its number: no file)
+        named = [Path(name) for name in (exc.filename, exc.filename2) if isinstance(name, (str, os.PathLike))]
         if named and not any(path == tmp or tmp in path.parents for path in named):
             raise
         # A failed write names no file (Path.write_bytes, numpy, h5py) or the temporary, which is gone: name

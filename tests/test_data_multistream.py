@@ -413,9 +413,9 @@ def test_a_page_that_does_not_end_within_the_look_ahead_says_how_far_it_was_read
     fits.write_bytes((b"<page>" + b"x" * ((n + 1) * unit - 13) + b"</page>").ljust((n + 1) * unit))
     assert [len(p) for p in multistream.chunk_pages(fits, offsets, 1, multistream.PLAIN_XML)] == [(n + 1) * unit]
     long = tmp_path / "long.xml"
-    long.write_bytes(b"<page>" + b"x" * ((n + 1) * unit + 100) + b"</page>")
+    long.write_bytes(b"<x/>" + b"<page>" + b"x" * ((n + 1) * unit + 100) + b"</page>")  # read from its <page>
     with pytest.raises(PipelineError, match=rf"^{re.escape(str(long))}: the page starting in the byte ranges from "
-                                            rf"byte 0 does not end within the {(n + 1) * unit:,} bytes of XML from its "
+                                            rf"byte 0 does not end within the {(n + 1) * unit - 4:,} bytes of XML from its "
                                             rf"<page> tag \({n} further byte ranges\); MediaWiki holds a page's text "
                                             "under 2 MiB, so the dump is truncated or not MediaWiki XML$"):
         list(multistream.chunk_pages(long, offsets, 1, multistream.PLAIN_XML))

@@ -294,6 +294,39 @@ def test_a_disk_error_in_a_stage_command_is_a_line_naming_the_path(error, where,
     assert exc.value.code == f"error: {where}: {reason}; {fix} and rerun the same command to continue where it stopped"
 
 
+def _raised_in_atomic_path(final: Path, error) -> OSError:
+    """What `stage.atomic_path(final)` raises for `error`, raised in its block, where error(tmp) is the error."""
+    with pytest.raises(OSError) as exc, stage.atomic_path(final) as tmp:
+        tmp.mkdir()
+        (tmp / "input_ids.npy").write_bytes(b"\x93NUMPY")
+        raise error(tmp)
+    assert list(final.parent.iterdir()) == []
+    return exc.value
+
+
+def test_a_failed_write_in_atomic_path_names_the_final_file_and_keeps_its_type(tmp_path):
+    """The write's error named no file (numpy's short write, Path.write_bytes on a full disk) or the temporary,
+    which is gone: the error names the final file instead, keeping its errno and type; an error that names
+    another file (the source of a copy) is raised as it is."""
+    final = tmp_path / "instances" / "part-00000"
+    short = _raised_in_atomic_path(final, lambda tmp: OSError("3635456 requested and 126848 written"))
+    assert (type(short), short.errno, short.strerror, short.filename) == (
+        OSError, None, "3635456 requested and 126848 written", str(final))
+    # a file inside a directory being written, and a copy's error, which names its source and the temporary
+    for error in (lambda tmp: OSError(errno.ENOSPC, "No space left on device", str(tmp / "input_ids.npy")),
+                  lambda tmp: OSError(errno.ENOSPC, "No space left on device", "vocab.txt", None, str(tmp)),
+                  # a call on a file descriptor names it by its number (os.stat(fd), os.truncate(fd, n))
+                  lambda tmp: OSError(errno.ENOSPC, "No space left on device", 7)):
+        full = _raised_in_atomic_path(final, error)
+        assert (type(full), full.errno, full.strerror, full.filename, full.filename2) == (
+            OSError, errno.ENOSPC, "No space left on device", str(final), None)
+        assert isinstance(full.__cause__, OSError)
+    denied = _raised_in_atomic_path(final, lambda tmp: PermissionError(errno.EACCES, "Permission denied", str(tmp)))
+    assert (type(denied), denied.filename) == (PermissionError, str(final))
+    other = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "vocab.txt"))
+    assert _raised_in_atomic_path(final, lambda tmp: other) is other
+
+
 @pytest.mark.parametrize("error", [FileNotFoundError(errno.ENOENT, "No such file or directory", "out/x"),
                                    ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
                                    OSError("some other failure")])

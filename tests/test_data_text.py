@@ -124,6 +124,9 @@ def test_nowiki_shows_its_content_as_text():
     # A line of its own keeps its list marker or heading signs as text; entities are decoded as elsewhere.
     assert clean_article("T", "Intro.\n<nowiki>* not a list, == not a heading ==, &amp; __NOTOC__</nowiki>") == [
         "Intro.", "* not a list, == not a heading ==, & __NOTOC__"]
+    # An "&" in it that starts no entity starts none with what follows the element either.
+    assert clean_article("T", "A <nowiki>&amp</nowiki>; b <nowiki>&</nowiki>lt; c <nowiki>AT&T &amp; &#x41;</nowiki>.") == [
+        "A &amp; b &lt; c AT&T & A."]
     # Empty ones separate a link from its trail; an unclosed one is dropped and what follows is wikitext.
     assert clean_article("T", "Two [[dog]]<nowiki/>s and [[cat]]<nowiki />s. A <nowiki>[[x]] y") == [
         "Two dogs and cats. A x y"]
@@ -141,6 +144,44 @@ def test_formulas_and_code_are_numbered_as_wikiextractor_numbers_them():
         "a formula_1 b formula_2 c."]
 
 
+def test_an_element_runs_to_the_first_end_tag_of_its_name():
+    """As MediaWiki reads an extension tag, a start tag of the same name inside an element is content: the element
+    ended no further than the next start tag of its name, so "<math>a<math>b</math>" lost its first start tag alone
+    and gave "aformula_1", and "<pre>a <pre>b</pre>" kept "a" (the old regex, to the first end tag, was right)."""
+    assert clean_article("T", "A <math>a<math>b</math> c <math>a <MATH>b</math>, <math>a<math>b</math>.") == [
+        "A formula_1 c formula_2, formula_1."]
+    assert clean_article("T", "A <pre>a <pre>b</pre> c <score>d <score>e</score> f.") == ["A c f."]
+    assert clean_article("T", "A <nowiki>a<nowiki>[[b]]</nowiki> c.") == ["A a<nowiki>[[b]] c."]
+    # A start tag that no end tag follows is dropped alone, however many come before an element of another name.
+    assert clean_article("T", "A <math>x <pre>y <math>z <code>q</code> <pre>w.") == ["A x y z codice_1 w."]
+
+
+def test_the_tags_read_before_wikiextractor_are_read_in_any_case_and_spacing():
+    """Kills mutants of the passes of _prepare_wikitext that the tests above left alive: tag names in capitals,
+    "</math >", a self-closing "<pre/>" (not an element), the tags of code and images dropped before templates
+    are, <nowiki> escaping a line's heading signs and indent, and what is a heading or an external link."""
+    assert clean_article("T", 'A fact.<REF name="a" <ref>cite</REF> More. <PRE>x</PRE> <Score>y</Score> End.') == [
+        "A fact. More. End."]
+    # "</math >" ends an element; the two elements differ as text, so wikiextractor numbers them apart.
+    assert clean_article("T", "A <pre/> b </pre> c <math>x</math > <math>x</math> d.") == [
+        "A b c formula_1 formula_2 d."]
+    # Braces in <source> are code, not a template that swallows the text up to "}}".
+    assert clean_article("T", "A <source>int f() {{ x</source> text }} more.") == ["A text }} more."]
+    assert clean_article("T", "C <imagemap>x.jpg words\n\nD <timeline>t words") == ["C x.jpg words", "D t words"]
+    assert clean_article("T", "Intro.\n<nowiki>== Not a heading ==</nowiki>\n<nowiki>:</nowiki>indent\n== open "
+                              "heading\n[http://example.com\n] End.") == [
+        "Intro.", "== Not a heading ==", ":indent", "== open heading", "End."]
+
+
+def test_a_reference_to_a_marker_character_is_dropped_as_the_character_is():
+    """wikiextractor turns "&#xFDD2;" into U+FDD2, which marks a formula or code element for `_name_placeholders`:
+    "&#xFDD2;foo1&#xFDD3;" was a mark of no tag, a KeyError that ended the extract stage."""
+    assert clean_article("T", "A &#xfdd2;foo1&#xFDD3; b &#64978;math0&#64979; <math>y</math> c &#x0FDD0;d&#xFDD1;.") == [
+        "A foo1 b math0 formula_1 c d."]
+    assert clean_article("T", "A <nowiki>&#xFDD2;code1&#xFDD3;</nowiki> b &#XFDD2; c.") == ["A code1 b &#XFDD2; c."]
+    assert clean_article("T", "A \ufdd2foo1\ufdd3 b \ufdd2math0\ufdd3 c \ufdd0d\ufdd1.") == ["A foo1 b math0 c d."]
+
+
 # Pages on which wikiextractor's patterns backtracked for minutes to hours (each took from 50 s to hours at these
 # sizes on the old code); each is now cleaned in well under a second. The timeout is the bound; the text
 # is checked too.
@@ -148,6 +189,9 @@ HOSTILE_PAGES = {  # name: (wikitext, its paragraphs, the first one's start)
     "unclosed external link of a 128 kB URL": ("Intro [http://example.com/" + "a" * 131072 + " words", 1,
                                               "Intro [http://example.com/aaa"),
     "many unclosed external links on one line": ("Intro " + "[http://x " * 26000, 1, "Intro [http://x [http://x"),
+    "many unclosed external links in capitals": ("Intro " + "[HTTP://x " * 26000, 1, "Intro [HTTP://x [HTTP://x"),
+    "a 128 kB URL with a ']' on the next line": ("Intro [http://example.com/" + "a" * 131072 + " words\n] after", 2,
+                                                "Intro [http://example.com/aaa"),
     # A "<" that ends no tag is shown as text by MediaWiki, and kept.
     "many tag starts without '>'": ("Intro " + "<span " * 44000, 1, "Intro <span <span"),
     "many tag starts with an unclosed quote": ("Intro " + '<br style="' * 24000, 1, 'Intro <br style="<br style='),
@@ -155,10 +199,12 @@ HOSTILE_PAGES = {  # name: (wikitext, its paragraphs, the first one's start)
     "many ref starts without '>'": ("Intro " + "<ref " * 80000, 1, "Intro <ref <ref"),
     "many unclosed <syntaxhighlight>": ("<syntaxhighlight lang=c>int f() { words\n" * 4000, 4000,
                                         "int f() { words"),
-    "many nowiki starts without '>'": ("Intro " + "<nowiki " * 44000, 1, "Intro <nowiki <nowiki"),
+    "many nowiki starts without '>'": ("Intro " + "<nowiki " * 88000, 1, "Intro <nowiki <nowiki"),
     "many unclosed <nowiki>": ("Intro <nowiki>words " * 40000, 1, "Intro words Intro words"),
     "a line of a million '='": ("==" + "=" * 1_000_000, 0, "Last words."),
     "60,000 formulas": ("Text <math>x</math> words.\n\n" * 60000, 60000, "Text formula_1 words."),
+    "many unclosed <math> and <pre>": ("Intro " + "<math>a <pre>b " * 60000, 1, "Intro a b a b"),
+    "many <math> before one end tag": ("Intro " + "<math>a " * 60000 + "</math> words", 1, "Intro formula_1 words"),
 }
 
 
