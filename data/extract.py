@@ -278,9 +278,9 @@ _INLINE_TAGS = ("onlyinclude", "chem", "ce", "q", "ins", "del", "mark", "ruby", 
                 "data", "dfn", "samp", "bdo", "wbr", "h5", "h6", "meta", "link", "langconvert")
 # Not prose (music notation, maps, graphs, page-status icons, audio buttons, editor data, code, galleries):
 # dropped with their content, as wikiextractor does for <gallery>, <timeline>, <pre> and <source> (but it
-# left the start tag of an unclosed one). Code blocks are
-# dropped here, before wikiextractor drops templates: the braces of code ("int f() {{") were taken for a
-# template, and wikiextractor's pattern for an unclosed <syntaxhighlight> backtracks for minutes.
+# left the start tag of an unclosed one). Code blocks are dropped here, before wikiextractor drops templates:
+# the braces of code ("int f() {{") were taken for a template, and wikiextractor's pattern for an unclosed
+# <syntaxhighlight> backtracks for minutes.
 _NON_PROSE_TAGS = ("score", "mapframe", "maplink", "graph", "indicator", "phonos", "templatedata", "charinsert",
                    "syntaxhighlight", "source", "pre", "gallery", "timeline", "imagemap")
 # One pass for all of them (wikiextractor would make two regex passes per tag).
@@ -305,8 +305,6 @@ _EXTENSION_START_WITH_LT = re.compile(rf"<(?:{'|'.join(_EXTENSION_TAGS)})\b[^<>]
 # text, and its tag is dropped.
 _NOWIKI_START = re.compile(r"<(nowiki)\b[^<>]*>", re.I)
 _NOWIKI_LITERAL = re.compile(r"(&(?:#\d+|#[xX][0-9a-fA-F]+|\w+);)|[&<>\[\]{}|'=*#:;_~-]")
-
-
 _NON_PROSE_START = re.compile(rf"<({'|'.join(_NON_PROSE_TAGS)})\b[^>]*>", re.I)
 # The end tag of each element read by `_sub_elements`.
 _END_TAGS = {name: re.compile(rf"</{name}\s*>", re.I) for name in ("nowiki", *_NON_PROSE_TAGS, *placeholder_tags)}
@@ -338,15 +336,16 @@ _PROSE, _LIST = "\ufdd0", "\ufdd1"
 # (68 s for a 3.4 MB page of 100,000 formulas).
 _OPEN_MARK, _CLOSE_MARK = "\ufdd2", "\ufdd3"
 _PLACEHOLDER_MARK = re.compile(f"{_OPEN_MARK}([a-z]+)(\\d+){_CLOSE_MARK}")
-# A character reference to a marker, which wikiextractor turns into the marker ("&#xFDD2;foo1&#xFDD3;" was a mark
-# of no tag, a KeyError that ended the stage): dropped, as the markers themselves are.
-_MARKER_REFERENCE = re.compile(r"&#(?:0*6497[6-9]|x0*[fF][dD][dD][0-4]);")
 # A "<" of <math> or <code> written as a character reference ("&lt;math&gt;" in the wikitext, or "<math>" in
 # <nowiki>) is text: wikiextractor decodes it, takes it for an element and names it formula_N in a pass over
 # the page per element (20,000 of them took 4.9 s, 40,000 9.3 s). It passes through as this mark instead, and
 # is "<" again in the paragraph.
 _LITERAL_LT = "\ufdd4"
 _LT_OF_PLACEHOLDER = re.compile(rf"&(?:lt|LT|#0*60|#[xX]0*3[cC]);(?=\s*/?\s*(?i:{'|'.join(placeholder_tags)})\b)")
+_MARKERS = (_PROSE, _LIST, _OPEN_MARK, _CLOSE_MARK, _LITERAL_LT)
+# A character reference to a marker, which wikiextractor turns into the marker ("&#xFDD2;foo1&#xFDD3;" was a mark
+# of no tag, a KeyError that ended the stage): dropped, as the markers themselves are.
+_MARKER_REFERENCE = re.compile(rf"&#(?:{'|'.join(rf'0*{ord(m)}|x0*(?i:{ord(m):x})' for m in _MARKERS)});")
 _LIST_ITEM = re.compile(r":*[*#;]")  # "*", "#", ";", also nested under ":" indents (":*")
 # A line that starts with 4 or more "=" is always a heading to wikiextractor, which drops it; from 7 on,
 # dropped here, as its heading pattern backtracks over the run of "=" (hours for a line of a million).
@@ -356,7 +355,7 @@ _LONG_HEADING = "=" * 7
 def _prepare_wikitext(wikitext: str) -> str:
     """The wikitext without the tags wikiextractor mishandles, each line marked as prose or list item."""
     text = wikitext
-    for marker in (_PROSE, _LIST, _OPEN_MARK, _CLOSE_MARK, _LITERAL_LT):
+    for marker in _MARKERS:
         text = text.replace(marker, "")
     if "&#" in text:
         text = _MARKER_REFERENCE.sub("", text)

@@ -418,13 +418,18 @@ def test_a_rank_whose_write_fails_fails_the_save_on_every_rank(tmp_path):
     assert read_latest(tmp_path) == "step00000010" and not (tmp_path / "step00000020").exists()
 
 
+def _rank_0_disk_full(ckpt_dir):
+    """What both ranks raise when rank 0's write of step 20 finds the disk full, with step 10 committed."""
+    return (rf"CheckpointError: rank 0 could not write checkpoint {re.escape(str(ckpt_dir))}/"
+            r"step00000020 \(OSError: \[Errno 28\] No space left on device; [0-9.]+ MiB free there\)\. "
+            r"'latest' was left as it was; .* it resumes from step00000010\n")
+
+
 def test_rank_0_failing_to_make_room_fails_the_save_on_every_rank(tmp_path):
     """make_room's error on rank 0 is raised on both ranks (raised on rank 0 alone, it left rank 1 waiting)."""
     _save(tmp_path, 10)
     for out in _save_on_two_ranks(tmp_path, "room"):
-        assert re.fullmatch(rf"CheckpointError: rank 0 could not write checkpoint {re.escape(str(tmp_path))}/"
-                            r"step00000020 \(OSError: \[Errno 28\] No space left on device; [0-9.]+ MiB free there\)\. "
-                            r"'latest' was left as it was; .* it resumes from step00000010\n", out), out
+        assert re.fullmatch(_rank_0_disk_full(tmp_path), out), out
     assert read_latest(tmp_path) == "step00000010"
 
 
@@ -433,9 +438,7 @@ def test_a_full_disk_after_the_manifest_keeps_the_tag_for_the_rerun_to_commit(tm
     commit_pending) rather than removed as unfinished, and the rerun's `recover` commits it."""
     _save(tmp_path, 10)
     for out in _save_on_two_ranks(tmp_path, "latest"):
-        assert re.fullmatch(rf"CheckpointError: rank 0 could not write checkpoint {re.escape(str(tmp_path))}/"
-                            r"step00000020 \(OSError: \[Errno 28\] No space left on device; [0-9.]+ MiB free there\)\. "
-                            r"'latest' was left as it was; .* it resumes from step00000010\n", out), out
+        assert re.fullmatch(_rank_0_disk_full(tmp_path), out), out
     assert read_latest(tmp_path) == "step00000010"
     assert (tmp_path / "step00000020" / RUN_STATE).is_file() and (tmp_path / "step00000020" / COMMIT_PENDING).exists()
     assert recover(tmp_path, keep=2) == "step00000020" and read_latest(tmp_path) == "step00000020"

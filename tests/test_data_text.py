@@ -192,6 +192,8 @@ def test_a_reference_to_a_marker_character_is_dropped_as_the_character_is():
         "A foo1 b math0 formula_1 c d."]
     assert clean_article("T", "A <nowiki>&#xFDD2;code1&#xFDD3;</nowiki> b &#XFDD2; c.") == ["A code1 b &#XFDD2; c."]
     assert clean_article("T", "A \ufdd2foo1\ufdd3 b \ufdd2math0\ufdd3 c \ufdd0d\ufdd1.") == ["A foo1 b math0 c d."]
+    # The mark of a literal "<" too ("&#64980;" became "<" while its hex form was dropped).
+    assert clean_article("T", "A &#64980;b &#xFDD4;c \ufdd4d.") == ["A b c d."]
 
 
 # Pages on which wikiextractor's patterns backtracked for minutes to hours (each took from 50 s to hours at these

@@ -263,11 +263,17 @@ def _write_failure(tag_dir: Path, rank: int, e: BaseException) -> str:
     """What a rank reports when it could not write its part of `tag_dir`. torch.save reports a full disk
     as a RuntimeError without errno or path ("basic_ios::clear: iostream error", "unexpected pos ..."),
     so the free space is looked up and told."""
-    try:
-        free = f"{shutil.disk_usage(tag_dir.parent).free / 2**20:.1f} MiB free there"
-    except OSError:
-        free = "free space unknown"
+    space = _free_space(tag_dir.parent)
+    free = f"{space} free there" if space else "free space unknown"
     return f"rank {rank} could not write checkpoint {tag_dir} ({type(e).__name__}: {e}; {free})"
+
+
+def _free_space(directory: Path) -> str | None:
+    """The free space on `directory`'s file system ("12.5 MiB"), None where it cannot be looked up."""
+    try:
+        return f"{shutil.disk_usage(directory).free / 2**20:.1f} MiB"
+    except OSError:
+        return None
 
 
 def _save_failed(ckpt_dir: Path, error: str) -> str:
@@ -481,10 +487,7 @@ def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
                 if not ready():
                     problem = f"{' '.join(cmd)} wrote no {MODEL_STATES} into {target}"
         if problem is not None:
-            try:
-                free = f"{shutil.disk_usage(ckpt_dir).free / 2**20:.1f} MiB"
-            except OSError:
-                free = "unknown"
+            free = _free_space(ckpt_dir) or "unknown"
             # A conversion cut short by a full disk holds the space the mark needs (without the mark, the
             # other ranks would wait for good); the next attempt converts again.
             shutil.rmtree(tmp, ignore_errors=True)
