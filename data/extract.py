@@ -43,6 +43,7 @@ from wikiextractor.extract import (
     clean,
     compact,
     discardElements,
+    dropNested,
     placeholder_tags,
     wgUrlProtocols,
 )
@@ -370,6 +371,10 @@ def _prepare_wikitext(wikitext: str) -> str:
     text = _empty_placeholders(text)
     if "__" in text:  # rare: the scan below tries every position
         text = _SWITCH_CANDIDATE.sub(lambda m: "" if _is_switch(m[1]) else m[0], text)
+    if "{{" in text:
+        # Templates first, as MediaWiki expands them before it reads links: a line break inside one in a
+        # link's label ends neither the label nor the link. wikiextractor's own pass, run earlier.
+        text = dropNested(text, r"{{", r"}}")
     text = _unclosed_external_links(text)
     if "&" in text:
         text = _LT_OF_PLACEHOLDER.sub(_LITERAL_LT, text)

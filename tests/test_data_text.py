@@ -112,6 +112,9 @@ def test_unclosed_markup_is_dropped_alone_and_code_blocks_whole():
     assert clean_article("T", 'A fact.<ref name="a" <ref>cite</ref> More.') == ["A fact. More."]
     assert clean_article("T", "See [http://example.com/a label] and [http://example.com/b unclosed\n\nNext.") == [
         "See label and [http://example.com/b unclosed", "Next."]
+    # A line break inside a template ends neither the label nor the link: MediaWiki expands templates first.
+    assert clean_article("T", "See [http://example.com/a a {{lang|fr|\nbonjour}} label] here.\n\nNext.") == [
+        "See a label here.", "Next."]
 
 
 def test_nowiki_shows_its_content_as_text():
@@ -204,6 +207,8 @@ HOSTILE_PAGES = {  # name: (wikitext, its paragraphs, the first one's start)
                                               "Intro [http://example.com/aaa"),
     "many unclosed external links on one line": ("Intro " + "[http://x " * 26000, 1, "Intro [http://x [http://x"),
     "many unclosed external links in capitals": ("Intro " + "[HTTP://x " * 26000, 1, "Intro [HTTP://x [HTTP://x"),
+    "many links whose labels hold a line break in a template": ("Intro " + "[http://x {{a\n}} " * 26000 + "] end", 1,
+                                                                 "Intro [http://x [http://x"),
     "a 128 kB URL with a ']' on the next line": ("Intro [http://example.com/" + "a" * 131072 + " words\n] after", 2,
                                                 "Intro [http://example.com/aaa"),
     # A "<" that ends no tag is shown as text by MediaWiki, and kept.
