@@ -10,6 +10,7 @@ resumes from `<output_dir>/checkpoints/latest` at the exact sample. See docs/TRA
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import fcntl
 import json
 import math
@@ -871,4 +872,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # A rank killed by a fatal signal (a segfault in a kernel, an abort in a C++ thread) prints the
+    # Python stack of each of its threads, which its launcher's log otherwise lacks.
+    faulthandler.enable()
     sys.exit(main())

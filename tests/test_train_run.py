@@ -401,6 +401,20 @@ def test_sigkill_then_resume_gives_bitwise_equal_losses(fp32_setup, phase1_shard
     assert logged == list(range(1, FP32_STEPS + 1))
 
 
+def test_a_rank_killed_by_a_fatal_signal_prints_its_python_stack(fp32_setup, phase1_shards, tmp_path):
+    """A rank that aborts in C++ code (or segfaults in a kernel) says where its Python code was."""
+    args, _ = fp32_setup
+    out = tmp_path / "aborted"
+    cmd, env = command(1, args(phase1_shards, out))
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(out, proc, 2)
+    proc.send_signal(signal.SIGABRT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGABRT
+    assert "Fatal Python error: Aborted" in stderr
+    assert re.search(r'File ".*run_pretraining\.py", line \d+ in train', stderr), stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_exits_0_and_resumes_exactly(fp32_setup, phase1_shards, tmp_path):
     args, reference = fp32_setup
