@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from data.cli import HelpFormatter, file_in_the_way
+from data.cli import HelpFormatter, file_in_the_way, plural
 from data.stage import disk_error
 from modeling import (
     IGNORE_INDEX,
@@ -640,6 +640,50 @@ def record_start(output_dir: Path, info: dict, ds_config: dict) -> None:
     atomic_write_text(path, earlier + json.dumps(record) + "\n")
 
 
+def shard_dirs(dataset, input_dir: Path) -> str:
+    """The directories that hold a split's shards, relative to --input_dir: more than one when it lies above
+    several datasets, which are then all read."""
+    dirs = sorted({str(Path(s.path).parent.relative_to(input_dir)) for s in dataset.shards})
+    shown = ", ".join(d if d != "." else str(input_dir) for d in dirs[:3])
+    return shown + (f" and {len(dirs) - 3} more directories" if len(dirs) > 3 else "")
+
+
+def start_lines(info: dict, args: argparse.Namespace, train_set, eval_set) -> list[str]:
+    """What this start runs, for the console: ranks, batch, model, data, where it starts."""
+    world = plural(info["world_size"], "rank")
+    precision = (f"bf16 with fp32 master weights and {info['grad_accum_dtype']} gradient accumulation"
+                 if info["bf16"] else "fp32")
+    checkpointing = (f"every {plural(info['activation_checkpointing_interval'], 'layer')}"
+                     if info["activation_checkpointing"] else "off")
+    lines = [
+        f"run: {world} on {info['accelerator']} ({info['backend']}), ZeRO-{info['zero_stage']}, {precision}, "
+        f"optimizer {info['optimizer']}",
+        f"batch: {info['train_batch_size']} sequences per step = {info['micro_batch']} per micro batch x "
+        f"{plural(info['gradient_accumulation_steps'], 'accumulation step')} x {world}",
+        f"model: {info['parameters'] / 1e6:.1f}M parameters ({args.config_file}), activation checkpointing "
+        f"{checkpointing}",
+        f"training data: {len(train_set):,} sequences of {args.max_seq_length} tokens in "
+        f"{plural(len(train_set.shards), 'shard')} under {shard_dirs(train_set, args.input_dir)}, "
+        f"{'static masks' if train_set.shards[0].static_masks else 'masked at load time'}",
+    ]
+    if eval_set is not None:
+        when = f"every {args.eval_freq} steps" if args.eval_freq else "at the end"
+        lines.append(f"test data: {len(eval_set):,} sequences in {plural(len(eval_set.shards), 'shard')} under "
+                     f"{shard_dirs(eval_set, args.input_dir)}; the first "
+                     f"{min(args.num_eval_samples, len(eval_set)):,} evaluated {when}")
+    total = args.max_steps * info["train_batch_size"]
+    epochs = total / len(train_set)
+    start = (f"start: step {info['start_step']} of {args.max_steps} ({total:,} sequences, "
+             f"{f'{epochs:.3g}' if epochs < 1000 else f'{epochs:,.0f}'} epochs of the training data)")
+    if info["resumed_from"]:
+        start += f", resumed from {info['resumed_from']} at sequence {info['start_consumed_samples']:,}"
+        if info["resumed_world_size"] != info["world_size"]:
+            start += f" of a {info['resumed_world_size']}-rank run"
+    elif info["init_checkpoint"]:
+        start += f", weights from {info['init_checkpoint']}"
+    return [*lines, start]
+
+
 # ----------------------------------------------------------------------------- the run
 
 
@@ -747,6 +791,8 @@ def train(args: argparse.Namespace) -> dict:
     flops_per_seq = training_flops_per_sequence(config, args.max_seq_length, args.max_predictions_per_seq)
     peak = peak_tflops(acc.device_name, "bf16" if engine.bfloat16_enabled() else "fp32")
     writer = MetricsWriter(args.output_dir, args.max_steps, step, enabled=rank == 0)
+    for line in start_lines(info, args, train_set, eval_set):
+        writer.note(line)
     meter = Throughput(warmup=2)
     last_saved = step
     consumed_at_step = consumed  # stream position at the end of the last complete window

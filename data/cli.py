@@ -1,11 +1,16 @@
-"""The help layout and argument checks shared by the project's command lines (data stages, training,
-export)."""
+"""The help layout, argument checks and message wording shared by the project's command lines (data
+stages, training, export)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 from pathlib import Path
+
+
+def plural(count: int, noun: str) -> str:
+    """"1 shard", "2 shards"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):

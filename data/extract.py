@@ -49,7 +49,7 @@ from wikiextractor.extract import (
 )
 
 from data import multistream, stage
-from data.cli import HelpFormatter, add_workers_argument
+from data.cli import HelpFormatter, add_workers_argument, plural
 from data.parallel import bounded_map
 from data.stage import PipelineError
 
@@ -88,19 +88,15 @@ class ExtractResult:
     def line(self) -> str:
         """What the stage did, in one line."""
         return (f"{self.articles} articles of {self.pages} pages (not counted: {self.skipped_pages()}), "
-                f"{_plural(self.parts, 'part')}, {self.text_bytes / 1e6:.1f} MB of text")
+                f"{plural(self.parts, 'part')}, {self.text_bytes / 1e6:.1f} MB of text")
 
     def skipped_pages(self) -> str:
-        unknown = (f", {_plural(self.no_namespace, 'page')} of unknown namespace (no <ns> element, and no "
+        unknown = (f", {plural(self.no_namespace, 'page')} of unknown namespace (no <ns> element, and no "
                    "<namespaces> list in the dump's <siteinfo> to tell it from the title)" if self.no_namespace else "")
-        models = (f", {_plural(self.other_models, 'page')} of another content model than wikitext (such as Lua or CSS)"
+        models = (f", {plural(self.other_models, 'page')} of another content model than wikitext (such as Lua or CSS)"
                   if self.other_models else "")
-        return (f"{_plural(self.redirects, 'redirect')}, {_plural(self.other_namespaces, 'page')} outside the article "
-                f"namespace{unknown}{models}, {_plural(self.empty, 'article')} empty once cleaned")
-
-
-def _plural(count: int, noun: str) -> str:
-    return f"{count} {noun}{'' if count == 1 else 's'}"
+        return (f"{plural(self.redirects, 'redirect')}, {plural(self.other_namespaces, 'page')} outside the article "
+                f"namespace{unknown}{models}, {plural(self.empty, 'article')} empty once cleaned")
 
 
 class _Prefetcher(io.RawIOBase):
@@ -551,7 +547,7 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
         empty=done_now.pages[ARTICLE] - done_now.documents, no_namespace=done_now.pages[NO_NAMESPACE],
         other_models=done_now.pages[OTHER_MODEL])
     if result.articles == 0:
-        found = (f"of its {_plural(result.pages, 'page')}, {result.skipped_pages()}" if result.pages
+        found = (f"of its {plural(result.pages, 'page')}, {result.skipped_pages()}" if result.pages
                  else "it has no <page> element")
         raise PipelineError(f"{cfg.input}: the dump holds no articles (namespace 0, not redirects, with text): {found}")
     return ExtractResult(**stage.finish(cfg.output_dir, params, dataclasses.asdict(result)))

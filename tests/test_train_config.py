@@ -20,7 +20,9 @@ from run_pretraining import (
     load_ds_config,
     parse_args,
     resolve_batch_sizes,
+    shard_dirs,
 )
+from training.loader import ShardInfo
 
 
 @pytest.mark.parametrize("config, world, expected", [
@@ -386,3 +388,16 @@ def test_an_oserror_that_is_not_the_disks_state_keeps_its_traceback(tmp_path, mo
             "m.json", "--max_steps", "10"]
     with pytest.raises(ConnectionResetError):
         run_pretraining.main(argv)
+
+
+def test_the_start_names_each_directory_its_shards_come_from(tmp_path: Path):
+    """An --input_dir above several datasets reads them all (a corpus of several sources); the console says so."""
+    def dataset(*dirs: str):
+        return type("Dataset", (), {"shards": [ShardInfo(str(tmp_path / d / f"part_{k}.hdf5"), 10, True)
+                                               for d in dirs for k in range(2)]})()
+
+    assert shard_dirs(dataset("."), tmp_path) == str(tmp_path)
+    assert shard_dirs(dataset("wiki/hdf5/training"), tmp_path) == "wiki/hdf5/training"
+    assert shard_dirs(dataset("wiki/hdf5/training", "books/hdf5/training"), tmp_path) == \
+        "books/hdf5/training, wiki/hdf5/training"
+    assert shard_dirs(dataset(*"edcba"), tmp_path) == "a, b, c and 2 more directories"

@@ -191,9 +191,21 @@ def test_two_rank_checkpoint_resumes_on_one_rank_at_the_same_sample(bf16_run, ph
     stale.mkdir()
     (stale / "mp_rank_00_model_states.pt").write_bytes(b"weights of another timeline")
     (stale / "source_run_state.json").write_text("{}")
-    ok(run(1, bf16_args(phase1_shards, out, no_dropout_model, bf16_ds)))
+    console = ok(run(1, bf16_args(phase1_shards, out, no_dropout_model, bf16_ds))).stdout.splitlines()
     info = json.loads((out / "run_info.json").read_text())
     assert info["world_size"] == 1 and info["resumed_world_size"] == 2 and info["resumed_from"] == "step00000008"
+    # What the start runs, on the console before the first step.
+    training = sum(len(h5py.File(f)["input_ids"]) for f in (phase1_shards / "hdf5" / "training").glob("*.hdf5"))
+    first = next(k for k, line in enumerate(console) if line.startswith("run: "))
+    assert console[first:first + 6] == [
+        "run: 1 rank on cpu (gloo), ZeRO-1, bf16 with fp32 master weights and float32 gradient accumulation, "
+        "optimizer lamb",
+        "batch: 16 sequences per step = 4 per micro batch x 4 accumulation steps x 1 rank",
+        f"model: {info['parameters'] / 1e6:.1f}M parameters ({no_dropout_model}), activation checkpointing off",
+        f"training data: {training:,} sequences of 128 tokens in 2 shards under hdf5/training, static masks",
+        "test data: 378 sequences in 1 shard under hdf5/test; the first 32 evaluated every 8 steps",
+        f"start: step 8 of 16 (256 sequences, {256 / training:.3g} epochs of the training data), resumed from "
+        "step00000008 at sequence 128 of a 2-rank run"]
     assert info["gradient_accumulation_steps"] == 4 and info["start_consumed_samples"] == 8 * 16
     assert (stale / "zero").is_dir()
     assert (stale / "source_run_state.json").read_bytes() == \
@@ -215,10 +227,13 @@ def test_phase2_starts_from_phase1_weights_with_fresh_optimizer(bf16_run, dynami
     out = tmp_path / "phase2"
     ds = ds_config(tmp_path / "ds.json", bf16=True, train_micro_batch_size_per_gpu=4)
     phase1_files = {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()}
-    ok(run(1, base_args(dynamic_shards, out, bf16_run / "model_config.json", ds, 3, optimizer="lans",
-                        learning_rate=1e-3, warmup_proportion=0.5, phase2=True, init_checkpoint=bf16_run,
-                        checkpoint_activations=True, checkpoint_activations_interval=2)))
+    console = ok(run(1, base_args(dynamic_shards, out, bf16_run / "model_config.json", ds, 3, optimizer="lans",
+                                  learning_rate=1e-3, warmup_proportion=0.5, phase2=True, init_checkpoint=bf16_run,
+                                  checkpoint_activations=True, checkpoint_activations_interval=2))).stdout
     info = json.loads((out / "run_info.json").read_text())
+    assert "activation checkpointing every 2 layers\n" in console
+    assert "in 2 shards under hdf5/training, masked at load time\n" in console
+    assert "(12 sequences, " in console and f"), weights from {info['init_checkpoint']}\n" in console
     assert info["activation_checkpointing"] and info["activation_checkpointing_interval"] == 2
     assert not info["compiled"]
     assert info["optimizer"] == "lans" and info["optimizer_wrapper"] == "BF16_Optimizer"
