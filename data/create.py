@@ -422,7 +422,7 @@ def _create_part(task: tuple[Path, CreateConfig]) -> tuple[dict[str, int], int]:
             with stage.atomic_path(directory) as tmp:
                 tmp.mkdir()
                 for key, value in arrays[split].items():
-                    np.save(tmp / f"{key}.npy", value)
+                    stage.save_array(tmp / f"{key}.npy", value)
     counts, masked = {}, 0
     for split, directory in out.items():
         counts[split] = len(load_instances(directory / "next_sentence_labels.npy"))

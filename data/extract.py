@@ -501,7 +501,7 @@ def _write_docs(path: Path, docs: list[str]) -> tuple[int, int]:
     """Write one part file. Returns (documents written, bytes)."""
     data = "".join(docs).encode("utf-8")
     with stage.atomic_path(path) as tmp:
-        tmp.write_bytes(data)
+        stage.write_file(tmp, data)
     return sum(1 for d in docs if d), len(data)
 
 

@@ -73,7 +73,7 @@ def _segment_part(task: tuple[Path, Path]) -> tuple[int, int, int]:
     source, size = stage.read_utf8(src, f"delete {src.parent} and the directories made from it, and extract again")
     text, documents, sentences = segment_text(source)
     with stage.atomic_path(dst) as tmp:
-        tmp.write_text(text, encoding="utf-8")
+        stage.write_file(tmp, text.encode("utf-8"))
     return documents, sentences, size
 
 
