@@ -203,7 +203,7 @@ def test_two_rank_checkpoint_resumes_on_one_rank_at_the_same_sample(bf16_run, ph
         "batch: 16 sequences per step = 4 per micro batch x 4 accumulation steps x 1 rank",
         f"model: {info['parameters'] / 1e6:.1f}M parameters ({no_dropout_model}), activation checkpointing off",
         f"training data: {training:,} sequences of 128 tokens in 2 shards under hdf5/training, static masks",
-        "test data: 378 sequences in 1 shard under hdf5/test; the first 32 evaluated every 8 steps",
+        "test data: 378 sequences in 1 shard under hdf5/test; the first 32 evaluated every 8 steps and at the end",
         f"start: step 8 of 16 (256 sequences, {256 / training:.3g} epochs of the training data), resumed from "
         "step00000008 at sequence 128 of a 2-rank run"]
     assert info["gradient_accumulation_steps"] == 4 and info["start_consumed_samples"] == 8 * 16
@@ -390,6 +390,15 @@ def wait_for_step(out: Path, proc: subprocess.Popen, step: int, timeout: float =
     raise TimeoutError(f"no step {step} within {timeout} s")
 
 
+def signalled(cmd_env: tuple[list[str], dict], out: Path, step: int, signum: int) -> subprocess.Popen:
+    """A run started, sent `signum` once it has logged `step`; stderr is piped."""
+    cmd, env = cmd_env
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_step(out, proc, step)
+    proc.send_signal(signum)
+    return proc
+
+
 def losses(out: Path) -> list[float]:
     return [r["loss"] for _, r in sorted(records(out).items())]
 
@@ -398,10 +407,7 @@ def losses(out: Path) -> list[float]:
 def test_sigkill_then_resume_gives_bitwise_equal_losses(fp32_setup, phase1_shards, tmp_path):
     args, reference = fp32_setup
     out = tmp_path / "killed"
-    cmd, env = command(1, args(phase1_shards, out))
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for_step(out, proc, 6)  # past the checkpoint at step 4
-    proc.send_signal(signal.SIGKILL)
+    proc = signalled(command(1, args(phase1_shards, out)), out, 6, signal.SIGKILL)  # past the checkpoint at step 4
     proc.communicate()
     assert proc.returncode == -signal.SIGKILL
     assert max(records(out)) < FP32_STEPS
@@ -416,14 +422,12 @@ def test_sigkill_then_resume_gives_bitwise_equal_losses(fp32_setup, phase1_shard
     assert logged == list(range(1, FP32_STEPS + 1))
 
 
+@pytest.mark.slow
 def test_a_rank_killed_by_a_fatal_signal_prints_its_python_stack(fp32_setup, phase1_shards, tmp_path):
     """A rank that aborts in C++ code (or segfaults in a kernel) says where its Python code was."""
     args, _ = fp32_setup
     out = tmp_path / "aborted"
-    cmd, env = command(1, args(phase1_shards, out))
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for_step(out, proc, 2)
-    proc.send_signal(signal.SIGABRT)
+    proc = signalled(command(1, args(phase1_shards, out)), out, 2, signal.SIGABRT)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == -signal.SIGABRT
     assert "Fatal Python error: Aborted" in stderr
@@ -434,10 +438,7 @@ def test_a_rank_killed_by_a_fatal_signal_prints_its_python_stack(fp32_setup, pha
 def test_sigterm_saves_a_checkpoint_exits_0_and_resumes_exactly(fp32_setup, phase1_shards, tmp_path):
     args, reference = fp32_setup
     out = tmp_path / "terminated"
-    cmd, env = command(1, args(phase1_shards, out))
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for_step(out, proc, 5)
-    proc.send_signal(signal.SIGTERM)
+    proc = signalled(command(1, args(phase1_shards, out)), out, 5, signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
     # on a line of its own, not glued to the end of the progress bar's line
