@@ -651,3 +651,37 @@ def test_save_array_writes_the_bytes_of_np_save(array, tmp_path):
     assert (tmp_path / "ours.npy").read_bytes() == (tmp_path / "numpy.npy").read_bytes()
     stage.write_file(tmp_path / "copy.bin", (tmp_path / "ours.npy").read_bytes())
     assert (tmp_path / "copy.bin").read_bytes() == (tmp_path / "numpy.npy").read_bytes()
+
+
+class _InterruptedFile:
+    """The shard's file, in which a Ctrl-C arrives once `after` bytes are written: Python runs the signal handler
+    in the keeper's write, which HDF5 called, as nearly all of the shard stage's Python code runs there."""
+
+    def __init__(self, path, after: int) -> None:
+        self.raw, self.after = open(path, "w+b", buffering=0), after  # noqa: SIM115 (closed by __exit__)
+
+    def write(self, piece) -> int:
+        if self.raw.tell() + len(piece) > self.after:
+            raise KeyboardInterrupt
+        return self.raw.write(piece)
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.raw.close()
+
+
+@pytest.mark.parametrize("after", [0, 100_000])
+def test_ctrl_c_while_hdf5_writes_a_shard_is_a_keyboard_interrupt(after, phase1_shards, tmp_path, monkeypatch):
+    """Raised inside HDF5's write callback, the KeyboardInterrupt reached h5py, which printed tracebacks and
+    raised OSError("Can't close file"): the stage ended in a traceback, not the line saying how to go on."""
+    monkeypatch.setattr(shard_stage, "open", lambda path, *a, **k: _InterruptedFile(path, after), raising=False)
+    out = tmp_path / "hdf5"
+    with pytest.raises(KeyboardInterrupt):
+        shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", out, num_shards=2, workers=1,
+                                                  compression="gzip"))
+    assert [p.name for p in out.rglob("*.hdf5")] == [] and list(out.rglob(".*tmp-*")) == []
