@@ -667,7 +667,7 @@ def start_lines(info: dict, args: argparse.Namespace, train_set, eval_set) -> li
         f"{'static masks' if train_set.shards[0].static_masks else 'masked at load time'}",
     ]
     if eval_set is not None:
-        when = f"every {args.eval_freq} steps and at the end" if args.eval_freq else "at the end"
+        when = f"every {plural(args.eval_freq, 'step')} and at the end" if args.eval_freq else "at the end"
         lines.append(f"test data: {len(eval_set):,} sequences in {plural(len(eval_set.shards), 'shard')} under "
                      f"{shard_dirs(eval_set, args.input_dir)}; the first "
                      f"{min(args.num_eval_samples, len(eval_set)):,} evaluated {when}")

@@ -95,18 +95,19 @@ class _WriteErrorKeeper:
     fails (or a truncate, which extends the file) is kept as `error`, every later one is skipped, and HDF5 is told
     they all succeeded. Told of a full disk, HDF5 raised a RuntimeError as it closed the file, crashed the process,
     or ignored it and let a damaged shard be renamed into place, and h5py printed a traceback for each compressed
-    chunk it could not write. The caller raises the kept error once the file is closed."""
+    chunk it could not write. The caller raises the kept error once the file is closed. A Ctrl-C is kept too: its
+    KeyboardInterrupt is raised in a write, where HDF5 spends the stage's time, and h5py made it an OSError."""
 
     def __init__(self, raw) -> None:
         self._raw = raw
         self._pieces = stage.PieceWriter(raw)
-        self.error: OSError | None = None
+        self.error: BaseException | None = None
 
     def write(self, data) -> int:
         if self.error is None:
             try:
                 self._pieces.write(data)
-            except OSError as exc:
+            except BaseException as exc:  # noqa: BLE001 (kept, raised after close)
                 self.error = exc
         return memoryview(data).nbytes
 
@@ -114,7 +115,7 @@ class _WriteErrorKeeper:
         if self.error is None:
             try:
                 self._raw.truncate(size)
-            except OSError as exc:
+            except BaseException as exc:  # noqa: BLE001 (kept, raised after close)
                 self.error = exc
         return size
 

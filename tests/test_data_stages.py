@@ -651,3 +651,79 @@ def test_save_array_writes_the_bytes_of_np_save(array, tmp_path):
     assert (tmp_path / "ours.npy").read_bytes() == (tmp_path / "numpy.npy").read_bytes()
     stage.write_file(tmp_path / "copy.bin", (tmp_path / "ours.npy").read_bytes())
     assert (tmp_path / "copy.bin").read_bytes() == (tmp_path / "numpy.npy").read_bytes()
+
+
+class _InterruptedFile:
+    """The shard's file, in which a Ctrl-C arrives once `after` bytes are written: Python runs the signal handler
+    in the keeper's write, which HDF5 called, as nearly all of the shard stage's Python code runs there."""
+
+    def __init__(self, path, after: int) -> None:
+        self.raw, self.after = open(path, "w+b", buffering=0), after  # noqa: SIM115 (closed by __exit__)
+
+    def write(self, piece) -> int:
+        if self.raw.tell() + len(piece) > self.after:
+            raise KeyboardInterrupt
+        return self.raw.write(piece)
+
+    def __getattr__(self, name: str):
+        return getattr(self.raw, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.raw.close()
+
+
+@pytest.mark.parametrize("after", [0, 100_000])
+def test_ctrl_c_while_hdf5_writes_a_shard_is_a_keyboard_interrupt(after, phase1_shards, tmp_path, monkeypatch):
+    """Raised inside HDF5's write callback, the KeyboardInterrupt reached h5py, which printed tracebacks and
+    raised OSError("Can't close file"): the stage ended in a traceback, not the line saying how to go on."""
+    monkeypatch.setattr(shard_stage, "open", lambda path, *a, **k: _InterruptedFile(path, after), raising=False)
+    out = tmp_path / "hdf5"
+    with pytest.raises(KeyboardInterrupt):
+        shard_stage.shard(shard_stage.ShardConfig(phase1_shards / "instances", out, num_shards=2, workers=1,
+                                                  compression="gzip"))
+    assert [p.name for p in out.rglob("*.hdf5")] == [] and list(out.rglob(".*tmp-*")) == []
+
+
+class _FailingRaw:
+    """A raw file whose writes fail from the `fail_at`-th on, and whose truncate fails when told to."""
+
+    def __init__(self, fail_at: int, truncate_fails: bool = False) -> None:
+        self.fail_at, self.truncate_fails, self.writes = fail_at, truncate_fails, []
+
+    def write(self, piece) -> int:
+        self.writes.append(bytes(piece))
+        if len(self.writes) >= self.fail_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return len(piece)
+
+    def truncate(self, size: int) -> int:
+        if self.truncate_fails:
+            raise OSError(errno.EFBIG, "File too large")
+        return size
+
+
+def test_the_shard_writer_keeps_the_first_error_and_writes_nothing_after_it():
+    raw = _FailingRaw(fail_at=2)
+    keeper = shard_stage._WriteErrorKeeper(raw)
+    assert [keeper.write(b"ab"), keeper.write(b"cde"), keeper.write(b"f")] == [2, 3, 1]
+    assert raw.writes == [b"ab", b"cde"] and keeper.error.errno == errno.ENOSPC
+    assert keeper.truncate(10) == 10  # skipped too
+    truncated = shard_stage._WriteErrorKeeper(_FailingRaw(fail_at=99, truncate_fails=True))
+    assert truncated.truncate(10) == 10 and truncated.error.errno == errno.EFBIG
+
+
+def test_an_error_of_h5py_itself_leaves_no_shard(phase1_shards, tmp_path):
+    """No write failed, so nothing was kept: h5py's own error is raised, and the temporary removed."""
+    task = shard_stage._ShardTask(tmp_path / "s.hdf5", [phase1_shards / "instances" / "training" / "part-00000"],
+                                  [(0, 0, 10)], ("next_sentence_labels",), {"unstorable": object()}, 0, None)
+    with pytest.raises(TypeError):
+        shard_stage._write_shard(task)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_save_array_refuses_what_only_a_pickle_can_save(tmp_path):
+    with pytest.raises(ValueError, match="pickle"):
+        stage.save_array(tmp_path / "objects.npy", np.array([{}, None], dtype=object))

@@ -3,6 +3,7 @@ the DeepSpeed JSON, flag combinations, what a resume may not change, and the non
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 from pathlib import Path
@@ -21,6 +22,7 @@ from run_pretraining import (
     parse_args,
     resolve_batch_sizes,
     shard_dirs,
+    start_lines,
 )
 from training.loader import ShardInfo
 
@@ -401,3 +403,38 @@ def test_the_start_names_each_directory_its_shards_come_from(tmp_path: Path):
     assert shard_dirs(dataset("wiki/hdf5/training", "books/hdf5/training"), tmp_path) == \
         "books/hdf5/training, wiki/hdf5/training"
     assert shard_dirs(dataset(*"edcba"), tmp_path) == "a, b, c and 2 more directories"
+
+
+def test_the_start_says_how_often_it_evaluates_in_words(tmp_path: Path):
+    """--eval_freq 1 read "every 1 steps"."""
+    def dataset(samples: int):
+        return type("Dataset", (), {"shards": [ShardInfo(str(tmp_path / "s.hdf5"), samples, True)],
+                                    "__len__": lambda self: samples})()
+
+    info = dict(world_size=1, bf16=False, activation_checkpointing=False, accelerator="cpu", backend="gloo",
+                zero_stage=1, optimizer="lamb", train_batch_size=8, micro_batch=8, gradient_accumulation_steps=1,
+                parameters=1e6, start_step=0, resumed_from=None, init_checkpoint=None)
+    args = argparse.Namespace(config_file="m.json", max_seq_length=128, input_dir=tmp_path, eval_freq=1,
+                              num_eval_samples=4, max_steps=2)
+    lines = start_lines(info, args, dataset(100), dataset(5))
+    assert lines[4].endswith("the first 4 evaluated every 1 step and at the end"), lines[4]
+    args.eval_freq = 8
+    assert start_lines(info, args, dataset(100), dataset(5))[4].endswith("evaluated every 8 steps and at the end")
+
+
+def test_the_start_caps_the_evaluated_samples_and_names_another_world_size_only(tmp_path: Path):
+    def dataset(samples: int):
+        return type("Dataset", (), {"shards": [ShardInfo(str(tmp_path / "s.hdf5"), samples, True)],
+                                    "__len__": lambda self: samples})()
+
+    info = dict(world_size=2, bf16=False, activation_checkpointing=False, accelerator="cpu", backend="gloo",
+                zero_stage=1, optimizer="lamb", train_batch_size=8, micro_batch=4, gradient_accumulation_steps=1,
+                parameters=1e6, start_step=4, resumed_from="step00000004", resumed_world_size=2,
+                start_consumed_samples=32, init_checkpoint=None)
+    args = argparse.Namespace(config_file="m.json", max_seq_length=128, input_dir=tmp_path, eval_freq=0,
+                              num_eval_samples=1024, max_steps=8)
+    lines = start_lines(info, args, dataset(100), dataset(5))
+    assert "; the first 5 evaluated at the end" in lines[4], lines[4]
+    assert lines[5].endswith(", resumed from step00000004 at sequence 32"), lines[5]
+    info["resumed_world_size"] = 4
+    assert start_lines(info, args, dataset(100), dataset(5))[5].endswith(" at sequence 32 of a 4-rank run")
