@@ -131,12 +131,14 @@ def _write_shard(task: _ShardTask) -> tuple[int, int]:
             arrays[key] = np.concatenate(pieces)
         order = np.random.default_rng(task.seed).permutation(len(arrays[task.keys[0]]))
         # HDF5 writes through a file object that keeps a full disk's error from it (`_WriteErrorKeeper`). (Made in
-        # memory and then written, which kept it from HDF5 too, the shard stage took 2.2x longer: PERFORMANCE.md.)
+        # memory and then written, which kept it from HDF5 too, the shard stage took 2.4x longer: PERFORMANCE.md.)
         with stage.atomic_path(task.path) as tmp, open(tmp, "w+b", buffering=0) as raw:
             target = _WriteErrorKeeper(raw)
             try:
                 with h5py.File(target, "w") as f:
                     for key in task.keys:
+                        if target.error is not None:  # the shard is lost: stop at once (a full disk, a Ctrl-C)
+                            break
                         f.create_dataset(key, data=arrays.pop(key)[order], dtype=DTYPES[key],
                                          compression=task.compression)
                     for k, v in task.attrs.items():
