@@ -392,49 +392,51 @@ def test_an_oserror_that_is_not_the_disks_state_keeps_its_traceback(tmp_path, mo
         run_pretraining.main(argv)
 
 
+def _dataset(root: Path, samples: int = 10, *dirs: str):
+    """A stand-in for a split's dataset: two shards of `samples` sequences in each directory under `root`."""
+    shards = [ShardInfo(str(root / d / f"part_{k}.hdf5"), samples, True) for d in (dirs or (".",)) for k in range(2)]
+    return type("Dataset", (), {"shards": shards, "__len__": lambda self: samples * len(shards)})()
+
+
+def _start(root: Path, **changes) -> tuple[dict, argparse.Namespace]:
+    """The run_info fields and flags start_lines reads, for a 1-rank fp32 run on `root`."""
+    info = dict(world_size=1, bf16=False, activation_checkpointing=False, accelerator="cpu", backend="gloo",
+                zero_stage=1, optimizer="lamb", train_batch_size=8, micro_batch=8, gradient_accumulation_steps=1,
+                parameters=1e6, start_step=0, resumed_from=None, resumed_world_size=None, start_consumed_samples=0,
+                init_checkpoint=None)
+    args = argparse.Namespace(config_file="m.json", max_seq_length=128, input_dir=root, eval_freq=0,
+                              num_eval_samples=4, max_steps=8)
+    for key, value in changes.items():
+        if hasattr(args, key):
+            setattr(args, key, value)
+        else:
+            info[key] = value
+    return info, args
+
+
 def test_the_start_names_each_directory_its_shards_come_from(tmp_path: Path):
     """An --input_dir above several datasets reads them all (a corpus of several sources); the console says so."""
-    def dataset(*dirs: str):
-        return type("Dataset", (), {"shards": [ShardInfo(str(tmp_path / d / f"part_{k}.hdf5"), 10, True)
-                                               for d in dirs for k in range(2)]})()
-
-    assert shard_dirs(dataset("."), tmp_path) == str(tmp_path)
-    assert shard_dirs(dataset("wiki/hdf5/training"), tmp_path) == "wiki/hdf5/training"
-    assert shard_dirs(dataset("wiki/hdf5/training", "books/hdf5/training"), tmp_path) == \
+    assert shard_dirs(_dataset(tmp_path), tmp_path) == str(tmp_path)
+    assert shard_dirs(_dataset(tmp_path, 10, "wiki/hdf5/training"), tmp_path) == "wiki/hdf5/training"
+    assert shard_dirs(_dataset(tmp_path, 10, "wiki/hdf5/training", "books/hdf5/training"), tmp_path) == \
         "books/hdf5/training, wiki/hdf5/training"
-    assert shard_dirs(dataset(*"edcba"), tmp_path) == "a, b, c and 2 more directories"
+    assert shard_dirs(_dataset(tmp_path, 10, *"edcba"), tmp_path) == "a, b, c and 2 more directories"
 
 
 def test_the_start_says_how_often_it_evaluates_in_words(tmp_path: Path):
     """--eval_freq 1 read "every 1 steps"."""
-    def dataset(samples: int):
-        return type("Dataset", (), {"shards": [ShardInfo(str(tmp_path / "s.hdf5"), samples, True)],
-                                    "__len__": lambda self: samples})()
-
-    info = dict(world_size=1, bf16=False, activation_checkpointing=False, accelerator="cpu", backend="gloo",
-                zero_stage=1, optimizer="lamb", train_batch_size=8, micro_batch=8, gradient_accumulation_steps=1,
-                parameters=1e6, start_step=0, resumed_from=None, init_checkpoint=None)
-    args = argparse.Namespace(config_file="m.json", max_seq_length=128, input_dir=tmp_path, eval_freq=1,
-                              num_eval_samples=4, max_steps=2)
-    lines = start_lines(info, args, dataset(100), dataset(5))
+    lines = start_lines(*_start(tmp_path, eval_freq=1), _dataset(tmp_path, 50), _dataset(tmp_path, 5))
     assert lines[4].endswith("the first 4 evaluated every 1 step and at the end"), lines[4]
-    args.eval_freq = 8
-    assert start_lines(info, args, dataset(100), dataset(5))[4].endswith("evaluated every 8 steps and at the end")
+    lines = start_lines(*_start(tmp_path, eval_freq=8), _dataset(tmp_path, 50), _dataset(tmp_path, 5))
+    assert lines[4].endswith("evaluated every 8 steps and at the end"), lines[4]
 
 
 def test_the_start_caps_the_evaluated_samples_and_names_another_world_size_only(tmp_path: Path):
-    def dataset(samples: int):
-        return type("Dataset", (), {"shards": [ShardInfo(str(tmp_path / "s.hdf5"), samples, True)],
-                                    "__len__": lambda self: samples})()
-
-    info = dict(world_size=2, bf16=False, activation_checkpointing=False, accelerator="cpu", backend="gloo",
-                zero_stage=1, optimizer="lamb", train_batch_size=8, micro_batch=4, gradient_accumulation_steps=1,
-                parameters=1e6, start_step=4, resumed_from="step00000004", resumed_world_size=2,
-                start_consumed_samples=32, init_checkpoint=None)
-    args = argparse.Namespace(config_file="m.json", max_seq_length=128, input_dir=tmp_path, eval_freq=0,
-                              num_eval_samples=1024, max_steps=8)
-    lines = start_lines(info, args, dataset(100), dataset(5))
-    assert "; the first 5 evaluated at the end" in lines[4], lines[4]
+    info, args = _start(tmp_path, world_size=2, micro_batch=4, start_step=4, resumed_from="step00000004",
+                        resumed_world_size=2, start_consumed_samples=32, num_eval_samples=1024)
+    lines = start_lines(info, args, _dataset(tmp_path, 50), _dataset(tmp_path, 2))
+    assert "; the first 4 evaluated at the end" in lines[4], lines[4]
     assert lines[5].endswith(", resumed from step00000004 at sequence 32"), lines[5]
     info["resumed_world_size"] = 4
-    assert start_lines(info, args, dataset(100), dataset(5))[5].endswith(" at sequence 32 of a 4-rank run")
+    assert start_lines(info, args, _dataset(tmp_path, 50), _dataset(tmp_path, 2))[5].endswith(
+        " at sequence 32 of a 4-rank run")
