@@ -904,10 +904,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # metrics, run_info.json, starts.jsonl: rank 0's files (checkpoints: CheckpointError)
-        line = disk_error(e, output_dir)
-        if line is None:
-            raise  # not the disk's state: a defect, whose traceback is needed
-        print(f"{line} (from its last checkpoint)", file=sys.stderr)
+        print(f"{disk_error(e, output_dir)} (from its last checkpoint)", file=sys.stderr)
         return 1
     finally:
         if dist.is_initialized():

@@ -104,20 +104,19 @@ class _WriteErrorKeeper:
         self.error: BaseException | None = None
 
     def write(self, data) -> int:
-        if self.error is None:
-            try:
-                self._pieces.write(data)
-            except BaseException as exc:  # noqa: BLE001 (kept, raised after close)
-                self.error = exc
+        self._unless_failed(self._pieces.write, data)
         return memoryview(data).nbytes
 
     def truncate(self, size: int) -> int:
+        self._unless_failed(self._raw.truncate, size)
+        return size
+
+    def _unless_failed(self, operation, argument) -> None:
         if self.error is None:
             try:
-                self._raw.truncate(size)
+                operation(argument)
             except BaseException as exc:  # noqa: BLE001 (kept, raised after close)
                 self.error = exc
-        return size
 
     def __getattr__(self, name: str):  # read, seek, tell, flush
         return getattr(self._raw, name)

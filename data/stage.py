@@ -483,26 +483,24 @@ def cli_call(fn: Callable[[Any], Any], cfg: Any) -> Any:
         print("interrupted; rerun the same command to continue where it stopped", file=sys.stderr)
         raise SystemExit(130) from None
     except OSError as exc:
-        line = disk_error(exc, getattr(cfg, "output_dir", None))
-        if line is None:
-            raise  # not the disk's state: a defect, whose traceback is needed
-        raise SystemExit(line) from exc
+        raise SystemExit(disk_error(exc, getattr(cfg, "output_dir", None))) from exc
 
 
 _DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 _DENIED = {errno.EACCES, errno.EPERM, errno.EROFS}
 
 
-def disk_error(exc: OSError, output_dir: Path | None) -> str | None:
-    """The line for a write that failed because the disk is full or not writable (None for any other
-    OSError; the input files' errors are PipelineErrors). Every file is written to a temporary name first,
-    so the rerun goes on from the files written before it."""
+def disk_error(exc: OSError, output_dir: Path | None) -> str:
+    """The line for a write that failed because the disk is full or not writable. Any other OSError is not the
+    disk's state but a defect, whose traceback is needed: it is raised as it is (the input files' errors are
+    PipelineErrors). Every file is written to a temporary name first, so the rerun goes on from the files
+    written before it."""
     if exc.errno in _DISK_FULL:
         fix = "free space there"
     elif exc.errno in _DENIED:
         fix = "make it writable (or pass another output directory)"
     else:
-        return None
+        raise exc
     reason = os.strerror(exc.errno)  # errno's words, not h5py's message of many lines
     where = exc.filename2 or exc.filename or output_dir  # filename2: the destination of a copy or rename
     return f"error: {f'{where}: ' if where else ''}{reason}; {fix} and rerun the same command to continue where it stopped"

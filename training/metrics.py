@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from data.stage import PieceWriter
 from training.atomic import atomic_write_text, named, remove_stale_temporaries
 from training.planner import device_peak_tflops
 
@@ -118,10 +119,8 @@ def drop_records_after(path: Path, step: int, before_dropping=None) -> set[int]:
 def append_line(sink, line: str) -> None:
     """Append `line` and a newline to the unbuffered binary file `sink`; an error names the file. A full
     disk may leave the line cut short, which the resume's `drop_records_after` drops."""
-    data = memoryview((line + "\n").encode("utf-8"))
     try:
-        while data:
-            data = data[sink.write(data):]
+        PieceWriter(sink).write((line + "\n").encode("utf-8"))
     except OSError as e:
         raise named(e, Path(sink.name)) from e
 

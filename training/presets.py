@@ -426,10 +426,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # writing the DeepSpeed JSON: the old one is kept
-        line = disk_error(e, None)
-        if line is None:
-            raise  # not the disk's state: a defect, whose traceback is needed
-        print(line, file=sys.stderr)
+        print(disk_error(e, None), file=sys.stderr)
         return 2
     print(f"[presets] {run.preset.name}: {run.num_nodes} node(s) x {run.devices_per_node} devices, micro batch "
           f"{run.micro_batch_per_device}, gradient accumulation {run.gradient_accumulation_steps} "
