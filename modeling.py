@@ -527,10 +527,12 @@ def check_export_dir(directory: str | os.PathLike) -> Path:
     return directory
 
 
-def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None) -> Path:
+def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None,
+            lower_case: bool | None = None) -> Path:
     """Write a Hugging Face model directory (config.json + model.safetensors) that
     `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM) loads.
-    With `vocab_file` (a WordPiece vocab.txt), the tokenizer files are written too.
+    With `vocab_file` (a WordPiece vocab.txt), the tokenizer files are written too, lower-casing as
+    `lower_case` says (None: as `vocab_lower_cases` infers from the vocab).
     The directory is staged beside its final name and swapped in whole; an existing directory is
     replaced only when it holds nothing but an earlier export's files."""
     if vocab_file is not None:
@@ -545,7 +547,7 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
     try:
         to_hf_model(model).save_pretrained(staging)
         if vocab_file is not None:
-            save_tokenizer(Path(vocab_file), staging, model.config.max_position_embeddings)
+            save_tokenizer(Path(vocab_file), staging, model.config.max_position_embeddings, lower_case)
         # safetensors writes through a 0600 temporary file; give every file the mode config.json got
         # from the user's umask.
         mode = (staging / "config.json").stat().st_mode & 0o777
@@ -558,21 +560,29 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
     return directory
 
 
-def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int) -> None:
+def vocab_lower_cases(vocab_file: Path) -> bool:
+    """Whether text tokenized with this vocab was lower-cased, guessed from the vocab alone (for shards
+    that do not say): BERT's uncased normalisation changes at most 1% of its tokens, the stray cased
+    tokens data.prepare accepts in the vocab of a lower-cased run."""
+    from data.vocab import CASED_TOKENS_TOLERATED, cased_tokens
+
+    lines = vocab_file.read_text(encoding="utf-8").splitlines()
+    words = [w for w in lines if w and not w.startswith("[")]
+    return len(cased_tokens(words)) <= CASED_TOKENS_TOLERATED * len(lines)
+
+
+def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int, lower_case: bool | None = None) -> None:
     """Hugging Face tokenizer files for a WordPiece vocab.txt, built from the `tokenizers` object:
     `BertTokenizerFast(vocab_file=...)` silently ignores the file in transformers 5.x (every token
     becomes [UNK]). `model_max_length` (the model's positions) is what `truncation=True` cuts to.
+    `lower_case`: whether it lower-cases and strips accents (None: `vocab_lower_cases`).
     A vocab.txt, written from the tokenizer in id order, goes beside tokenizer.json for the tools
     that read only it (transformers 4.x's slow BertTokenizer, NVIDIA's and Google's scripts)."""
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertTokenizerFast
 
-    from data.vocab import CASED_TOKENS_TOLERATED, cased_tokens
-
     lines = vocab_file.read_text(encoding="utf-8").splitlines()
-    words = [w for w in lines if w and not w.startswith("[")]
-    # As data.prepare checks a given vocab's case: a lower-cased run's vocab may hold a few stray cased tokens.
-    lower = len(cased_tokens(words)) <= CASED_TOKENS_TOLERATED * len(lines)
+    lower = vocab_lower_cases(vocab_file) if lower_case is None else lower_case
     wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
     tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
                                   sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",

@@ -43,7 +43,14 @@ from training import accelerator as accel
 from training import checkpoint
 from training.atomic import atomic_write_text, remove_stale_temporaries
 from training.checkpoint import CheckpointError
-from training.loader import DataConfigError, RankSampler, make_loader, open_split
+from training.loader import (
+    TOKENIZATION,
+    DataConfigError,
+    RankSampler,
+    make_loader,
+    open_split,
+    tokenization_case,
+)
 from training.metrics import MetricsWriter, Throughput, peak_tflops
 from training.planner import training_flops_per_sequence
 from training.schedule import ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay
@@ -615,10 +622,11 @@ def _try_lock(path: Path):
     return handle, None
 
 
-def write_run_files(args: argparse.Namespace, config: BertConfig) -> None:
-    """What export_hf needs beside the checkpoints: the model config and the vocabulary."""
+def write_run_files(args: argparse.Namespace, config: BertConfig, lower_case: bool | None) -> None:
+    """What export_hf needs beside the checkpoints: the model config, the vocabulary and, when the shards
+    say it (`lower_case`), whether their text was lower-cased."""
     args.output_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("model_config.json", "run_info.json", "starts.jsonl"):  # a killed run's temporaries of rank 0's files
+    for name in ("model_config.json", "run_info.json", "starts.jsonl", TOKENIZATION):  # a killed run's temporaries
         remove_stale_temporaries(args.output_dir / name)
     config.to_json_file(args.output_dir / "model_config.json")
     vocab = args.input_dir / "vocab.txt"
@@ -626,6 +634,10 @@ def write_run_files(args: argparse.Namespace, config: BertConfig) -> None:
         tmp = args.output_dir / ".vocab.txt.tmp"
         shutil.copyfile(vocab, tmp)
         tmp.replace(args.output_dir / "vocab.txt")
+    if lower_case is None:  # shards that do not say: the export infers it from the vocab
+        (args.output_dir / TOKENIZATION).unlink(missing_ok=True)
+    else:
+        atomic_write_text(args.output_dir / TOKENIZATION, json.dumps({"lower_case": lower_case}) + "\n")
 
 
 def record_start(output_dir: Path, info: dict, ds_config: dict) -> None:
@@ -713,6 +725,7 @@ def train(args: argparse.Namespace) -> dict:
                               f"shards under --input_dir {args.input_dir} (.hdf5 files in a test/ directory or "
                               "named like wikicorpus_en_test_0.hdf5); add them, or pass --num_eval_samples 0 "
                               "to train without evaluation")
+    lower_case = tokenization_case(train_set, eval_set)
     identity = run_identity(args, train_set, sizes, config, bool(ds_config.get("bf16", {}).get("enabled")))
 
     run_lock = lock_output_dir(args.output_dir)
@@ -768,7 +781,7 @@ def train(args: argparse.Namespace) -> dict:
             raise CheckpointError(f"{ckpt_dir / tag}: lr schedule is at step {scheduler.step_count} but the run "
                                   f"state says {step}; the checkpoint is inconsistent")
     if rank == 0:
-        write_run_files(args, config)
+        write_run_files(args, config, lower_case)
 
     info = {
         "world_size": world, "accelerator": acc.name, "backend": acc.backend, "device_name": acc.device_name,

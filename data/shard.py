@@ -208,7 +208,9 @@ def shard(cfg: ShardConfig) -> ShardResult:
              "vocab_size": summary["vocab_size"],
              "masking": "static" if cp["static_masking"] else "dynamic",
              # How masks were (static) or are to be (dynamic, by the loader) drawn.
-             "masked_lm_prob": cp["masked_lm_prob"], "whole_word_masking": int(cp["whole_word_masking"])}
+             "masked_lm_prob": cp["masked_lm_prob"], "whole_word_masking": int(cp["whole_word_masking"]),
+             # How the text was tokenized, for the tokenizer a run exports: a vocab alone cannot tell it.
+             "lower_case": int(cp["tokens"]["params"]["lower_case"])}
     keys = tuple(k for k in DTYPES if cp["static_masking"] or not k.startswith("masked_lm"))
     params = {stage.VERSION_KEY: FORMAT_VERSION, "instances": instances, "num_shards": cfg.num_shards,
               "num_test_shards": cfg.num_test_shards, "name": cfg.name, "compression": cfg.compression}

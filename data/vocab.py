@@ -130,16 +130,17 @@ def cased_tokens(tokens: list[str]) -> list[str]:
     return [t for t in tokens if t not in SPECIAL_TOKENS and uncased.normalize_str(t) != t]
 
 
-# A lower-cased run's vocab may hold this fraction of cased tokens (check_case); the export's tokenizer
-# lower-cases for a vocab within it (modeling.save_tokenizer), as such a run did.
+# A lower-cased run's vocab may hold this fraction of cased tokens (check_case); for shards that do not
+# record their case, the export's tokenizer lower-cases for a vocab within it (modeling.vocab_lower_cases).
 CASED_TOKENS_TOLERATED = 0.01
 
 
 def check_case(vocab: Vocab, lower_case: bool) -> None:
     """Refuse a vocab whose case contradicts the tokenization's (Google's validate_case_matches_checkpoint).
 
-    Cased or uncased is decided by `cased_tokens`, as the export decides it (`modeling.save_tokenizer`,
-    which lower-cases for up to CASED_TOKENS_TOLERATED of them, as a lower-cased run may have).
+    Cased or uncased is decided by `cased_tokens`, as the export guesses it for shards that do not record
+    their case (`modeling.vocab_lower_cases`: up to CASED_TOKENS_TOLERATED of them, as a lower-cased run
+    may have).
     Cased text against an uncased vocab turns every capitalised or accented word into [UNK]; uncased text
     against a cased vocab can never produce its cased tokens. A few stray cased tokens in a custom vocab
     pass. A vocab with neither (Han alone, say) counts as uncased: lower-casing then changes nothing the

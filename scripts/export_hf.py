@@ -9,7 +9,10 @@ universal checkpoint `step00001000_universal`). The weights come from:
     every rank's partition by DeepSpeed's zero_to_fp32;
   - universal checkpoints: the fp32 weight of every parameter (`zero/<name>/fp32.pt`);
   - checkpoints without ZeRO partitions: the module weights in mp_rank_00_model_states.pt.
-The model config and vocab default to the run's `model_config.json` and `vocab.txt`.
+The model config and vocab default to the run's `model_config.json` and `vocab.txt`. The tokenizer
+lower-cases as the run's shards were made (their `lower_case` attribute, which the run keeps in
+`tokenization.json`); for shards that do not record it (NVIDIA's, Habana's), as the vocab suggests,
+unless --do_lower_case or --no_do_lower_case says.
 The result loads with `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM)
 and `AutoTokenizer.from_pretrained`.
 """
@@ -17,6 +20,7 @@ and `AutoTokenizer.from_pretrained`.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +29,7 @@ import torch
 from safetensors import SafetensorError
 
 from data.cli import HelpFormatter
-from modeling import BertConfig, BertForPreTraining, ConfigError, check_export_dir, save_hf
+from modeling import BertConfig, BertForPreTraining, ConfigError, check_export_dir, save_hf, vocab_lower_cases
 from training.checkpoint import (
     CHECKPOINTS,
     MODEL_STATES,
@@ -36,6 +40,7 @@ from training.checkpoint import (
     read_state,
     verify_files,
 )
+from training.loader import TOKENIZATION
 from training.weights import read_fp32_weights
 
 
@@ -113,9 +118,40 @@ def check_complete(loc: CheckpointLocation) -> None:
                           f"saving it); pass --tag with one of the complete tags: {', '.join(complete)}")
 
 
+def tokenizer_case(run_dir: Path, vocab_file: Path, lower_case: bool | None) -> tuple[bool, str]:
+    """Whether the exported tokenizer lower-cases, and why: `lower_case` (the command line's) or the run's
+    record of its shards' lower_case attribute, else a guess from the vocab."""
+    if lower_case is not None:
+        return lower_case, "as --do_lower_case/--no_do_lower_case says"
+    record = run_dir / TOKENIZATION
+    if record.is_file():
+        try:
+            lower_case = json.loads(record.read_text(encoding="utf-8"))["lower_case"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ExportError(f"{record}: not a tokenization record ({e}); pass --do_lower_case or "
+                              "--no_do_lower_case as the shards were made") from e
+        if not isinstance(lower_case, bool):
+            raise ExportError(f"{record}: lower_case is {lower_case!r}, not true or false; pass --do_lower_case or "
+                              "--no_do_lower_case as the shards were made")
+        return lower_case, f"as the run's shards were made ({record})"
+    return vocab_lower_cases(vocab_file), (f"guessed from {vocab_file}: the shards do not record it; pass "
+                                           "--do_lower_case or --no_do_lower_case if that is wrong")
+
+
+@dataclass(frozen=True)
+class Exported:
+    path: Path
+    weights: str  # where the weights came from
+    tokenizer: str  # how the tokenizer's case was decided
+
+    def lines(self) -> str:
+        return f"exported {self.weights}\n  -> {self.path} (config.json, model.safetensors, tokenizer files)\n" \
+               f"  tokenizer: {self.tokenizer}"
+
+
 def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: Path | None = None,
-           vocab_file: Path | None = None) -> tuple[Path, str]:
-    """Write the Hugging Face directory; returns it and where the weights came from."""
+           vocab_file: Path | None = None, lower_case: bool | None = None) -> Exported:
+    """Write the Hugging Face directory; `lower_case` overrides the run's record of its shards' case."""
     loc = locate(checkpoint, tag)
     try:
         check_export_dir(output)  # before the partitions are merged, which takes minutes for a large model
@@ -131,6 +167,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         config = BertConfig.from_json_file(config_file)
     except ConfigError as e:
         raise ExportError(str(e)) from e
+    lower, why = tokenizer_case(loc.run_dir, vocab_file, lower_case)
     check_complete(loc)
     weights, source = read_weights(loc)
     model = BertForPreTraining(config)
@@ -140,14 +177,14 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         raise ExportError(f"{loc.tag_dir}: the weights do not fit {config_file} ({e}); pass the model config "
                           "the run trained with (--config_file)") from e
     try:
-        save_hf(model.eval(), output, vocab_file=vocab_file)
+        save_hf(model.eval(), output, vocab_file=vocab_file, lower_case=lower)
     except ValueError as e:
         raise ExportError(str(e)) from e
     except (OSError, SafetensorError) as e:  # safetensors reports a full disk as a SafetensorError
         raise ExportError(f"could not write {output} ({type(e).__name__}: {e}); nothing was written under that "
                           "name and an earlier export there is kept. If the disk is full, free space there and "
                           "rerun the same command") from e
-    return output, source
+    return Exported(output, source, f"{'lower-cases' if lower else 'keeps case'}, {why}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -158,13 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tag", help="checkpoint tag (default: the one named by 'latest')")
     parser.add_argument("--config_file", type=Path, help="model config (default: <run>/model_config.json)")
     parser.add_argument("--vocab_file", type=Path, help="vocab.txt (default: <run>/vocab.txt)")
+    case = parser.add_mutually_exclusive_group()
+    case.add_argument("--do_lower_case", action="store_const", const=True,
+                      help="the tokenizer lower-cases and strips accents (default: as the run's shards were made; "
+                           "for shards that do not record it, guessed from the vocab)")
+    case.add_argument("--no_do_lower_case", dest="do_lower_case", action="store_const", const=False,
+                      help="the tokenizer keeps case and accents")
     args = parser.parse_args(argv)
     try:
-        out, source = export(args.checkpoint, args.output, args.tag, args.config_file, args.vocab_file)
+        done = export(args.checkpoint, args.output, args.tag, args.config_file, args.vocab_file, args.do_lower_case)
     except ExportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {source}\n  -> {out} (config.json, model.safetensors, tokenizer files)")
+    print(done.lines())
     return 0
 
 

@@ -57,7 +57,8 @@ def test_layout_keys_dtypes_shapes_and_attributes(phase1_shards, dynamic_shards)
                     width = {"next_sentence_labels": None, "masked_lm_positions": 20, "masked_lm_ids": 20}.get(key, 128)
                     assert f[key].shape == ((n,) if width is None else (n, width)), key
                 assert dict(f.attrs) == {"max_seq_length": 128, "max_predictions_per_seq": 20, "vocab_size": 30522,
-                                         "masking": masking, "masked_lm_prob": 0.15, "whole_word_masking": 0}
+                                         "masking": masking, "masked_lm_prob": 0.15, "whole_word_masking": 0,
+                                         "lower_case": 1}
 
 
 def test_training_shards_are_balanced_within_one_percent(phase1_shards):
@@ -194,5 +195,6 @@ def test_whole_word_masking_masks_whole_words(phase1_shards, tmp_path):
     shard(ShardConfig(out, tmp_path / "hdf5", num_shards=1, num_test_shards=1))
     with h5py.File(tmp_path / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
         assert dict(f.attrs) == {"max_seq_length": 128, "max_predictions_per_seq": 20, "vocab_size": 30522,
-                                 "masking": "static", "masked_lm_prob": 0.1, "whole_word_masking": 1}
+                                 "masking": "static", "masked_lm_prob": 0.1, "whole_word_masking": 1,
+                                 "lower_case": 1}
         assert len(f["input_ids"]) == result.instances["training"]

@@ -148,6 +148,7 @@ def test_no_lower_case_trains_and_uses_a_vocab_for_a_script_without_case(tmp_pat
     assert "हूँ" in vocab.tokens and "हिंदी" in vocab.tokens
     with h5py.File(tmp_path / "out" / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
         ids = f["input_ids"][:]
+        assert f.attrs["lower_case"] == 0  # for the tokenizer a run on these shards exports
     assert len(ids) > 0 and (ids == vocab.tokens.index("[UNK]")).sum() == 0
 
 

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from modeling import BertConfig, BertForPreTraining
-from scripts.export_hf import ExportError, export, locate, read_weights
+from scripts.export_hf import ExportError, export, locate, read_weights, tokenizer_case
 from tests.conftest import free_port
 from tests.test_launch import shared_two_node_run
 from training.weights import read_fp32_weights
@@ -33,8 +33,11 @@ def zero_run(tmp_path_factory, phase1_shards) -> Path:
 @pytest.fixture(scope="module")
 def zero_export(zero_run: Path, tmp_path_factory) -> tuple[Path, dict[str, torch.Tensor]]:
     hf = tmp_path_factory.mktemp("export") / "hf"
-    out, source = export(zero_run, hf)
-    assert out == hf.resolve() and "merged from 2 ZeRO partition(s)" in source
+    done = export(zero_run, hf)
+    assert done.path == hf.resolve() and "merged from 2 ZeRO partition(s)" in done.weights
+    # The run kept its shards' lower_case attribute, and the export's tokenizer follows it.
+    assert json.loads((zero_run / "tokenization.json").read_text()) == {"lower_case": True}
+    assert done.tokenizer == f"lower-cases, as the run's shards were made ({zero_run.resolve() / 'tokenization.json'})"
     weights, _ = read_weights(locate(zero_run))
     return hf, weights
 
@@ -107,7 +110,7 @@ def test_universal_checkpoint_exports_the_same_weights(zero_run: Path, zero_expo
                    check=True, capture_output=True, timeout=300)
     _, weights = zero_export
     hf = tmp_path / "hf"
-    _, source = export(universal, hf, config_file=zero_run / "model_config.json", vocab_file=zero_run / "vocab.txt")
+    source = export(universal, hf, config_file=zero_run / "model_config.json", vocab_file=zero_run / "vocab.txt").weights
     assert "universal checkpoint" in source
     exported, _ = read_weights(locate(universal))
     for name, value in exported.items():
@@ -131,7 +134,7 @@ def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tm
                           env={**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu",
                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stderr[-3000:]
-    _, source = export(run, tmp_path / "hf_zero")
+    source = export(run, tmp_path / "hf_zero").weights
     assert "merged from 1 ZeRO partition(s)" in source and "bf16" not in source
     tag_dir = locate(run).tag_dir
     # Phase 2 takes such a tag's fp32 module weights without reading its partitions: they equal the masters.
@@ -142,11 +145,31 @@ def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tm
     plain = tmp_path / "plain" / "checkpoints" / tag_dir.name
     plain.mkdir(parents=True)
     shutil.copy(tag_dir / "mp_rank_00_model_states.pt", plain)
-    _, source = export(plain, tmp_path / "hf_plain", config_file=run / "model_config.json",
-                       vocab_file=run / "vocab.txt")
+    source = export(plain, tmp_path / "hf_plain", config_file=run / "model_config.json",
+                    vocab_file=run / "vocab.txt").weights
     assert "module weights (float32), no ZeRO partitions" in source
     assert_exported(tmp_path / "hf_zero", masters)
     assert_exported(tmp_path / "hf_plain", masters)  # fp32 training: the module weights are the masters
+
+
+def test_the_tokenizer_case_comes_from_the_flag_then_the_run_record_then_the_vocab(tmp_path: Path, bert_vocab):
+    lines = bert_vocab.read_text(encoding="utf-8").splitlines()
+    lines[lines.index("gunners")] = "McDonald"  # within the stray cased tokens a lower-cased run accepts
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert tokenizer_case(tmp_path, vocab, None) == (
+        True, f"guessed from {vocab}: the shards do not record it; pass --do_lower_case or --no_do_lower_case if "
+              "that is wrong")
+    record = tmp_path / "tokenization.json"
+    record.write_text('{"lower_case": false}\n')
+    assert tokenizer_case(tmp_path, vocab, None) == (False, f"as the run's shards were made ({record})")
+    assert tokenizer_case(tmp_path, vocab, True) == (True, "as --do_lower_case/--no_do_lower_case says")
+    for bad, why in (('{"lower_case": "no"}', r"lower_case is 'no', not true or false"),
+                     ("{}", r"not a tokenization record \('lower_case'\)"), ("[", "not a tokenization record")):
+        record.write_text(bad)
+        with pytest.raises(ExportError, match=f"{record}: {why}.*; pass --do_lower_case or --no_do_lower_case"):
+            tokenizer_case(tmp_path, vocab, None)
+        assert tokenizer_case(tmp_path, vocab, False)[0] is False  # the flag is the way past a damaged record
 
 
 def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path: Path):
@@ -246,3 +269,19 @@ def test_an_export_to_a_full_disk_says_so_keeps_the_earlier_export_and_leaves_no
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # no .hf.tmp
     assert subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env).returncode == 0
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before  # the same checkpoint: the same export
+
+
+def test_the_command_says_how_it_chose_the_tokenizer_case_and_the_flag_overrides_the_run(zero_run: Path, tmp_path):
+    cmd = [sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--checkpoint", str(zero_run)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    for flags, lower, why in (([], True, f"as the run's shards were made ({zero_run.resolve() / 'tokenization.json'})"),
+                              (["--no_do_lower_case"], False, "as --do_lower_case/--no_do_lower_case says")):
+        hf = tmp_path / f"hf{len(flags)}"
+        result = subprocess.run(cmd + ["--output", str(hf)] + flags, capture_output=True, text=True, timeout=300,
+                                cwd=ROOT, env=env)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.splitlines()[-1] == f"  tokenizer: {'lower-cases' if lower else 'keeps case'}, {why}"
+        assert json.loads((hf / "tokenizer_config.json").read_text())["do_lower_case"] is lower
+        from transformers import AutoTokenizer
+
+        assert AutoTokenizer.from_pretrained(hf).tokenize("The Fox")[0] == ("the" if lower else "[UNK]")

@@ -15,7 +15,15 @@ import torch
 from data.create import CreateConfig, create
 from data.shard import ShardConfig, shard
 from modeling import IGNORE_INDEX
-from training.loader import DataConfigError, RankSampler, find_shards, inspect_shard, make_loader, open_split
+from training.loader import (
+    DataConfigError,
+    RankSampler,
+    find_shards,
+    inspect_shard,
+    make_loader,
+    open_split,
+    tokenization_case,
+)
 
 VOCAB = 30522
 
@@ -306,6 +314,40 @@ def test_static_and_dynamic_shards_are_not_mixed(phase1_shards, dynamic_shards, 
     with pytest.raises(DataConfigError, match="the input mixes shards with static masks and shards without; "
                                               "use one kind per --input_dir"):
         training_set(tmp_path)
+
+
+def test_the_shards_case_is_read_and_shards_of_both_cases_are_not_mixed(phase1_shards, tmp_path):
+    """A run keeps its shards' lower_case attribute for the tokenizer it exports; shards tokenized with
+    and without lower-casing hold different ids for the same words, so no export could serve both."""
+    ours = training_set(phase1_shards)
+    assert [s.lower_case for s in ours.shards] == [True, True] and tokenization_case(ours, None) is True
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for src in find_shards(phase1_shards, "training"):
+        _to_reference_format(src, reference / src.name)  # no attributes, as NVIDIA's and Habana's
+    assert tokenization_case(training_set(reference)) is None
+    (tmp_path / "training").mkdir()
+    first, second = find_shards(phase1_shards, "training")
+    cased = tmp_path / "training" / "b_training_0.hdf5"
+    (tmp_path / "training" / "a_training_0.hdf5").write_bytes(first.read_bytes())
+    cased.write_bytes(second.read_bytes())
+    with h5py.File(cased, "r+") as f:
+        f.attrs["lower_case"] = 0
+    with pytest.raises(DataConfigError, match=rf"a_training_0.hdf5 was made from lower-cased text but {cased} from "
+                                              "text that kept its case .*; train on shards made with one setting"):
+        training_set(tmp_path)
+    # Across the splits too: the test shards are evaluated by the same model.
+    with h5py.File(cased, "r+") as f:
+        f.attrs["lower_case"] = 1
+    cased_test = find_shards(phase1_shards, "test")[0]
+    (tmp_path / "test").mkdir()
+    (tmp_path / "test" / cased_test.name).write_bytes(cased_test.read_bytes())
+    with h5py.File(tmp_path / "test" / cased_test.name, "r+") as f:
+        f.attrs["lower_case"] = 0
+    test_set = open_split(tmp_path, "test", 128, 20, VOCAB, seed=1, shuffle=False)
+    assert tokenization_case(test_set) is False
+    with pytest.raises(DataConfigError, match="from text that kept its case"):
+        tokenization_case(training_set(tmp_path), test_set)
 
 
 def test_open_files_are_not_reused_across_a_fork(phase1_shards, monkeypatch):

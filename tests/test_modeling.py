@@ -509,3 +509,25 @@ def test_the_exported_tokenizer_lower_cases_as_a_run_with_a_few_stray_cased_toke
     exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
     assert exported.convert_ids_to_tokens(exported(text, add_special_tokens=False)["input_ids"]) == [
         "the", "quick", "brown", "fox", "in", "zurich"] == exported.convert_ids_to_tokens(ids.tolist())
+
+
+def test_the_exported_tokenizer_keeps_case_when_told_whatever_the_vocab_suggests(tmp_path, bert_vocab):
+    """A --no_lower_case run with that vocab: its shards say so (lower_case 0), the export is told, and its
+    tokenizer gives the ids the shards were made with, though the vocab alone looks uncased."""
+    from transformers import AutoTokenizer
+
+    from data.tokens import WordPieceTokenizer
+
+    lines = bert_vocab.read_text(encoding="utf-8").splitlines()
+    lines[lines.index("gunners")] = "McDonald"
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert modeling.vocab_lower_cases(vocab)  # the guess for shards that do not say
+    modeling.save_tokenizer(vocab, tmp_path / "hf", 512, lower_case=False)
+    text = "McDonald and the Fox in zürich"
+    ids, _ = WordPieceTokenizer(vocab, lower_case=False).tokenize_sentences([text])
+    exported = AutoTokenizer.from_pretrained(tmp_path / "hf")
+    assert exported(text, add_special_tokens=False)["input_ids"] == ids.tolist()
+    assert exported.convert_ids_to_tokens(ids.tolist()) == ["McDonald", "and", "the", "[UNK]", "in", "[UNK]"]  # nor accents stripped
+    (tmp_path / "hf" / "tokenizer.json").unlink()  # tools that read only vocab.txt and tokenizer_config.json
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text, add_special_tokens=False)["input_ids"] == ids.tolist()

@@ -23,6 +23,7 @@ from run_pretraining import (
     resolve_batch_sizes,
     shard_dirs,
     start_lines,
+    write_run_files,
 )
 from training.loader import ShardInfo
 
@@ -440,3 +441,23 @@ def test_the_start_caps_the_evaluated_samples_and_names_another_world_size_only(
     info["resumed_world_size"] = 4
     assert start_lines(info, args, _dataset(tmp_path, 50), _dataset(tmp_path, 2))[5].endswith(
         " at sequence 32 of a 4-rank run")
+
+
+def test_the_run_keeps_its_shards_case_beside_its_vocab_and_drops_a_stale_record(tmp_path, bert_vocab):
+    """export_hf reads <output_dir>/tokenization.json; a start on shards that do not record their case
+    must not leave an earlier start's record there, which the export would trust over the vocab."""
+    from modeling import BertConfig
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "vocab.txt").write_bytes(bert_vocab.read_bytes())
+    args = argparse.Namespace(output_dir=tmp_path / "run", input_dir=data)
+    config = BertConfig.from_dict(TINY_MODEL)
+    write_run_files(args, config, False)
+    assert json.loads((args.output_dir / "tokenization.json").read_text()) == {"lower_case": False}
+    assert (args.output_dir / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
+    write_run_files(args, config, True)
+    assert json.loads((args.output_dir / "tokenization.json").read_text()) == {"lower_case": True}
+    write_run_files(args, config, None)
+    assert not (args.output_dir / "tokenization.json").exists()
+    assert sorted(p.name for p in args.output_dir.iterdir()) == ["model_config.json", "vocab.txt"]

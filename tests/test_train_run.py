@@ -331,7 +331,7 @@ def test_phase2_can_start_from_a_hugging_face_export(bf16_run, phase1_shards, tm
     """--init_checkpoint also takes a Hugging Face BERT directory: continued pretraining from it."""
     from scripts.export_hf import export
 
-    hf, _ = export(bf16_run, tmp_path / "hf")
+    hf = export(bf16_run, tmp_path / "hf").path
     out = tmp_path / "continued"
     ds = ds_config(tmp_path / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
     ok(run(1, base_args(phase1_shards, out, bf16_run / "model_config.json", ds, 2, learning_rate=1e-4,

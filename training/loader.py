@@ -53,6 +53,7 @@ class ShardInfo:
     # Dynamic masking's recipe, from our shards' attributes (BERT's defaults for others).
     masked_lm_prob: float = BERT_MASKED_LM_PROB
     whole_word_masking: bool = False
+    lower_case: bool | None = None  # whether the text was lower-cased; None: the shard does not say
 
 
 def find_shards(input_dir: Path, split: str) -> list[Path]:
@@ -129,7 +130,8 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
     if not 0.0 < prob < 1.0:
         raise DataConfigError(f"{path}: attribute masked_lm_prob={prob} is outside (0, 1); recreate the shards")
     return ShardInfo(path=str(path), num_samples=int(n), static_masks=static, masked_lm_prob=prob,
-                     whole_word_masking=bool(attrs.get("whole_word_masking", 0)))
+                     whole_word_masking=bool(attrs.get("whole_word_masking", 0)),
+                     lower_case=bool(attrs["lower_case"]) if "lower_case" in attrs else None)
 
 
 def _check_attrs(path: Path, attrs: dict, static: bool, seq: int, preds: int, vocab_size: int) -> None:
@@ -164,10 +166,32 @@ def inspect_shards(paths: list[Path], max_seq_length: int, max_predictions: int,
     if not shards[0].static_masks and len(recipes) > 1:
         raise DataConfigError("the shards' masking attributes differ (masked_lm_prob, whole_word_masking: "
                               f"{sorted(recipes)}); use shards made with one setting per --input_dir")
+    check_one_case(shards)
     empty = [s.path for s in shards if s.num_samples == 0]
     if empty:
         raise DataConfigError(f"{empty[0]}: the shard holds no samples; remove it")
     return shards
+
+
+def check_one_case(shards: list[ShardInfo]) -> None:
+    """Shards whose text was tokenized lower-cased and shards whose text kept its case hold different ids
+    for the same words; no single tokenizer serves a model trained on both."""
+    by_case = {s.lower_case: s.path for s in shards if s.lower_case is not None}
+    if len(by_case) > 1:
+        raise DataConfigError(f"{by_case[True]} was made from lower-cased text but {by_case[False]} from text that "
+                              "kept its case (their lower_case attributes); train on shards made with one setting")
+
+
+TOKENIZATION = "tokenization.json"  # a run's record of tokenization_case, beside its vocab.txt, for the export
+
+
+def tokenization_case(*datasets: PretrainingDataset | None) -> bool | None:
+    """Whether the shards' text was lower-cased, as their lower_case attributes say; None when no shard
+    says (NVIDIA's and Habana's carry no attributes, nor do ours from before the attribute)."""
+    shards = [s for d in datasets if d is not None for s in d.shards]
+    check_one_case(shards)
+    cases = {s.lower_case for s in shards} - {None}
+    return cases.pop() if cases else None
 
 
 class PretrainingDataset(Dataset):
