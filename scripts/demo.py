@@ -189,15 +189,15 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     latest = (checkpoints / "latest").read_text().strip()
     print(f"""
 === done in {time.time() - start:.0f} s. Everything is under {cfg.output_dir}: ===
-  dump              {dump}
-  extracted text    {data_dir / 'text'}
-  vocab             {data_dir / 'vocab.txt'}
-  HDF5 shards       {data_dir / 'hdf5'}
-  training run      {run_dir}
-    metrics         {run_dir / 'metrics.jsonl'} (eval: {run_dir / 'eval.jsonl'})
-    TensorBoard     {run_dir / 'tensorboard'}   (view: tensorboard --logdir {run_dir / 'tensorboard'})
-    checkpoint      {checkpoints / latest}
-    DeepSpeed JSON  {run_dir / 'launch' / 'deepspeed_config.json'}
+  dump               {dump}
+  extracted text     {data_dir / 'text'}
+  vocab              {data_dir / 'vocab.txt'}
+  HDF5 shards        {data_dir / 'hdf5'}
+  training run       {run_dir}
+    metrics          {run_dir / 'metrics.jsonl'} (eval: {run_dir / 'eval.jsonl'})
+    TensorBoard      {run_dir / 'tensorboard'}   (view: tensorboard --logdir {run_dir / 'tensorboard'})
+    checkpoint       {checkpoints / latest}
+    DeepSpeed JSON   {run_dir / 'launch' / 'deepspeed_config.json'}
   Hugging Face model {hf_dir}   (transformers.AutoModelForMaskedLM.from_pretrained("{hf_dir}"))
 """)
     return DemoResult(dump, data_dir, run_dir, hf_dir, records, predictions)

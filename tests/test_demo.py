@@ -50,8 +50,10 @@ def test_demo_end_to_end_reduced(tmp_path: Path):
     assert len(tokenizer) == len(vocab)
     assert "the city was founded in 1200 as a [MASK] on the river." in stdout
     assert stdout.count("      -> '") == 3
+    summary = stdout.split("=== done in")[1].splitlines()[1:]
     for where in ("dump", "HDF5 shards", "TensorBoard", "checkpoint", "Hugging Face model"):
-        assert where in stdout.split("=== done in")[1]
+        assert any(line.strip().startswith(where) for line in summary), where
+    assert len({line.index(" /") for line in summary if line.strip()}) == 1  # the paths start in one column
 
 
 def _records(losses: list[float], accuracies: list[float]) -> list[dict]:
