@@ -171,7 +171,8 @@ def test_prepare_cli_passes_its_masking_flags_and_a_phase_preset_with_an_overrid
                   "--test_fraction", "0.1", "--articles_per_part", "40", "--workers", "1"])
     with h5py.File(out / "hdf5" / "training" / "wikicorpus_en_training_0.hdf5", "r") as f:
         assert dict(f.attrs) == {"max_seq_length": 256, "max_predictions_per_seq": 80, "vocab_size": 30522,
-                                 "masking": "dynamic", "masked_lm_prob": 0.2, "whole_word_masking": 1}
+                                 "masking": "dynamic", "masked_lm_prob": 0.2, "whole_word_masking": 1,
+                                 "lower_case": 1}
         assert f["input_ids"].shape[1] == 256 and "masked_lm_positions" not in f
 
 
