@@ -144,7 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--phase2", action="store_true", help="start from --init_checkpoint's weights with a fresh optimizer and schedule (NVIDIA's flag; "
                         "required with --init_checkpoint)")
     g.add_argument("--init_checkpoint", type=Path,
-                   help="--output_dir of the phase-1 run, or a Hugging Face BERT directory (with --phase2)")
+                   help="--output_dir of the phase-1 run, a Hugging Face BERT directory, or NVIDIA's/Habana's "
+                        "ckpt_<step>.pt (or its directory: the highest step; --config_file must match their "
+                        "bert_config.json) (with --phase2)")
     g.add_argument("--num_steps_per_checkpoint", type=int, default=200,
                    help="save a checkpoint every N steps (and at the last step, or on SIGTERM/SIGINT)")
     g.add_argument("--keep_checkpoints", type=int, default=3, help="how many newest checkpoints to keep")

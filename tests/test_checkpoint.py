@@ -708,30 +708,6 @@ def test_init_weights_from_a_run_of_another_model_name_the_fields(tmp_path):
                                 "3 in --config_file); pass that run's model config as --config_file")
 
 
-def test_init_weights_from_an_nvidia_checkpoint_name_what_is_read(tmp_path):
-    """NVIDIA's and Habana's phase 2 take --init_checkpoint <results>/ckpt_<step>.pt (a dict with their
-    model's state_dict under 'model'); that file, or the directory holding it, is refused naming what is read
-    (it was "no checkpoint under .../ckpt_7038.pt/checkpoints")."""
-    import modeling
-    from tests.test_modeling import small_config
-
-    model = modeling.BertForPreTraining(small_config())
-    theirs = {"bert." + k.replace(".dense.", ".dense_act.") if not k.startswith("cls.") else k: v
-              for k, v in model.state_dict().items()}
-    (tmp_path / "results").mkdir()
-    torch.save({"model": theirs, "optimizer": {}, "files": [], "epoch": 0}, tmp_path / "results" / "ckpt_7038.pt")
-    supported = ("Pass the --output_dir of a phase-1 run of this script, or a Hugging Face BERT directory "
-                 "(config.json and model.safetensors or pytorch_model.bin)")
-    with pytest.raises(CheckpointError, match=f"^--init_checkpoint {re.escape(str(tmp_path / 'results' / 'ckpt_7038.pt'))} "
-                                              "is a file; NVIDIA's and Habana's ckpt_<step>.pt checkpoints are not "
-                                              rf"read. {re.escape(supported)}$"):
-        weights.load_initial_weights(model, tmp_path / "results" / "ckpt_7038.pt")
-    with pytest.raises(CheckpointError, match=f"^--init_checkpoint {re.escape(str(tmp_path / 'results'))} holds "
-                                              r"ckpt_7038.pt: NVIDIA's or Habana's checkpoints, which are not read. "
-                                              f"{re.escape(supported)}$"):
-        weights.load_initial_weights(model, tmp_path / "results")
-
-
 def test_export_checks_every_files_crc_not_only_its_size(tmp_path):
     from scripts.export_hf import ExportError, check_complete, locate
 

@@ -25,6 +25,7 @@ from training.checkpoint import (
     find_resume,
     verify_checksums,
 )
+from training.reference_checkpoint import load_reference_checkpoint, reference_checkpoint
 
 _PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _BF16_PARTITION_PREFIX = "bf16_"  # BF16_Optimizer's files; the ZeRO optimizer's have no prefix
@@ -140,6 +141,8 @@ def set_fp32_masters(engine, weights: dict[str, torch.Tensor]) -> None:
 
 
 # Fields that make two BERTs the same function of their weights (dropout and init do not).
+_SUPPORTED = ("point it at the --output_dir of a finished phase-1 run, a Hugging Face BERT directory, or a "
+              "ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py (or the directory holding them)")
 _ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pre_layer_norm",
                  "next_sentence_prediction")
@@ -149,7 +152,8 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
     """Phase 2: the fp32 weights of `init_dir`'s latest checkpoint (its fp32 master weights, merged from
     its partitions after a bf16 run), read memory-mapped into `model` before DeepSpeed wraps it, or those of a Hugging
     Face BERT directory (config.json and weights: an export of ours, or a published BERT to continue
-    pretraining from). Optimizer state and schedule are not touched. Collective for a checkpoint: the
+    pretraining from), or those of NVIDIA's or Habana's ckpt_<step>.pt (training/reference_checkpoint.py).
+    Optimizer state and schedule are not touched. Collective for a checkpoint: the
     ranks share the CRC checks of its files. With `vocab_file` (the shards' vocab.txt), the vocabulary of
     `init_dir` (a run's copy, a Hugging Face directory's) must be that one: a vocab of the same size but
     other tokens would train every embedding on another token's text."""
@@ -157,11 +161,16 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
     if not ckpt_dir.is_dir() and (init_dir / "config.json").is_file():
         _check_vocab(init_dir, vocab_file)
         return _load_hf(model, init_dir)
-    _refuse_reference_checkpoint(init_dir, ckpt_dir)
+    if not ckpt_dir.is_dir() and (reference := reference_checkpoint(init_dir)):
+        tokens = len(_vocab_tokens(vocab_file)) if vocab_file is not None and vocab_file.is_file() else None
+        return load_reference_checkpoint(model, *reference, vocab_tokens=tokens)
     found = find_resume(ckpt_dir)
     if found is None:
-        raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; point it at "
-                              "the --output_dir of a finished phase-1 run or at a Hugging Face BERT directory")
+        if (init_dir / "latest").is_file():
+            raise CheckpointError(f"--init_checkpoint {init_dir}: a DeepSpeed checkpoint directory of another script "
+                                  "('latest' beside its tags, as Habana's deepspeed-bert writes), which is not read; "
+                                  f"{_SUPPORTED}")
+        raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; {_SUPPORTED}")
     _check_phase1_config(init_dir / "model_config.json", model)
     _check_vocab(init_dir, vocab_file)
     tag, state = found
@@ -173,23 +182,6 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
         raise CheckpointError(f"{ckpt_dir / tag}: the phase-1 weights do not fit --config_file ({e}). Use the "
                               "phase-1 model config") from e
     return f"{ckpt_dir / tag}"
-
-
-def _refuse_reference_checkpoint(init_dir: Path, ckpt_dir: Path) -> None:
-    """NVIDIA's and Habana's run_pretraining.py save ckpt_<step>.pt (torch.save of a dict of their model's
-    state_dict, in their parameter names, and optimizer state) and take that file as --init_checkpoint: say
-    what is read instead of "no checkpoint under <file>/checkpoints"."""
-    supported = ("the --output_dir of a phase-1 run of this script, or a Hugging Face BERT directory (config.json "
-                 "and model.safetensors or pytorch_model.bin)")
-    if init_dir.is_file():
-        raise CheckpointError(f"--init_checkpoint {init_dir} is a file; NVIDIA's and Habana's ckpt_<step>.pt "
-                              f"checkpoints are not read. Pass {supported}")
-    if not ckpt_dir.is_dir() and init_dir.is_dir():
-        theirs = sorted(p.name for p in init_dir.glob("ckpt_*.pt"))
-        if theirs:
-            raise CheckpointError(f"--init_checkpoint {init_dir} holds {', '.join(theirs[:3])}"
-                                  f"{', ...' if len(theirs) > 3 else ''}: NVIDIA's or Habana's checkpoints, which "
-                                  f"are not read. Pass {supported}")
 
 
 def _check_phase1_config(config_file: Path, model: BertForPreTraining) -> None:

@@ -1,0 +1,253 @@
+"""--phase2 --init_checkpoint <NVIDIA's or Habana's ckpt_<step>.pt>: their phase-1 checkpoints, continued here.
+
+No checkpoint written by their scripts is available offline: these files are built from one of our models
+in the layout their published run_pretraining.py and modeling.py give (see training/reference_checkpoint.py):
+their parameter names (`dense_act`, the tied `cls.predictions.decoder.weight`), their vocab padded to a
+multiple of 8, apex's fp32 'master params', and a pickled DataLoader of their `__main__` dataset class."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from torch.utils.data import DataLoader, Dataset, RandomSampler
+
+import modeling
+from training.checkpoint import CheckpointError
+from training.weights import load_initial_weights
+
+TINY = modeling.BertConfig.from_json_file(ROOT / "configs" / "models" / "bert-tiny.json")
+_FUSED = ("intermediate.dense.", "pooler.dense.", "transform.dense.")  # their LinearActivation layers
+
+
+def tiny_model(seed: int, **changes) -> modeling.BertForPreTraining:
+    torch.manual_seed(seed)
+    model = modeling.BertForPreTraining(modeling.BertConfig.from_dict(TINY.to_dict() | changes))
+    with torch.no_grad():  # padding rows are not weights: a load leaves them zero, as load_hf does
+        model.bert.embeddings.word_embeddings.weight[TINY.vocab_size:] = 0
+        model.cls.predictions.bias[TINY.vocab_size:] = 0
+    return model
+
+
+def their_state_dict(model: modeling.BertForPreTraining, prefix: str = "") -> dict[str, torch.Tensor]:
+    """`model` as their BertForPreTraining's state_dict: fused dense_act names, the tied decoder after the
+    MLM transform, the vocab padded to a multiple of 8 (with values of their own in the padding rows)."""
+    theirs = {}
+    for name, value in model.state_dict().items():
+        for fused in _FUSED:
+            name = name.replace(fused, fused.replace(".dense.", ".dense_act."))
+        value = value.clone()
+        if name in ("bert.embeddings.word_embeddings.weight", "cls.predictions.bias"):
+            value[TINY.vocab_size:] = 7.0  # their padding rows, trained against: never read here
+        theirs[prefix + name] = value
+        if name == "cls.predictions.transform.LayerNorm.bias":
+            theirs[prefix + "cls.predictions.decoder.weight"] = theirs[prefix + "bert.embeddings.word_embeddings.weight"]
+    return theirs
+
+
+class pretraining_dataset(Dataset):  # noqa: N801 - their class name, pickled by reference from their __main__
+    def __init__(self):
+        self.inputs = [np.zeros((4, 128), dtype=np.int32)]
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, index):
+        return self.inputs[0][index]
+
+
+def apex_masters(theirs: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """amp.master_params(optimizer): their two parameter groups (weight-decayed first, then names with
+    bias/gamma/beta/LayerNorm), each in named_parameters order (the tied decoder is not a second parameter)."""
+    params = [k for k in theirs if not k.endswith("decoder.weight")]
+    order = sorted(params, key=lambda n: any(nd in n for nd in ("bias", "gamma", "beta", "LayerNorm")))
+    return [theirs[k].clone() for k in order]
+
+
+def save_theirs(path, theirs: dict, masters: list | None = None, **extra):
+    """torch.save as their run_pretraining.py does, the DataLoader's dataset class living in their __main__."""
+    main = sys.modules["__main__"]
+    pretraining_dataset.__module__ = "__main__"
+    main.pretraining_dataset = pretraining_dataset
+    try:
+        data = pretraining_dataset()
+        torch.save({"model": theirs, "optimizer": {"state": {}, "param_groups": [{"lr": 6e-3, "step": 7038}]},
+                    "master params": apex_masters(theirs) if masters is None else masters,
+                    "files": [3, "/data/training/shard_3.hdf5"], "epoch": 0,
+                    "data_loader": DataLoader(data, sampler=RandomSampler(data), batch_size=2), **extra}, path)
+    finally:
+        del main.pretraining_dataset
+        pretraining_dataset.__module__ = __name__
+    return path
+
+
+def state_equal(a: modeling.BertForPreTraining, b: modeling.BertForPreTraining) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for name in sa:
+        assert torch.equal(sa[name], sb[name]), name
+
+
+def test_their_checkpoint_loads_exactly(tmp_path):
+    source = tiny_model(1)
+    path = save_theirs(tmp_path / "ckpt_7038.pt", their_state_dict(source))
+    with pytest.raises(AttributeError):  # what a plain torch.load does with their pickled DataLoader
+        torch.load(path, weights_only=False)
+    model = tiny_model(2)
+    assert load_initial_weights(model, path) == f"{path} (NVIDIA/Habana ckpt_<step>.pt, fp32 master weights)"
+    state_equal(model, source)
+    # Saved from a wrapped model (DDP's module., torch.compile's _orig_mod.): the same weights.
+    for prefix in ("module.", "_orig_mod.", "module._orig_mod."):
+        save_theirs(tmp_path / "wrapped.pt", their_state_dict(source, prefix))
+        model = tiny_model(2)
+        load_initial_weights(model, tmp_path / "wrapped.pt")
+        state_equal(model, source)
+
+
+def test_apex_fp16_master_weights_are_taken_when_they_are_the_masters(tmp_path):
+    """apex O2: the state_dict holds the fp16 weights (cast to fp32), 'master params' the fp32 masters in
+    their optimizer's order: weight-decayed parameters first, then biases and LayerNorms."""
+    source = tiny_model(1)
+    theirs = their_state_dict(source)
+    masters = apex_masters(theirs)
+    rounded = {k: v.half().float() for k, v in theirs.items()}
+    rounded["cls.predictions.decoder.weight"] = rounded["bert.embeddings.word_embeddings.weight"]
+    save_theirs(tmp_path / "ckpt_1234.pt", rounded, masters)
+    model = tiny_model(2)
+    assert load_initial_weights(model, tmp_path / "ckpt_1234.pt").endswith(", fp32 master weights)")
+    state_equal(model, source)
+    # Masters in another order are not these weights' masters: the model weights are read, and said so.
+    save_theirs(tmp_path / "ckpt_1234.pt", rounded, masters[::-1])
+    assert load_initial_weights(model, tmp_path / "ckpt_1234.pt").endswith(", float32 model weights)")
+    assert torch.equal(model.bert.pooler.dense.weight, source.bert.pooler.dense.weight.half().float())
+    # Habana's HPU checkpoints have no 'master params' at all.
+    torch.save({"model": their_state_dict(source), "optimizer": {}, "files": [0], "epoch": 1, "data_loader": None},
+               tmp_path / "habana.pt")
+    assert load_initial_weights(model, tmp_path / "habana.pt").endswith(", float32 model weights)")
+    state_equal(model, source)
+
+
+def test_a_directory_of_their_checkpoints_gives_the_highest_step(tmp_path):
+    save_theirs(tmp_path / "ckpt_100.pt", their_state_dict(tiny_model(1)))
+    save_theirs(tmp_path / "ckpt_200.pt", their_state_dict(source := tiny_model(3)))
+    (tmp_path / "dllogger.json").write_text("{}")
+    model = tiny_model(2)
+    assert load_initial_weights(model, tmp_path) == (
+        f"{tmp_path / 'ckpt_200.pt'} (NVIDIA/Habana ckpt_<step>.pt, fp32 master weights; the highest step of 2 "
+        f"ckpt_<step>.pt in {tmp_path})")
+    state_equal(model, source)
+
+
+def test_another_config_is_refused_naming_the_tensors(tmp_path):
+    path = save_theirs(tmp_path / "ckpt_7038.pt", their_state_dict(tiny_model(1)))
+    with pytest.raises(CheckpointError) as error:
+        load_initial_weights(tiny_model(2, intermediate_size=256), path)
+    assert str(error.value) == (
+        f"{path}: the model of --config_file has other shapes (bert.encoder.layer.0.intermediate.dense.weight "
+        "(512, 128) there, (256, 128) in --config_file; bert.encoder.layer.0.intermediate.dense.bias (512,) there, "
+        "(256,) in --config_file; bert.encoder.layer.0.output.dense.weight (128, 512) there, (128, 256) in "
+        "--config_file; bert.encoder.layer.1.intermediate.dense.weight (512, 128) there, (256, 128) in "
+        "--config_file; bert.encoder.layer.1.intermediate.dense.bias (512,) there, (256,) in --config_file; "
+        "bert.encoder.layer.1.output.dense.weight (128, 512) there, (128, 256) in --config_file); pass the "
+        "--config_file matching their bert_config.json (their BertForPreTraining is post-LN with the NSP head: "
+        "pre_layer_norm false, next_sentence_prediction true)")
+    with pytest.raises(CheckpointError, match=r"ckpt_7038.pt: the model of --config_file has other shapes "
+                                              r"\(bert.embeddings.word_embeddings.weight \(30528, 128\) there, "
+                                              r"\(30000, 128\) in --config_file"):
+        load_initial_weights(tiny_model(2, vocab_size=30000), path)
+    with pytest.raises(CheckpointError, match=r"ckpt_7038.pt: its tensors are not this model's: unused "
+                                              r"bert.encoder.layer.1.attention.output.LayerNorm.bias, .*\(16\); pass "
+                                              r"the --config_file matching their bert_config.json"):
+        load_initial_weights(tiny_model(2, num_hidden_layers=1), path)
+    with pytest.raises(CheckpointError, match=r"its tensors are not this model's: missing there "
+                                              r"bert.encoder.layer.0.attention.ln.bias, .*; unused "
+                                              r"bert.embeddings.LayerNorm.bias, "):
+        load_initial_weights(tiny_model(2, pre_layer_norm=True), path)
+    with pytest.raises(CheckpointError, match=r"its tensors are not this model's: unused bert.pooler.dense.bias, "
+                                              r"bert.pooler.dense.weight, cls.seq_relationship.bias, "
+                                              r"cls.seq_relationship.weight \(4\); pass"):
+        load_initial_weights(tiny_model(2, next_sentence_prediction=False), path)
+
+
+def test_a_missing_or_unknown_tensor_is_refused(tmp_path):
+    theirs = their_state_dict(tiny_model(1))
+    del theirs["cls.seq_relationship.bias"]
+    path = save_theirs(tmp_path / "ckpt_1.pt", theirs)
+    with pytest.raises(CheckpointError, match=r"^.*ckpt_1.pt: its tensors are not this model's: missing there "
+                                              r"cls.seq_relationship.bias \(1\); pass the --config_file"):
+        load_initial_weights(tiny_model(2), path)
+    theirs = their_state_dict(tiny_model(1)) | {"bert.encoder.layer.0.attention.self.rotary.inv_freq": torch.ones(4)}
+    save_theirs(path, theirs)
+    with pytest.raises(CheckpointError, match=r"its tensors are not this model's: unused "
+                                              r"bert.encoder.layer.0.attention.self.rotary.inv_freq \(1\)"):
+        load_initial_weights(tiny_model(2), path)
+    # transformers' position_ids buffer is not a parameter: known, and skipped.
+    save_theirs(path, their_state_dict(source := tiny_model(1)) | {"bert.embeddings.position_ids": torch.arange(512)})
+    model = tiny_model(2)
+    load_initial_weights(model, path)
+    state_equal(model, source)
+
+
+def test_a_damaged_or_foreign_file_is_a_clear_error(tmp_path):
+    path = save_theirs(tmp_path / "ckpt_7038.pt", their_state_dict(tiny_model(1)))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"ckpt_7038.pt: cannot read it as a torch checkpoint \(.*\); it is "
+                                              r"damaged or not a ckpt_<step>.pt of NVIDIA's or Habana's"):
+        load_initial_weights(tiny_model(2), path)
+    path.write_bytes(b"")
+    with pytest.raises(CheckpointError, match=r"cannot read it as a torch checkpoint"):
+        load_initial_weights(tiny_model(2), path)
+    torch.save({"state_dict": {}}, path)
+    with pytest.raises(CheckpointError, match=r"ckpt_7038.pt: no 'model' state_dict in it \(keys: state_dict\); not "
+                                              r"a ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py"):
+        load_initial_weights(tiny_model(2), path)
+    theirs = their_state_dict(tiny_model(1))
+    theirs["cls.predictions.decoder.weight"] = theirs["cls.predictions.decoder.weight"] + 1
+    save_theirs(path, theirs)
+    with pytest.raises(CheckpointError, match=r"cls.predictions.decoder.weight is not the word embeddings"):
+        load_initial_weights(tiny_model(2), path)
+
+
+def test_the_shards_vocab_must_be_the_configs(tmp_path):
+    """Their file holds no vocabulary: only its size can be checked, through --config_file's vocab_size."""
+    path = save_theirs(tmp_path / "ckpt_7038.pt", their_state_dict(tiny_model(1)))
+    vocab = tmp_path / "vocab.txt"
+    specials = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n"
+    vocab.write_text(specials + "".join(f"t{i}\n" for i in range(30000 - 5)))
+    with pytest.raises(CheckpointError, match=r"ckpt_7038.pt: --config_file's vocab_size 30522 \(the rows taken from "
+                                              r"it\) is not the 30000 tokens of the shards' vocab.txt"):
+        load_initial_weights(tiny_model(2), path, vocab)
+    vocab.write_text(specials + "".join(f"t{i}\n" for i in range(30522 - 5)))
+    load_initial_weights(tiny_model(2), path, vocab)
+
+
+def test_a_deepspeed_directory_of_another_script_is_named(tmp_path):
+    """Habana's deepspeed-bert saves DeepSpeed tags (<output_dir>/<step>/mp_rank_00_model_states.pt, 'latest')."""
+    (tmp_path / "7038").mkdir()
+    (tmp_path / "7038" / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (tmp_path / "latest").write_text("7038")
+    with pytest.raises(CheckpointError, match=re.escape(f"--init_checkpoint {tmp_path}: a DeepSpeed checkpoint "
+                                                        "directory of another script")):
+        load_initial_weights(tiny_model(2), tmp_path)
+
+
+@pytest.mark.slow
+def test_phase2_runs_from_their_checkpoint(phase1_shards, tmp_path):
+    from tests.test_train_run import base_args, ds_config, ok, run
+
+    (tmp_path / "results").mkdir()
+    path = save_theirs(tmp_path / "results" / "ckpt_7038.pt", their_state_dict(tiny_model(1)))
+    out = tmp_path / "phase2"
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    ok(run(1, base_args(phase1_shards, out, ROOT / "configs" / "models" / "bert-tiny.json", ds, 2,
+                        num_eval_samples=0, phase2=True, init_checkpoint=tmp_path / "results")))
+    info = json.loads((out / "run_info.json").read_text())
+    assert info["init_checkpoint"] == (f"{path} (NVIDIA/Habana ckpt_<step>.pt, fp32 master weights; the highest "
+                                       f"step of 1 ckpt_<step>.pt in {tmp_path / 'results'})")
+    assert info["start_step"] == 0
