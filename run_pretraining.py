@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import fcntl
 import json
 import math
-import os
 import shutil
 import signal
 import socket
@@ -28,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from data import lockfile
 from data.cli import HelpFormatter, file_in_the_way, plural
 from data.stage import disk_error
 from modeling import (
@@ -593,35 +592,28 @@ RUN_LOCK = ".run.lock"
 def lock_output_dir(output_dir: Path):
     """Collective. Rank 0 holds an exclusive lock on <output_dir>/.run.lock while the run lasts: a second
     run on the same --output_dir (a job requeued while the first still runs) would save into the same
-    checkpoints and logs, the two timelines interleaved. Returns rank 0's open lock file."""
-    handle, error = (_try_lock(output_dir / RUN_LOCK) if dist.get_rank() == 0 else (None, None))
+    checkpoints and logs, the two timelines interleaved. Returns rank 0's lock (see `data.lockfile`)."""
+    lock, error = (_try_lock(output_dir / RUN_LOCK) if dist.get_rank() == 0 else (None, None))
     errors = [error]
     dist.broadcast_object_list(errors, src=0)
     if errors[0]:
         raise RunConfigError(errors[0])
-    return handle
+    return lock
 
 
-def _try_lock(path: Path):
+def _try_lock(path: Path) -> tuple[lockfile.Held | None, str | None]:
+    """The lock, or the error that another run holds it. Its file stays after the run (TRAINING.md lists it
+    among the directory's files): only a lock on it counts, so a file a killed run left holds nothing."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle = open(path, "a+")  # noqa: SIM115 (open as long as the run)
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        handle.seek(0)
-        holder = handle.read().strip() or "another process"
-        handle.close()
-        return None, (f"--output_dir {path.parent} is in use by another run ({holder}, holding {path}); wait for "
-                      "it to end, or pass another --output_dir")
-    except OSError as e:  # a file system without flock (Lustre mounted without -o flock)
-        print(f"warning: cannot lock {path} ({e.strerror}); make sure no other run uses this --output_dir",
+        return lockfile.acquire(path), None
+    except lockfile.Busy as exc:
+        return None, (f"--output_dir {path.parent} is in use by another run ({exc.record or 'another process'}, "
+                      f"holding {path}); wait for it to end, or pass another --output_dir")
+    except lockfile.NoLocks as exc:  # Lustre mounted without -o flock, say
+        print(f"warning: cannot lock {path} ({exc.strerror}); make sure no other run uses this --output_dir",
               file=sys.stderr)
-        return handle, None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"host {socket.gethostname()} pid {os.getpid()}\n")
-    handle.flush()
-    return handle, None
+        return None, None
 
 
 def write_run_files(args: argparse.Namespace, config: BertConfig, lower_case: bool | None) -> None:
@@ -888,7 +880,7 @@ def train(args: argparse.Namespace) -> dict:
     finally:
         writer.close()
         if run_lock is not None:
-            run_lock.close()
+            run_lock.release(remove=False)
     return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped, "paused": paused,
             "skipped_batches": guard.skipped_batches, "skipped_steps": guard.skipped_steps}
 

@@ -17,7 +17,6 @@ import argparse
 import contextlib
 import datetime
 import email.utils
-import fcntl
 import glob
 import hashlib
 import http.client
@@ -36,6 +35,7 @@ from typing import TypeVar
 
 from tqdm import tqdm
 
+from data import lockfile
 from data.cli import HelpFormatter, non_negative_int
 from data.stage import PipelineError, cli_call
 
@@ -420,7 +420,7 @@ def download(cfg: DownloadConfig) -> Path:
         else:
             # A run killed after its rename left its lock file and the part file's validators.
             _validator_path(part).unlink(missing_ok=True)
-            _remove_stale_lock(lock)
+            lockfile.remove_stale(lock)
         for algorithm in _ALGORITHMS:  # copies kept by earlier mismatches: the verified file replaces them
             for old in cfg.output_dir.glob(f"{glob.escape(name)}.{algorithm}-*"):
                 old.unlink(missing_ok=True)
@@ -488,42 +488,14 @@ def _verify(cfg: DownloadConfig, part: Path, algorithm: str, expected: str) -> N
 @contextlib.contextmanager
 def _exclusive(lock_path: Path, what: str) -> Iterator[None]:
     """Hold an exclusive lock on `lock_path` (removed afterwards), or fail at once naming `what` runs."""
-    while True:
-        lock = lock_path.open("w")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError as exc:
-            lock.close()
-            raise PipelineError(f"{what} is running; wait for it to finish or stop it") from exc
-        try:
-            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
-                break
-        except FileNotFoundError:
-            pass
-        # The holder removed the file between our open and our lock: a newcomer may already hold
-        # a lock on the new file at that path, so lock that one.
-        lock.close()
+    try:
+        lock = lockfile.acquire(lock_path)
+    except lockfile.Busy as exc:
+        raise PipelineError(f"{what} is running; wait for it to finish or stop it") from exc
     try:
         yield
     finally:
-        lock_path.unlink(missing_ok=True)  # before the lock is released: see the check above
-        lock.close()
-
-
-def _remove_stale_lock(lock_path: Path) -> None:
-    """Remove the lock file a killed run left, unless a run holds it (that run removes it)."""
-    try:
-        lock = lock_path.open("r")
-    except FileNotFoundError:
-        return
-    with lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
-                lock_path.unlink()  # before the lock is released, as _exclusive does
+        lock.release()
 
 
 def main(argv: list[str] | None = None) -> None:

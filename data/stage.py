@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -27,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from data import lockfile
 from data.cli import file_in_the_way
 
 PARAMS_FILE = "_PARAMS.json"
@@ -309,19 +309,20 @@ def begin(stage_dir: Path, params: dict[str, Any]) -> dict[str, Any] | None:
     """
     summary = completed(stage_dir, params)
     if summary is not None:
-        _remove_stale_lock(stage_dir)
+        # a run killed between writing _COMPLETE.json and releasing the lock left its file
+        lockfile.remove_stale(stage_dir / LOCK_FILE)
         return summary
     make_dir(stage_dir)
-    fd = _lock(stage_dir)
+    _lock(stage_dir)
     try:
         summary = completed(stage_dir, params)  # finished by the run that held the lock
         if summary is None:
             _start(stage_dir, _normalise(params))
     except BaseException:
-        _release(stage_dir, fd)
+        _release(stage_dir)
         raise
     if summary is not None:
-        _release(stage_dir, fd)
+        _release(stage_dir)
     return summary
 
 
@@ -365,98 +366,35 @@ def _start(stage_dir: Path, params: dict[str, Any]) -> None:
         write_json_atomic(params_path, {"params": params, "begun": time.time_ns()})
 
 
-def _lock(stage_dir: Path) -> int:
-    """Lock `stage_dir` for this process, or refuse when another process holds it. Returns the
-    descriptor that holds the lock.
-
-    A POSIX record lock (fcntl): the kernel drops it when its process dies, and forked workers do not
-    inherit it. `begin` and `finish` are separate calls, so the descriptor that holds the lock stays
-    open between them; the lock file records it (with the pid) for `_unlock`.
-    """
-    path = stage_dir / LOCK_FILE
-    _unlock(stage_dir)  # a lock this process kept from a stage that failed
-    while True:
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:
-            raise PipelineError(f"{stage_dir}: cannot write there ({exc.strerror}); pass a directory you "
-                                "can write to") from exc
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):
-                raise PipelineError(f"{path} cannot be locked ({exc.strerror}); put the output on a file system "
-                                    "that supports POSIX locks") from exc
-            raise PipelineError(f"{stage_dir} is being written by another run ({_holder(path)}); wait for it "
-                                "to finish, or stop it, then rerun") from exc
-        if _same_file(fd, path):
-            break
-        # The holder finished and removed the file between our open and our lock: lock the new one.
-        os.close(fd)
-    try:
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()} {fd}\n".encode())
-    except OSError as exc:  # a full disk: named, as the write's error names no file
-        os.close(fd)
-        raise OSError(exc.errno, exc.strerror, str(path)) from exc
-    return fd
-
-
-def _remove_stale_lock(stage_dir: Path) -> None:
-    """Remove the lock file of a finished stage that a run killed between writing `_COMPLETE.json` and
-    releasing the lock left, unless a run holds it (that run is finishing, and removes it)."""
+def _lock(stage_dir: Path) -> None:
+    """Lock `stage_dir` for this process (see `data.lockfile`), or refuse when another process holds it.
+    `begin` and `finish` are separate calls: the lock stays held between them."""
+    _release(stage_dir)  # a lock this process kept from a stage that failed
     path = stage_dir / LOCK_FILE
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except OSError:
-        return  # none (the usual case), or a directory this run cannot write to
-    try:
-        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if _same_file(fd, path):
-            path.unlink(missing_ok=True)
-    except OSError:
-        pass  # held, or not removable here: left as it is
-    finally:
-        os.close(fd)
+        lockfile.acquire(path)
+    except lockfile.Busy as exc:
+        holder = f"process {exc.pid}" if exc.pid else "a process that is starting"
+        raise PipelineError(f"{stage_dir} is being written by another run ({holder}); wait for it to finish, "
+                            "or stop it, then rerun") from exc
+    except lockfile.NoLocks as exc:
+        raise PipelineError(f"{path} cannot be locked ({exc.strerror}); put the output on a file system that "
+                            "supports POSIX locks") from exc
+    except OSError as exc:
+        if exc.errno in _DISK_FULL:
+            raise  # named by cli_call's line for a full disk
+        raise PipelineError(f"{stage_dir}: cannot write there ({exc.strerror}); pass a directory you can write "
+                            "to") from exc
 
 
-def _unlock(stage_dir: Path) -> None:
-    """Release the lock this process holds on `stage_dir`, if the lock file records one."""
-    path = stage_dir / LOCK_FILE
-    try:
-        pid, fd = map(int, path.read_text(encoding="ascii").split())
-    except (OSError, ValueError):
-        return
-    # Reading the file released the lock already (closing any descriptor of a file drops the
-    # process's POSIX locks on it); the descriptor is closed only if it is still the lock file's.
-    if pid == os.getpid() and _same_file(fd, path):
-        _release(stage_dir, fd)
-
-
-def _release(stage_dir: Path, fd: int) -> None:
-    """Close the descriptor that holds the lock. A finished stage needs no lock file, nor a directory
-    this stage has not begun (one refused for holding files of its own): it is removed first, so that a
-    run that locks it meanwhile sees that it is gone (and finds the stage finished, or locks anew)."""
-    path = stage_dir / LOCK_FILE
-    done_or_not_begun = (stage_dir / COMPLETE_FILE).is_file() or not (stage_dir / PARAMS_FILE).is_file()
-    if done_or_not_begun and _same_file(fd, path):
-        path.unlink(missing_ok=True)  # missing: a run that locked it meanwhile removed it
-    os.close(fd)
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    try:
-        return os.path.samestat(os.fstat(fd), os.stat(path))
-    except OSError:
-        return False
-
-
-def _holder(path: Path) -> str:
-    try:
-        return f"process {int(path.read_text(encoding='ascii').split()[0])}"
-    except (OSError, ValueError, IndexError):
-        return "a process that is starting"
+def _release(stage_dir: Path) -> None:
+    """Release the lock this process holds on `stage_dir`, if it holds one. A finished stage needs no lock
+    file, nor a directory this stage has not begun (one refused for holding files of its own): it is
+    removed, before the lock is released (so a run that locks it meanwhile finds the stage finished, or
+    locks anew)."""
+    lock = lockfile.held(stage_dir / LOCK_FILE)
+    if lock is not None:
+        lock.release(remove=(stage_dir / COMPLETE_FILE).is_file() or not (stage_dir / PARAMS_FILE).is_file())
 
 
 def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any],
@@ -467,7 +405,7 @@ def finish(stage_dir: Path, params: dict[str, Any], summary: dict[str, Any],
     if inputs:
         record["inputs"] = inputs
     write_json_atomic(stage_dir / COMPLETE_FILE, record)
-    _unlock(stage_dir)
+    _release(stage_dir)
     return summary
 
 

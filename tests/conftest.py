@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.server
 import os
 import socket
+import subprocess
+import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +46,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_HOLD = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+os.write(fd, sys.argv[2].encode())
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+@contextlib.contextmanager
+def lock_held_elsewhere(path: Path, record: str = "") -> Iterator[subprocess.Popen]:
+    """`path` locked by another process, as data.lockfile locks it (a POSIX lock: one this process took
+    would not keep this process out), with `record` written in it, while the block runs. The file stays."""
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(path), record], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        yield holder
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+        holder.stdout.close()
 
 
 # --- data pipeline fixtures (owned by the data pipeline; see docs/DATA.md) ---

@@ -17,7 +17,7 @@ import pytest
 from data.download import DownloadConfig, download, dump_url
 from data.download import main as download_main
 from data.stage import PipelineError
-from tests.conftest import LAST_MODIFIED, free_port
+from tests.conftest import LAST_MODIFIED, free_port, lock_held_elsewhere
 
 DATE = "20241201"
 NAME = f"enwiki-{DATE}-pages-articles-multistream.xml.bz2"
@@ -107,44 +107,14 @@ def test_404_is_a_clear_error_and_leaves_no_file(wiki_mirror, tmp_path, capsys):
 
 
 def test_a_second_download_into_the_same_place_is_refused_while_one_runs(wiki_mirror, multistream_sample, tmp_path):
-    import fcntl
-
     mirror, site = wiki_mirror
-    lock = tmp_path / f".{NAME}.lock"
-    with lock.open("w") as held:  # what a running download holds
-        fcntl.flock(held, fcntl.LOCK_EX)
-        with pytest.raises(PipelineError, match=f"another download of {NAME} into {tmp_path} is running"):
-            download(_cfg(mirror, tmp_path))
+    # a lock file a running download holds
+    with lock_held_elsewhere(tmp_path / f".{NAME}.lock"), pytest.raises(
+            PipelineError, match=f"another download of {NAME} into {tmp_path} is running"):
+        download(_cfg(mirror, tmp_path))
     assert site.requests == []
     assert download(_cfg(mirror, tmp_path)).read_bytes() == multistream_sample.read_bytes()
     assert list(tmp_path.iterdir()) == [tmp_path / NAME]
-
-
-def test_the_lock_holds_when_its_holder_removes_the_file_between_a_newcomers_open_and_lock(tmp_path, monkeypatch):
-    """A opens and locks; B opens the same file; A finishes (removes the file, then unlocks); B locks
-    the removed file. B must then lock the file at the path, so that C, who creates a new one, is refused."""
-    import fcntl
-
-    from data import download as module
-
-    lock = tmp_path / ".dump.lock"
-    holder = module._exclusive(lock, "A")
-    holder.__enter__()
-    real_flock, calls = fcntl.flock, []
-
-    def flock_after_the_holder_finishes(f, operation):
-        if not calls:  # B has opened the file A holds: A finishes now
-            holder.__exit__(None, None, None)
-        calls.append(f)
-        return real_flock(f, operation)
-
-    monkeypatch.setattr(fcntl, "flock", flock_after_the_holder_finishes)
-    with module._exclusive(lock, "B"):
-        monkeypatch.setattr(fcntl, "flock", real_flock)
-        with pytest.raises(PipelineError, match="C is running"), module._exclusive(lock, "C"):
-            pass
-        assert len(calls) == 2  # B locked the removed file, then the one at the path
-    assert not lock.exists()
 
 
 def test_checksum_mismatch_fails_and_keeps_the_bytes_aside(wiki_mirror, multistream_sample, tmp_path):

@@ -22,7 +22,7 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, lock_held_elsewhere
 
 from modeling import BertConfig, BertForPreTraining
 from training.checkpoint import read_latest
@@ -715,16 +715,11 @@ def test_evaluation_without_test_shards_is_refused_not_skipped(phase1_shards, tm
 @pytest.mark.slow
 def test_a_second_run_on_an_output_dir_in_use_is_refused(phase1_shards, tmp_path):
     """Two runs on one --output_dir (a job requeued while the first still runs) both trained and saved into the
-    same checkpoints/ and metrics.jsonl, their timelines interleaved. The test holds the first run's lock."""
-    import fcntl
-
+    same checkpoints/ and metrics.jsonl, their timelines interleaved. A process holds the first run's lock."""
     out = tmp_path / "out"
     out.mkdir()
     ds = ds_config(tmp_path / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4)
-    with open(out / ".run.lock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        held.write("host h pid 1\n")
-        held.flush()
+    with lock_held_elsewhere(out / ".run.lock", "host h pid 1\n"):
         result = run(1, base_args(phase1_shards, out, ROOT / "configs/models/bert-tiny.json", ds, 1))
     assert result.returncode == 1, result.stderr[-3000:]
     assert f"error: --output_dir {out} is in use by another run (host h pid 1, holding {out / '.run.lock'})" \
