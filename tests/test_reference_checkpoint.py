@@ -251,3 +251,40 @@ def test_phase2_runs_from_their_checkpoint(phase1_shards, tmp_path):
     assert info["init_checkpoint"] == (f"{path} (NVIDIA/Habana ckpt_<step>.pt, fp32 master weights; the highest "
                                        f"step of 1 ckpt_<step>.pt in {tmp_path / 'results'})")
     assert info["start_step"] == 0
+
+
+class _Planted:
+    """What a crafted file could pickle: a call of os.mkdir, which leaves a trace when it runs."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_crafted_file_runs_no_code_in_either_torch_format(tmp_path):
+    """Their pickles are read with tensor rebuilders only: any other global is a placeholder, never called,
+    in the zip format and in the legacy format (torch.save(_use_new_zipfile_serialization=False), whose
+    header pickles torch.load reads with the pickle module's `load`, not its Unpickler)."""
+    marker = tmp_path / "ran"
+    source = tiny_model(1)
+    path = save_theirs(tmp_path / "ckpt_1.pt", their_state_dict(source), planted=_Planted(marker))
+    model = tiny_model(2)
+    load_initial_weights(model, path)
+    state_equal(model, source)
+    assert not marker.exists()
+    # The legacy format: a genuine one still loads; a crafted header runs nothing.
+    legacy = tmp_path / "ckpt_2.pt"
+    torch.save({"model": their_state_dict(source), "planted": _Planted(marker)}, legacy,
+               _use_new_zipfile_serialization=False)
+    model = tiny_model(2)
+    load_initial_weights(model, legacy)
+    state_equal(model, source)
+    assert not marker.exists()
+    import pickle
+    legacy.write_bytes(pickle.dumps(_Planted(marker), protocol=2))
+    with pytest.raises(CheckpointError, match=r"ckpt_2.pt: cannot read it as a torch checkpoint"):
+        load_initial_weights(tiny_model(2), legacy)
+    assert not marker.exists()
