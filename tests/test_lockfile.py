@@ -327,3 +327,16 @@ def test_a_failed_record_write_names_the_file_and_leaves_the_lock_free(tmp_path,
     finally:
         _end(a)
 
+
+
+def test_the_training_runs_lock_that_cannot_be_taken_is_an_error_for_every_rank(tmp_path):
+    """_try_lock runs on rank 0 alone, before the broadcast of its error: an OSError raised there (a directory
+    at .run.lock, an unwritable --output_dir) left the other ranks waiting in the broadcast, and rank 0 with a
+    traceback. It is returned as the error instead."""
+    from run_pretraining import RUN_LOCK, _try_lock
+
+    path = tmp_path / "run" / RUN_LOCK
+    path.mkdir(parents=True)
+    lock, error = _try_lock(path)
+    assert lock is None and error == (f"cannot lock {path} ({os.strerror(errno.EISDIR)}); make --output_dir "
+                                      f"{path.parent} writable (or free space there), or pass another --output_dir")
