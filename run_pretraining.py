@@ -604,8 +604,8 @@ def lock_output_dir(output_dir: Path):
 def _try_lock(path: Path) -> tuple[lockfile.Held | None, str | None]:
     """The lock, or the error that another run holds it. Its file stays after the run (TRAINING.md lists it
     among the directory's files): only a lock on it counts, so a file a killed run left holds nothing."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
         return lockfile.acquire(path), None
     except lockfile.Busy as exc:
         return None, (f"--output_dir {path.parent} is in use by another run ({exc.record or 'another process'}, "
@@ -614,6 +614,9 @@ def _try_lock(path: Path) -> tuple[lockfile.Held | None, str | None]:
         print(f"warning: cannot lock {path} ({exc.strerror}); make sure no other run uses this --output_dir",
               file=sys.stderr)
         return None, None
+    except OSError as exc:  # returned, not raised: the other ranks wait for it in lock_output_dir's broadcast
+        return None, (f"cannot lock {exc.filename or path} ({exc.strerror}); make --output_dir {path.parent} writable "
+                      "(or free space there), or pass another --output_dir")
 
 
 def write_run_files(args: argparse.Namespace, config: BertConfig, lower_case: bool | None) -> None:

@@ -27,7 +27,7 @@
 #   --master_addr A        rendezvous host; default: the first host, or 127.0.0.1 on one node
 #   --master_port P        rendezvous port; default 29500
 #   --ssh_port P           sshd port of the other nodes (deepspeed launcher); default 3022
-#   --init_checkpoint DIR  phase-1 output directory, for phase-2 presets
+#   --init_checkpoint DIR  phase-1 output directory (or NVIDIA's/Habana's ckpt_<step>.pt), for phase-2 presets
 #   --set FIELD=VALUE      override a preset field (max_steps, learning_rate, ...; see training/presets.py)
 #   --dry_run              resolve the preset (writing <output_dir>/launch/) and print the command; start nothing
 # Environment: PYTHON (default: .venv/bin/python of this checkout if present, else python3) is the interpreter
@@ -93,7 +93,8 @@ done
 [[ -n "$OUTPUT_DIR" ]] || die "--output_dir is required"
 need_dir() { [[ -d "$2" ]] || die "$1 $2 $([[ -e "$2" ]] && echo "is a file, not a directory" || echo "does not exist")"; }
 need_dir --input_dir "$INPUT_DIR"
-[[ -z "$INIT_CHECKPOINT" ]] || need_dir --init_checkpoint "$INIT_CHECKPOINT"
+# a phase-1 --output_dir or Hugging Face directory, or NVIDIA's/Habana's ckpt_<step>.pt (a file)
+[[ -z "$INIT_CHECKPOINT" || -e "$INIT_CHECKPOINT" ]] || die "--init_checkpoint $INIT_CHECKPOINT does not exist"
 [[ ! -e "$OUTPUT_DIR" || -d "$OUTPUT_DIR" ]] || die "--output_dir $OUTPUT_DIR is a file, not a directory"
 [[ -z "$DEVICES" || "$DEVICES" =~ ^[1-9][0-9]*$ ]] || die "--devices_per_node must be a positive integer"
 check_port() { [[ "$2" =~ ^[1-9][0-9]{0,4}$ && "$2" -le 65535 ]] || die "$1 must be a port number (1..65535), got '$2'"; }

@@ -165,7 +165,8 @@ def test_the_tokenizer_case_comes_from_the_flag_then_the_run_record_then_the_voc
     assert tokenizer_case(tmp_path, vocab, None) == (False, f"as the run's shards were made ({record})")
     assert tokenizer_case(tmp_path, vocab, True) == (True, "as --do_lower_case/--no_do_lower_case says")
     for bad, why in (('{"lower_case": "no"}', r"lower_case is 'no', not true or false"),
-                     ("{}", r"not a tokenization record \('lower_case'\)"), ("[", "not a tokenization record")):
+                     ("{}", r"not a tokenization record \('lower_case'\)"), ("[", "not a tokenization record"),
+                     ("[]", "not a tokenization record"), ("\xff", "not a tokenization record")):
         record.write_text(bad)
         with pytest.raises(ExportError, match=f"{record}: {why}.*; pass --do_lower_case or --no_do_lower_case"):
             tokenizer_case(tmp_path, vocab, None)

@@ -397,3 +397,14 @@ def test_a_host_given_twice_in_hosts_is_refused(tmp_path: Path):
     hostfile.write_text("a slots=16\nb slots=8\nc slots=1\n")
     _command(_launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hostfile", str(hostfile), "--input_dir",
                       str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"]))
+
+
+def test_init_checkpoint_may_be_a_reference_ckpt_file(tmp_path: Path):
+    """--init_checkpoint takes NVIDIA's/Habana's ckpt_<step>.pt itself (run_pretraining reads the file), not only
+    a directory; launch.sh refused it as 'a file, not a directory'."""
+    ckpt = tmp_path / "nvidia" / "ckpt_7038.pt"
+    ckpt.parent.mkdir()
+    ckpt.write_bytes(b"")
+    proc = _launch(["--preset", "bert-large-phase2", "--nodes", "1", "--input_dir", str(tmp_path), "--output_dir",
+                    str(tmp_path / "run"), "--init_checkpoint", str(ckpt), "--dry_run"])
+    assert _flag(_command(proc), "--init_checkpoint") == str(ckpt)

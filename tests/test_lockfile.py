@@ -256,3 +256,87 @@ def test_the_training_runs_lock_keeps_its_file_and_names_its_holder(tmp_path):
     assert error is None and lockfile.held(path) is lock
     lock.release(remove=False)
     assert path.read_text() == _record(os.getpid()) + "\n"
+
+
+def test_the_record_replaces_a_longer_one_left_in_the_file(tmp_path):
+    path = tmp_path / "lock"
+    path.write_text(f"host {'a-very-long-host-name.' * 4} pid 4294967295 and more\n")
+    lock = lockfile.acquire(path)
+    assert path.read_text() == _record(os.getpid()) + "\n"
+    lock.release()
+
+
+def test_a_release_does_not_remove_another_holders_file_at_the_path(tmp_path):
+    """The file was removed under the holder (by hand, say) and another process locked a new one there: the
+    first holder's release leaves that one, whose lock still keeps a third process out."""
+    path = tmp_path / "lock"
+    lock = lockfile.acquire(path)
+    path.unlink()
+    b = _holder(path)
+    try:
+        assert b.stdout.readline() == "held\n"
+        lock.release()
+        assert path.read_text() == _record(b.pid) + "\n"
+        c = _holder(path)
+        assert c.stdout.readline() == f"busy {_record(b.pid)}\n"
+        _end(c)
+    finally:
+        _end(b)
+
+
+def test_a_stale_check_that_races_a_new_holder_leaves_its_file(tmp_path, monkeypatch):
+    """remove_stale opens the file A holds; A finishes (removes it, unlocks) and B locks a new file at the path;
+    remove_stale then locks the removed file, which is not the one at the path: B's is left."""
+    path = tmp_path / "lock"
+    a = _holder(path)
+    assert a.stdout.readline() == "held\n"
+    real_lockf, holders = fcntl.lockf, []
+
+    def lockf_after_a_new_holder_took_the_path(fd, operation):
+        assert _tell(a, "release") == "released\n"
+        holders.append(_holder(path))
+        assert holders[0].stdout.readline() == "held\n"
+        return real_lockf(fd, operation)
+
+    try:
+        monkeypatch.setattr(fcntl, "lockf", lockf_after_a_new_holder_took_the_path)
+        lockfile.remove_stale(path)
+        monkeypatch.setattr(fcntl, "lockf", real_lockf)
+        assert path.read_text() == _record(holders[0].pid) + "\n"
+    finally:
+        _end(a)
+        for b in holders:
+            _end(b)
+
+
+def test_a_failed_record_write_names_the_file_and_leaves_the_lock_free(tmp_path, monkeypatch):
+    path = tmp_path / "lock"
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError) as exc:
+        lockfile.acquire(path)
+    monkeypatch.undo()
+    assert (exc.value.errno, exc.value.filename) == (errno.ENOSPC, str(path))
+    assert lockfile.held(path) is None
+    a = _holder(path)  # no descriptor of this process keeps it locked
+    try:
+        assert a.stdout.readline() == "held\n"
+    finally:
+        _end(a)
+
+
+
+def test_the_training_runs_lock_that_cannot_be_taken_is_an_error_for_every_rank(tmp_path):
+    """_try_lock runs on rank 0 alone, before the broadcast of its error: an OSError raised there (a directory
+    at .run.lock, an unwritable --output_dir) left the other ranks waiting in the broadcast, and rank 0 with a
+    traceback. It is returned as the error instead."""
+    from run_pretraining import RUN_LOCK, _try_lock
+
+    path = tmp_path / "run" / RUN_LOCK
+    path.mkdir(parents=True)
+    lock, error = _try_lock(path)
+    assert lock is None and error == (f"cannot lock {path} ({os.strerror(errno.EISDIR)}); make --output_dir "
+                                      f"{path.parent} writable (or free space there), or pass another --output_dir")

@@ -251,3 +251,98 @@ def test_phase2_runs_from_their_checkpoint(phase1_shards, tmp_path):
     assert info["init_checkpoint"] == (f"{path} (NVIDIA/Habana ckpt_<step>.pt, fp32 master weights; the highest "
                                        f"step of 1 ckpt_<step>.pt in {tmp_path / 'results'})")
     assert info["start_step"] == 0
+
+
+class _Planted:
+    """What a crafted file could pickle: a call of os.mkdir, which leaves a trace when it runs."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.mkdir, (str(self.marker),)
+
+
+def test_a_crafted_file_runs_no_code_in_either_torch_format(tmp_path):
+    """Their pickles are read with tensor rebuilders only: any other global is a placeholder, never called,
+    in the zip format and in the legacy format (torch.save(_use_new_zipfile_serialization=False), whose
+    header pickles torch.load reads with the pickle module's `load`, not its Unpickler)."""
+    marker = tmp_path / "ran"
+    source = tiny_model(1)
+    path = save_theirs(tmp_path / "ckpt_1.pt", their_state_dict(source), planted=_Planted(marker))
+    model = tiny_model(2)
+    load_initial_weights(model, path)
+    state_equal(model, source)
+    assert not marker.exists()
+    # The legacy format: a genuine one still loads; a crafted header runs nothing.
+    legacy = tmp_path / "ckpt_2.pt"
+    torch.save({"model": their_state_dict(source), "planted": _Planted(marker)}, legacy,
+               _use_new_zipfile_serialization=False)
+    model = tiny_model(2)
+    load_initial_weights(model, legacy)
+    state_equal(model, source)
+    assert not marker.exists()
+    import pickle
+    legacy.write_bytes(pickle.dumps(_Planted(marker), protocol=2))
+    with pytest.raises(CheckpointError, match=r"ckpt_2.pt: cannot read it as a torch checkpoint"):
+        load_initial_weights(tiny_model(2), legacy)
+    assert not marker.exists()
+
+
+class _Call:
+    """A pickled call of `function(*args)`: what a crafted file can name besides os functions."""
+
+    def __init__(self, function, *args):
+        self.function, self.args = function, args
+
+    def __reduce__(self):
+        return self.function, self.args
+
+
+@pytest.mark.parametrize("call", [
+    _Call(torch.set_default_dtype, torch.float64),  # module torch, not a dtype nor Size
+    _Call(torch._utils._import_dotted_name, "os.getcwd"),  # module torch._utils, not a _rebuild_ function
+], ids=["torch", "torch._utils"])
+def test_only_tensor_rebuilders_of_torch_are_called(tmp_path, call):
+    from training.reference_checkpoint import _read
+
+    source = tiny_model(1)
+    path = save_theirs(tmp_path / "ckpt_1.pt", their_state_dict(source), planted=call)
+    try:
+        state = _read(path)
+        assert torch.get_default_dtype() == torch.float32
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert type(state["planted"]).__name__ == "_Foreign"  # a placeholder, not what the call returns
+
+
+def test_masters_that_are_not_all_of_them_or_not_fp32_are_not_taken(tmp_path):
+    source = tiny_model(1)
+    theirs = their_state_dict(source)
+    masters = apex_masters(theirs)
+    save_theirs(tmp_path / "ckpt_1.pt", theirs, masters[:-1])  # one short: not the optimizer's masters
+    model = tiny_model(2)
+    assert load_initial_weights(model, tmp_path / "ckpt_1.pt").endswith(", float32 model weights)")
+    state_equal(model, source)
+    half = {k: v.half() for k, v in theirs.items()}
+    save_theirs(tmp_path / "ckpt_1.pt", half, [m.half() for m in apex_masters(half)])  # fp16 copies: no masters
+    assert load_initial_weights(tiny_model(2), tmp_path / "ckpt_1.pt").endswith(", float16 model weights)")
+
+
+def test_a_directory_named_like_a_checkpoint_is_not_one(tmp_path):
+    save_theirs(tmp_path / "ckpt_100.pt", their_state_dict(source := tiny_model(1)))
+    (tmp_path / "ckpt_200.pt").mkdir()
+    model = tiny_model(2)
+    assert "the highest step of 1 ckpt_<step>.pt" in load_initial_weights(model, tmp_path)
+    state_equal(model, source)
+
+
+def test_a_file_of_another_layout_is_a_clear_error(tmp_path):
+    path = tmp_path / "ckpt_1.pt"
+    torch.save([1, 2], path)
+    with pytest.raises(CheckpointError, match=r"ckpt_1.pt: holds a list, not the dict NVIDIA's and Habana's"):
+        load_initial_weights(tiny_model(2), path)
+    torch.save({"model": {"bert.embeddings.word_embeddings.weight": [0.0]}}, path)
+    with pytest.raises(CheckpointError, match=r"ckpt_1.pt: no 'model' state_dict in it \(keys: model\)"):
+        load_initial_weights(tiny_model(2), path)

@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     res.add_argument("--device_kind", default=DEFAULT_KEY,
                      help="key into the preset's micro_batch_per_device (e.g. gaudi1 for 32 GB first-gen Gaudi)")
     res.add_argument("--deepspeed_config_out", type=Path, required=True, help="where to write the DeepSpeed JSON")
-    res.add_argument("--init_checkpoint", help="phase-1 output directory (phase-2 presets only)")
+    res.add_argument("--init_checkpoint", help="phase-1 output directory, or NVIDIA's/Habana's ckpt_<step>.pt (phase-2 presets only)")
     res.add_argument("--format", choices=("args", "shell"), default="args",
                      help="args: the run flags on one line; shell: DEVICES_PER_NODE=... and RUN_ARGS=(...) for eval")
     res.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",

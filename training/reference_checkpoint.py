@@ -160,7 +160,13 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name) if _allowed(module, name) else _Foreign
 
 
-_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=pickle.load, __name__="reference_pickle")
+def _load(file, **kwargs):
+    """pickle.load through `_Unpickler`: torch.load reads the legacy format's header pickles (magic number,
+    protocol, system info, storage keys) with the pickle module's `load`, not its Unpickler."""
+    return _Unpickler(file, **kwargs).load()
+
+
+_PICKLE = types.SimpleNamespace(Unpickler=_Unpickler, load=_load, __name__="reference_pickle")
 
 
 def _read(path: Path) -> dict:
