@@ -527,6 +527,14 @@ def check_export_dir(directory: str | os.PathLike) -> Path:
     return directory
 
 
+def check_vocab_size(vocab_file: Path, config: BertConfig) -> None:
+    """A vocab.txt of another size than the model's vocabulary is not the one it was trained with."""
+    n_lines = len(vocab_file.read_text(encoding="utf-8").splitlines())
+    if n_lines != config.vocab_size:
+        raise ValueError(f"{vocab_file}: {n_lines} tokens, but the model's vocab_size is {config.vocab_size}; pass "
+                         "the vocab.txt the shards were made with")
+
+
 def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None,
             lower_case: bool | None = None) -> Path:
     """Write a Hugging Face model directory (config.json + model.safetensors) that
@@ -536,10 +544,7 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
     The directory is staged beside its final name and swapped in whole; an existing directory is
     replaced only when it holds nothing but an earlier export's files."""
     if vocab_file is not None:
-        n_lines = len(Path(vocab_file).read_text(encoding="utf-8").splitlines())
-        if n_lines != model.config.vocab_size:
-            raise ValueError(f"{vocab_file}: {n_lines} tokens, but the model's vocab_size is "
-                             f"{model.config.vocab_size}; pass the vocab.txt the shards were made with")
+        check_vocab_size(Path(vocab_file), model.config)
     directory = check_export_dir(directory)
     staging = directory.with_name(f".{directory.name}.tmp")
     if staging.exists():

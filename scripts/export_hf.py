@@ -9,6 +9,9 @@ universal checkpoint `step00001000_universal`). The weights come from:
     every rank's partition by DeepSpeed's zero_to_fp32;
   - universal checkpoints: the fp32 weight of every parameter (`zero/<name>/fp32.pt`);
   - checkpoints without ZeRO partitions: the module weights in mp_rank_00_model_states.pt.
+  - NVIDIA's and Habana's `ckpt_<step>.pt` (the file, or a directory of them: the highest step), in
+    their parameter names (training/reference_checkpoint.py); --config_file (their bert_config.json
+    with "layer_norm_eps": 1e-12) and --vocab_file are then required, as such a file holds neither.
 The model config and vocab default to the run's `model_config.json` and `vocab.txt`. The tokenizer
 lower-cases as the run's shards were made (their `lower_case` attribute, which the run keeps in
 `tokenization.json`); for shards that do not record it (NVIDIA's, Habana's), as the vocab suggests,
@@ -29,7 +32,15 @@ import torch
 from safetensors import SafetensorError
 
 from data.cli import HelpFormatter
-from modeling import BertConfig, BertForPreTraining, ConfigError, check_export_dir, save_hf, vocab_lower_cases
+from modeling import (
+    BertConfig,
+    BertForPreTraining,
+    ConfigError,
+    check_export_dir,
+    check_vocab_size,
+    save_hf,
+    vocab_lower_cases,
+)
 from training.checkpoint import (
     CHECKPOINTS,
     MODEL_STATES,
@@ -41,6 +52,7 @@ from training.checkpoint import (
     verify_files,
 )
 from training.loader import TOKENIZATION
+from training.reference_checkpoint import load_reference_checkpoint, reference_checkpoint
 from training.weights import read_fp32_weights
 
 
@@ -64,7 +76,8 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
     path = path.resolve()
     if not path.is_dir():
         what = "a file, not a directory" if path.exists() else "no such directory"
-        raise ExportError(f"{path}: {what}; pass a training --output_dir or a checkpoint tag directory")
+        raise ExportError(f"{path}: {what}; pass a training --output_dir or a checkpoint tag directory (or "
+                          "NVIDIA's or Habana's ckpt_<step>.pt)")
     if (path / MODEL_STATES).is_file() or (path / "zero").is_dir():
         if tag is not None and tag != path.name:
             raise ExportError(f"{path} is the checkpoint tag '{path.name}'; --tag {tag} contradicts it")
@@ -118,13 +131,14 @@ def check_complete(loc: CheckpointLocation) -> None:
                           f"saving it); pass --tag with one of the complete tags: {', '.join(complete)}")
 
 
-def tokenizer_case(run_dir: Path, vocab_file: Path, lower_case: bool | None) -> tuple[bool, str]:
+def tokenizer_case(run_dir: Path | None, vocab_file: Path, lower_case: bool | None) -> tuple[bool, str]:
     """Whether the exported tokenizer lower-cases, and why: `lower_case` (the command line's) or the run's
-    record of its shards' lower_case attribute, else a guess from the vocab."""
+    record of its shards' lower_case attribute, else a guess from the vocab. `run_dir`: None for a
+    checkpoint of another project's, which has no record."""
     if lower_case is not None:
         return lower_case, "as --do_lower_case/--no_do_lower_case says"
-    record = run_dir / TOKENIZATION
-    if record.is_file():
+    record = run_dir / TOKENIZATION if run_dir is not None else None
+    if record is not None and record.is_file():
         try:
             lower_case = json.loads(record.read_text(encoding="utf-8"))["lower_case"]
         except (ValueError, KeyError, TypeError) as e:
@@ -149,33 +163,63 @@ class Exported:
                f"  tokenizer: {self.tokenizer}"
 
 
+def their_checkpoint(checkpoint: Path, tag: str | None) -> tuple[Path, str] | None:
+    """NVIDIA's or Habana's ckpt_<step>.pt that `checkpoint` names (a file, or a directory of them that is
+    none of our run's directories), and how it was chosen; None for our checkpoints."""
+    path = checkpoint.resolve()
+    ours = (CHECKPOINTS, "latest", MODEL_STATES, "zero")
+    if path.is_dir() and any((path / name).exists() for name in ours):
+        return None
+    if path.is_file() and path.suffix != ".pt":  # a run's model_config.json, say: locate names the mistake
+        return None
+    found = reference_checkpoint(path)
+    if found is not None and tag is not None:
+        raise ExportError(f"--tag {tag} picks a tag of this project's checkpoints; {found[0]} is NVIDIA's or "
+                          "Habana's ckpt_<step>.pt: pass the file itself as --checkpoint")
+    return found
+
+
 def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: Path | None = None,
            vocab_file: Path | None = None, lower_case: bool | None = None) -> Exported:
     """Write the Hugging Face directory; `lower_case` overrides the run's record of its shards' case."""
-    loc = locate(checkpoint, tag)
+    theirs = their_checkpoint(checkpoint, tag)
+    loc = None if theirs is not None else locate(checkpoint, tag)
     try:
         check_export_dir(output)  # before the partitions are merged, which takes minutes for a large model
     except ValueError as e:
         raise ExportError(str(e)) from e
-    config_file = config_file or loc.run_dir / "model_config.json"
-    vocab_file = vocab_file or loc.run_dir / "vocab.txt"
+    if theirs is not None:
+        if config_file is None or vocab_file is None:
+            raise ExportError(f"{theirs[0]} is NVIDIA's or Habana's ckpt_<step>.pt, which holds no model config and "
+                              "no vocabulary: pass --config_file (their bert_config.json, with \"layer_norm_eps\": "
+                              "1e-12 added) and --vocab_file (the vocab.txt their shards were made with)")
+    else:
+        config_file = config_file or loc.run_dir / "model_config.json"
+        vocab_file = vocab_file or loc.run_dir / "vocab.txt"
     if not config_file.is_file():
         raise ExportError(f"{config_file}: no model config; pass the run's --config_file with --config_file")
     if not vocab_file.is_file():
         raise ExportError(f"{vocab_file}: no vocab.txt; pass the vocab the shards were made with (--vocab_file)")
     try:
         config = BertConfig.from_json_file(config_file)
-    except ConfigError as e:
+        check_vocab_size(vocab_file, config)  # before the weights are read: minutes for a large model
+    except (ConfigError, ValueError) as e:
         raise ExportError(str(e)) from e
-    lower, why = tokenizer_case(loc.run_dir, vocab_file, lower_case)
-    check_complete(loc)
-    weights, source = read_weights(loc)
+    lower, why = tokenizer_case(loc.run_dir if loc is not None else None, vocab_file, lower_case)
     model = BertForPreTraining(config)
-    try:
-        model.load_state_dict(weights, strict=True)
-    except RuntimeError as e:
-        raise ExportError(f"{loc.tag_dir}: the weights do not fit {config_file} ({e}); pass the model config "
-                          "the run trained with (--config_file)") from e
+    if theirs is not None:
+        try:
+            source = load_reference_checkpoint(model, *theirs)
+        except CheckpointError as e:
+            raise ExportError(str(e)) from e
+    else:
+        check_complete(loc)
+        weights, source = read_weights(loc)
+        try:
+            model.load_state_dict(weights, strict=True)
+        except RuntimeError as e:
+            raise ExportError(f"{loc.tag_dir}: the weights do not fit {config_file} ({e}); pass the model config "
+                              "the run trained with (--config_file)") from e
     try:
         save_hf(model.eval(), output, vocab_file=vocab_file, lower_case=lower)
     except ValueError as e:
@@ -190,7 +234,9 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True,
-                        help="a run's --output_dir, its checkpoints/ directory, or a checkpoint tag directory")
+                        help="a run's --output_dir, its checkpoints/ directory, or a checkpoint tag directory; or "
+                             "NVIDIA's/Habana's ckpt_<step>.pt (or a directory of them), with --config_file and "
+                             "--vocab_file")
     parser.add_argument("--output", type=Path, required=True, help="the Hugging Face model directory to write")
     parser.add_argument("--tag", help="checkpoint tag (default: the one named by 'latest')")
     parser.add_argument("--config_file", type=Path, help="model config (default: <run>/model_config.json)")

@@ -214,8 +214,13 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     empty.mkdir(parents=True)
     with pytest.raises(ExportError, match="no 'latest' file, so no checkpoint was completed there"):
         export(empty.parent, tmp_path / "hf")
-    with pytest.raises(ExportError, match="do not fit"):
+    with pytest.raises(ExportError, match="vocab.txt: 30522 tokens, but the model's vocab_size is 2048"):
         export(zero_run, tmp_path / "hf", config_file=ROOT / "configs/models/bert-demo.json")
+    deeper = tmp_path / "deeper.json"
+    deeper.write_text(json.dumps({**json.loads((zero_run / "model_config.json").read_text()), "num_hidden_layers": 3}))
+    with pytest.raises(ExportError, match=r"(?s)the weights do not fit .*deeper.json \(.*Missing key\(s\) in state_dict: "
+                                          r'"bert.encoder.layer.2.*; pass the model config the run trained with'):
+        export(zero_run, tmp_path / "hf", config_file=deeper)
     broken = tmp_path / "broken"
     shutil.copytree(zero_run / "checkpoints", broken / "checkpoints")
     shutil.copy(zero_run / "model_config.json", broken)

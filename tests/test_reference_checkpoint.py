@@ -346,3 +346,53 @@ def test_a_file_of_another_layout_is_a_clear_error(tmp_path):
     torch.save({"model": {"bert.embeddings.word_embeddings.weight": [0.0]}}, path)
     with pytest.raises(CheckpointError, match=r"ckpt_1.pt: no 'model' state_dict in it \(keys: model\)"):
         load_initial_weights(tiny_model(2), path)
+
+
+def test_their_checkpoint_exports_to_hugging_face(tmp_path, bert_vocab):
+    """scripts/export_hf.py --checkpoint ckpt_<step>.pt: their model as a transformers BERT, weights exact."""
+    import subprocess
+
+    from safetensors.torch import load_file
+    from transformers import AutoModelForPreTraining
+
+    from scripts.export_hf import ExportError, export
+
+    source = tiny_model(1)
+    path = save_theirs(tmp_path / "ckpt_7038.pt", their_state_dict(source))
+    config = ROOT / "configs" / "models" / "bert-tiny.json"
+    with pytest.raises(ExportError, match=rf"{path} is NVIDIA's or Habana's ckpt_<step>.pt, which holds no model "
+                                          r"config and no vocabulary: pass --config_file \(their bert_config.json"):
+        export(path, tmp_path / "hf", vocab_file=bert_vocab)
+    with pytest.raises(ExportError, match="--tag 7038 picks a tag of this project's checkpoints"):
+        export(tmp_path, tmp_path / "hf", tag="7038", config_file=config, vocab_file=bert_vocab)
+    one_layer = tmp_path / "one_layer.json"
+    one_layer.write_text(json.dumps(TINY.to_dict() | {"num_hidden_layers": 1}))
+    with pytest.raises(ExportError, match=r"its tensors are not this model's: unused bert.encoder.layer.1"):
+        export(path, tmp_path / "hf", config_file=one_layer, vocab_file=bert_vocab)
+    damaged = tmp_path / "damaged" / "ckpt_1.pt"
+    damaged.parent.mkdir()
+    damaged.write_bytes(path.read_bytes()[:1000])
+    with pytest.raises(ExportError, match=r"bert-base-uncased-vocab.txt: 30522 tokens, but the model's vocab_size is "
+                                          "2048; pass the vocab.txt the shards were made with"):  # before any weight
+        export(damaged, tmp_path / "hf", config_file=ROOT / "configs" / "models" / "bert-demo.json",
+               vocab_file=bert_vocab)
+    with pytest.raises(ExportError, match=r"ckpt_1.pt: cannot read it as a torch checkpoint"):
+        export(damaged, tmp_path / "hf", config_file=config, vocab_file=bert_vocab)
+    assert not (tmp_path / "hf").exists()
+    # The command, on the directory that holds it (the highest step), as a user runs it.
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--checkpoint", str(tmp_path),
+                             "--output", str(tmp_path / "hf"), "--config_file", str(config), "--vocab_file",
+                             str(bert_vocab)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[0] == (f"exported {path} (NVIDIA/Habana ckpt_<step>.pt, fp32 master weights; "
+                                             f"the highest step of 1 ckpt_<step>.pt in {tmp_path})")
+    assert result.stdout.splitlines()[-1] == (f"  tokenizer: lower-cases, guessed from {bert_vocab}: the shards do not "
+                                              "record it; pass --do_lower_case or --no_do_lower_case if that is wrong")
+    exported = load_file(tmp_path / "hf" / "model.safetensors")
+    ours = source.state_dict()
+    for name, value in exported.items():  # the vocabulary rows past the padding are cut
+        assert torch.equal(value, ours[name][: len(value)]), name
+    hf = AutoModelForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([[101, 7592, 2088, 102]])
+    expected = source.eval()(ids, torch.zeros_like(ids), torch.ones_like(ids))
+    assert torch.allclose(hf(input_ids=ids).seq_relationship_logits, expected.nsp_logits, atol=1e-5)
