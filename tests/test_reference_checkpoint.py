@@ -396,3 +396,19 @@ def test_their_checkpoint_exports_to_hugging_face(tmp_path, bert_vocab):
     ids = torch.tensor([[101, 7592, 2088, 102]])
     expected = source.eval()(ids, torch.zeros_like(ids), torch.ones_like(ids))
     assert torch.allclose(hf(input_ids=ids).seq_relationship_logits, expected.nsp_logits, atol=1e-5)
+
+
+def test_the_optimizer_state_beside_the_weights_is_not_read_into_memory(tmp_path):
+    """Their file holds the LAMB moments and apex's masters beside the model (3x its size or more), and every
+    rank reads it: torch's zip format is memory-mapped, so only the tensors used are read."""
+    import subprocess
+
+    path = tmp_path / "ckpt_1.pt"
+    torch.save({"model": {"a": torch.ones(1000)}, "optimizer": {"exp_avg": torch.randn(50_000_000)}}, path)  # 200 MB
+    probe = ("import re, sys; from pathlib import Path; from training.reference_checkpoint import _read\n"
+             "def rss(): return int(re.search(r'VmRSS:\\s+(\\d+)', Path('/proc/self/status').read_text())[1])\n"
+             "before = rss(); state = _read(Path(sys.argv[1])); assert state['model']['a'].sum() == 1000\n"
+             "print((rss() - before) // 1024)")
+    grown = subprocess.run([sys.executable, "-c", probe, str(path)], capture_output=True, text=True, timeout=120,
+                           cwd=ROOT, check=True).stdout
+    assert int(grown) < 50, f"{grown} MiB"  # about 190 MiB when read whole

@@ -21,6 +21,7 @@ import math
 import pickle
 import re
 import types
+import zipfile
 from pathlib import Path
 
 import torch
@@ -173,7 +174,10 @@ def _read(path: Path) -> dict:
     """torch.load of their file with tensors only: their other objects become placeholders (unpickling
     them would need their script's classes, and would run their code)."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE)
+        # Memory-mapped where the format allows (torch's zip format, the default since torch 1.6): only the
+        # model's tensors are read then, not the optimizer state beside them, on each rank.
+        state = torch.load(path, map_location="cpu", weights_only=False, pickle_module=_PICKLE,
+                           mmap=zipfile.is_zipfile(path))
     except LOAD_ERRORS as e:
         raise CheckpointError(f"{path}: cannot read it as a torch checkpoint ({type(e).__name__}: {e}); it is "
                               "damaged or not a ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py") from e
