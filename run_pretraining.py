@@ -747,7 +747,7 @@ def train(args: argparse.Namespace) -> dict:
     model = BertForPreTraining(config, checkpointing=checkpointing)
     init_from = None
     if args.phase2 and resume is None:
-        init_from = load_initial_weights(model, args.init_checkpoint, args.input_dir / "vocab.txt")
+        init_from = load_initial_weights(model, args.init_checkpoint, args.input_dir / "vocab.txt", lower_case)
     # A bf16 engine replaces each parameter's data by a bf16 copy; these references keep the fp32
     # values (no copy is made) for the fp32 master weights of a run that does not resume.
     fp32_start = None if resume is not None else {name: p.data for name, p in model.named_parameters()}

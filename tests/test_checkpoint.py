@@ -693,6 +693,33 @@ def test_init_weights_from_a_run_with_another_vocab_is_refused(tmp_path):
         weights.load_initial_weights(modeling.BertForPreTraining(small_config()), run, shards_vocab)
 
 
+def test_init_weights_trained_on_text_of_another_case_are_refused(tmp_path):
+    """Phase 2 on shards whose text was lower-cased differently from the text --init_checkpoint was trained on:
+    the run's tokenization.json, or a Hugging Face tokenizer's do_lower_case, against the shards' lower_case."""
+    import modeling
+    from tests.test_modeling import small_config
+
+    run = tmp_path / "run"
+    _save(run / "checkpoints", 10)
+    small_config().to_json_file(run / "model_config.json")
+    (run / "tokenization.json").write_text('{"lower_case": true}\n')
+    model = modeling.BertForPreTraining(small_config())
+    with pytest.raises(CheckpointError, match=rf"--init_checkpoint {run} was trained on lower-cased text "
+                                              r"\(tokenization.json: lower_case true\) but the shards hold text that "
+                                              "kept its case .*; make the shards without data.prepare --no_lower_case"):
+        weights.load_initial_weights(model, run, lower_case=False)
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(996)]) + "\n")
+    modeling.save_hf(modeling.BertForPreTraining(small_config()), tmp_path / "hf", vocab_file=vocab, lower_case=False)
+    with pytest.raises(CheckpointError, match=r"hf was trained on text that kept its case \(tokenizer_config.json: "
+                                              r"do_lower_case false\) but the shards hold lower-cased text .*; make the "
+                                              "shards with data.prepare --no_lower_case"):
+        weights.load_initial_weights(model, tmp_path / "hf", vocab, lower_case=True)
+    # The same case, or shards that do not say (NVIDIA's), pass.
+    assert weights.load_initial_weights(model, tmp_path / "hf", vocab, lower_case=False).endswith("(Hugging Face)")
+    assert weights.load_initial_weights(model, tmp_path / "hf", vocab, lower_case=None).endswith("(Hugging Face)")
+
+
 def test_init_weights_from_a_run_of_another_model_name_the_fields(tmp_path):
     """--phase2 --init_checkpoint <a phase-1 run> trained with another model config: its model_config.json is
     compared field by field before the weights are read (it was load_state_dict's line per tensor)."""

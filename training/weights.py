@@ -25,6 +25,7 @@ from training.checkpoint import (
     find_resume,
     verify_checksums,
 )
+from training.loader import TOKENIZATION
 from training.reference_checkpoint import load_reference_checkpoint, reference_checkpoint
 
 _PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
@@ -148,7 +149,8 @@ _ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
                  "next_sentence_prediction")
 
 
-def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: Path | None = None) -> str:
+def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: Path | None = None,
+                         lower_case: bool | None = None) -> str:
     """Phase 2: the fp32 weights of `init_dir`'s latest checkpoint (its fp32 master weights, merged from
     its partitions after a bf16 run), read memory-mapped into `model` before DeepSpeed wraps it, or those of a Hugging
     Face BERT directory (config.json and weights: an export of ours, or a published BERT to continue
@@ -156,10 +158,13 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
     Optimizer state and schedule are not touched. Collective for a checkpoint: the
     ranks share the CRC checks of its files. With `vocab_file` (the shards' vocab.txt), the vocabulary of
     `init_dir` (a run's copy, a Hugging Face directory's) must be that one: a vocab of the same size but
-    other tokens would train every embedding on another token's text."""
+    other tokens would train every embedding on another token's text. With `lower_case` (the shards' case), the
+    case `init_dir` was trained with, where it says (a run's tokenization.json, a Hugging Face tokenizer's
+    do_lower_case), must be that one."""
     ckpt_dir = checkpoint_dir(init_dir)
     if not ckpt_dir.is_dir() and (init_dir / "config.json").is_file():
         _check_vocab(init_dir, vocab_file)
+        _check_case(init_dir / "tokenizer_config.json", "do_lower_case", lower_case)
         return _load_hf(model, init_dir)
     if not ckpt_dir.is_dir() and (reference := reference_checkpoint(init_dir)):
         tokens = len(_vocab_tokens(vocab_file)) if vocab_file is not None and vocab_file.is_file() else None
@@ -173,6 +178,7 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
         raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; {_SUPPORTED}")
     _check_phase1_config(init_dir / "model_config.json", model)
     _check_vocab(init_dir, vocab_file)
+    _check_case(init_dir / TOKENIZATION, "lower_case", lower_case)
     tag, state = found
     verify_checksums(ckpt_dir, tag, state)
     weights, _ = read_fp32_weights(ckpt_dir / tag, fp32_module_suffices=True)
@@ -226,6 +232,25 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
                           f"the shards' {vocab_file} ({len(ours)} tokens): token id {first} is {there} there, {here} "
                           "in the shards, so its embeddings would be trained on other tokens' text; make the shards "
                           "with that vocabulary (data.prepare --vocab_file)")
+
+
+def _check_case(record: Path, key: str, lower_case: bool | None) -> None:
+    """The case --init_checkpoint was trained with (`key` of its JSON `record`, where it has one) against the
+    shards': a model trained on lower-cased text has never seen the ids cased text gives, and back."""
+    if lower_case is None or not record.is_file():
+        return
+    try:
+        theirs = json.loads(record.read_text(encoding="utf-8")).get(key)
+    except (ValueError, AttributeError):
+        return  # not a record of the case: nothing to compare (a damaged one is the export's to refuse)
+    if isinstance(theirs, bool) and theirs != lower_case:
+        def case(lower: bool) -> str:
+            return "lower-cased text" if lower else "text that kept its case"
+
+        raise CheckpointError(f"--init_checkpoint {record.parent} was trained on {case(theirs)} ({record.name}: {key} "
+                              f"{str(theirs).lower()}) but the shards hold {case(lower_case)} (their lower_case "
+                              f"attribute); make the shards {'without' if theirs else 'with'} data.prepare "
+                              "--no_lower_case")
 
 
 def _vocab_tokens(path: Path) -> list[str]:
