@@ -114,7 +114,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--input_dir", type=Path, required=True,
                    help="shards, searched recursively: .hdf5 files in training/ or with the word training in their name "
                         "(wiki_training_0.hdf5) train; in test/ or with the word test, evaluate")
-    g.add_argument("--output_dir", type=Path, required=True, help="checkpoints, metrics, TensorBoard, model_config.json and vocab.txt")
+    g.add_argument("--output_dir", type=Path, required=True, help="checkpoints, metrics, TensorBoard, model_config.json, vocab.txt and tokenization.json")
     g.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
     g.add_argument("--max_seq_length", type=int, default=128, help="must equal the shards' sequence length")
     g.add_argument("--max_predictions_per_seq", type=int, default=20,

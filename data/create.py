@@ -113,7 +113,7 @@ def validate(cfg: CreateConfig) -> None:
         raise PipelineError(f"seed must be >= 0 (numpy's seed sequences take no negative numbers), got {cfg.seed}")
 
 
-BERT_POSITIONS = 512  # max_position_embeddings of BERT, and of every model config in configs/models
+BERT_POSITIONS = 512  # max_position_embeddings of BERT, and the most of any model config in configs/models
 
 
 def long_sequence_warning(max_seq_length: int) -> str | None:
@@ -122,7 +122,7 @@ def long_sequence_warning(max_seq_length: int) -> str | None:
     if max_seq_length <= BERT_POSITIONS:
         return None
     return (f"warning: --max_seq_length {max_seq_length} is above {BERT_POSITIONS}, the max_position_embeddings of "
-            "BERT and of every config in configs/models; run_pretraining.py refuses these shards unless its "
+            "BERT and the most of any config in configs/models; run_pretraining.py refuses these shards unless its "
             f"--config_file has max_position_embeddings of at least {max_seq_length}")
 
 
