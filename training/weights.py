@@ -141,9 +141,9 @@ def set_fp32_masters(engine, weights: dict[str, torch.Tensor]) -> None:
         safe_set_full_fp32_param(param, value)
 
 
-# Fields that make two BERTs the same function of their weights (dropout and init do not).
 _SUPPORTED = ("point it at the --output_dir of a finished phase-1 run, a Hugging Face BERT directory, or a "
               "ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py (or the directory holding them)")
+# Fields that make two BERTs the same function of their weights (dropout and init do not).
 _ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pre_layer_norm",
                  "next_sentence_prediction")
