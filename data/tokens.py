@@ -110,9 +110,9 @@ class WordPieceTokenizer:
 
     BERT's normalizer and pre-tokenizer never join or split text across whitespace, so a text's
     tokens are the concatenation of its whitespace-separated words' tokens. A part of Wikipedia
-    has about 8x fewer distinct words than words, so this class tokenizes each distinct word once:
-    a printable ASCII word whose pieces are all in the vocab (most of them) by dictionary lookups,
-    every other word by the Rust tokenizer in one batch. The result equals the Rust tokenizer's on
+    has several times fewer distinct words than words (7x in the sample), so this class tokenizes each
+    distinct word once: a printable ASCII word whose pieces are all in the vocab (most of them) by
+    dictionary lookups, every other word by the Rust tokenizer in one batch. The result equals the Rust tokenizer's on
     the whole text (tested on the sample corpus and on every separator and special case).
 
     Text that spells a special token ("[SEP]") is tokenized as text, never as the special token.
