@@ -569,9 +569,12 @@ def vocab_lower_cases(vocab_file: Path) -> bool:
     """Whether text tokenized with this vocab was lower-cased, guessed from the vocab alone (for shards
     that do not say): BERT's uncased normalisation changes at most 1% of its tokens, the stray cased
     tokens data.prepare accepts in the vocab of a lower-cased run."""
+    return _lower_cases(vocab_file.read_text(encoding="utf-8").splitlines())
+
+
+def _lower_cases(lines: list[str]) -> bool:
     from data.vocab import CASED_TOKENS_TOLERATED, cased_tokens
 
-    lines = vocab_file.read_text(encoding="utf-8").splitlines()
     words = [w for w in lines if w and not w.startswith("[")]
     return len(cased_tokens(words)) <= CASED_TOKENS_TOLERATED * len(lines)
 
@@ -587,7 +590,7 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int, low
     from transformers import BertTokenizerFast
 
     lines = vocab_file.read_text(encoding="utf-8").splitlines()
-    lower = vocab_lower_cases(vocab_file) if lower_case is None else lower_case
+    lower = _lower_cases(lines) if lower_case is None else lower_case
     wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
     tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
                                   sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",

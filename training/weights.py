@@ -244,11 +244,9 @@ def _check_case(record: Path, key: str, lower_case: bool | None) -> None:
     except (ValueError, AttributeError):
         return  # not a record of the case: nothing to compare (a damaged one is the export's to refuse)
     if isinstance(theirs, bool) and theirs != lower_case:
-        def case(lower: bool) -> str:
-            return "lower-cased text" if lower else "text that kept its case"
-
-        raise CheckpointError(f"--init_checkpoint {record.parent} was trained on {case(theirs)} ({record.name}: {key} "
-                              f"{str(theirs).lower()}) but the shards hold {case(lower_case)} (their lower_case "
+        text = {True: "lower-cased text", False: "text that kept its case"}
+        raise CheckpointError(f"--init_checkpoint {record.parent} was trained on {text[theirs]} ({record.name}: {key} "
+                              f"{str(theirs).lower()}) but the shards hold {text[lower_case]} (their lower_case "
                               f"attribute); make the shards {'without' if theirs else 'with'} data.prepare "
                               "--no_lower_case")
 
