@@ -10,6 +10,7 @@ resumes from `<output_dir>/checkpoints/latest` at the exact sample. See docs/TRA
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import math
@@ -17,6 +18,7 @@ import shutil
 import signal
 import socket
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -589,16 +591,22 @@ def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -
 RUN_LOCK = ".run.lock"
 
 
-def lock_output_dir(output_dir: Path):
+@contextlib.contextmanager
+def lock_output_dir(output_dir: Path) -> Iterator[None]:
     """Collective. Rank 0 holds an exclusive lock on <output_dir>/.run.lock while the run lasts: a second
     run on the same --output_dir (a job requeued while the first still runs) would save into the same
-    checkpoints and logs, the two timelines interleaved. Returns rank 0's lock (see `data.lockfile`)."""
+    checkpoints and logs, the two timelines interleaved. Released however the block ends, so a second
+    train() in the same process (a notebook, a test) can take it again (see `data.lockfile`)."""
     lock, error = (_try_lock(output_dir / RUN_LOCK) if dist.get_rank() == 0 else (None, None))
     errors = [error]
     dist.broadcast_object_list(errors, src=0)
     if errors[0]:
         raise RunConfigError(errors[0])
-    return lock
+    try:
+        yield
+    finally:
+        if lock is not None:
+            lock.release(remove=False)
 
 
 def _try_lock(path: Path) -> tuple[lockfile.Held | None, str | None]:
@@ -725,167 +733,165 @@ def train(args: argparse.Namespace) -> dict:
     lower_case = tokenization_case(train_set, eval_set)
     identity = run_identity(args, train_set, sizes, config, bool(ds_config.get("bf16", {}).get("enabled")))
 
-    run_lock = lock_output_dir(args.output_dir)
-    ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
-    checkpoint.finish_interrupted_commit(ckpt_dir, args.keep_checkpoints)
-    resume = checkpoint.find_resume(ckpt_dir)
-    if resume is not None and resume[1].seed != args.seed:
-        raise RunConfigError(f"{ckpt_dir / resume[0]} was trained with --seed {resume[1].seed}; resuming with "
-                             f"--seed {args.seed} would change the data order. Pass --seed {resume[1].seed}")
-    if resume is not None:
-        check_resume_identity(ckpt_dir / resume[0], resume[1].identity, identity, args.input_dir)
-    # A finished run's rerun trains nothing: on another world size it needs the weights (for a
-    # missing final evaluation), not the optimizer partitions, so no universal conversion. (A
-    # --max_steps below the checkpoint's step takes the full load, whose schedule check refuses it.)
-    finished = resume is not None and resume[1].step == args.max_steps
-    module_only = finished and resume[1].world_size != world
-    if resume is not None and resume[1].world_size != world and not finished:
-        ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    with lock_output_dir(args.output_dir):
+        ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
+        checkpoint.finish_interrupted_commit(ckpt_dir, args.keep_checkpoints)
+        resume = checkpoint.find_resume(ckpt_dir)
+        if resume is not None and resume[1].seed != args.seed:
+            raise RunConfigError(f"{ckpt_dir / resume[0]} was trained with --seed {resume[1].seed}; resuming with "
+                                 f"--seed {args.seed} would change the data order. Pass --seed {resume[1].seed}")
+        if resume is not None:
+            check_resume_identity(ckpt_dir / resume[0], resume[1].identity, identity, args.input_dir)
+        # A finished run's rerun trains nothing: on another world size it needs the weights (for a
+        # missing final evaluation), not the optimizer partitions, so no universal conversion. (A
+        # --max_steps below the checkpoint's step takes the full load, whose schedule check refuses it.)
+        finished = resume is not None and resume[1].step == args.max_steps
+        module_only = finished and resume[1].world_size != world
+        if resume is not None and resume[1].world_size != world and not finished:
+            ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    checkpointing = ActivationCheckpointing(args.checkpoint_activations, args.checkpoint_activations_interval)
-    model = BertForPreTraining(config, checkpointing=checkpointing)
-    init_from = None
-    if args.phase2 and resume is None:
-        init_from = load_initial_weights(model, args.init_checkpoint, args.input_dir / "vocab.txt", lower_case)
-    # A bf16 engine replaces each parameter's data by a bf16 copy; these references keep the fp32
-    # values (no copy is made) for the fp32 master weights of a run that does not resume.
-    fp32_start = None if resume is not None else {name: p.data for name, p in model.named_parameters()}
-    schedule_cfg = schedule_config(args)
-    engine, _, _, scheduler = deepspeed.initialize(
-        model=model, optimizer=build_optimizer(model, args), config=ds_config,
-        lr_scheduler=lambda opt: WarmupConstantDecay(opt, schedule_cfg))
-    if fp32_start is not None and engine.bfloat16_enabled():
-        set_fp32_masters(engine, fp32_start)
-    del fp32_start
-    if args.optimizer in ("lamb", "lans"):
-        from training.lamb import bind_to_deepspeed
+        torch.manual_seed(args.seed)  # identical initial weights on every rank
+        checkpointing = ActivationCheckpointing(args.checkpoint_activations, args.checkpoint_activations_interval)
+        model = BertForPreTraining(config, checkpointing=checkpointing)
+        init_from = None
+        if args.phase2 and resume is None:
+            init_from = load_initial_weights(model, args.init_checkpoint, args.input_dir / "vocab.txt", lower_case)
+        # A bf16 engine replaces each parameter's data by a bf16 copy; these references keep the fp32
+        # values (no copy is made) for the fp32 master weights of a run that does not resume.
+        fp32_start = None if resume is not None else {name: p.data for name, p in model.named_parameters()}
+        schedule_cfg = schedule_config(args)
+        engine, _, _, scheduler = deepspeed.initialize(
+            model=model, optimizer=build_optimizer(model, args), config=ds_config,
+            lr_scheduler=lambda opt: WarmupConstantDecay(opt, schedule_cfg))
+        if fp32_start is not None and engine.bfloat16_enabled():
+            set_fp32_masters(engine, fp32_start)
+        del fp32_start
+        if args.optimizer in ("lamb", "lans"):
+            from training.lamb import bind_to_deepspeed
 
-        bind_to_deepspeed(engine)
-    accum_dtype = check_fp32_accumulation(engine)
-    compiled = acc.compile_engine(engine)
+            bind_to_deepspeed(engine)
+        accum_dtype = check_fp32_accumulation(engine)
+        compiled = acc.compile_engine(engine)
 
-    step, consumed, skipped_batches, skipped_steps = 0, 0, 0, 0
-    if resume is not None:
-        tag, state = resume
-        checkpoint.verify_checksums(ckpt_dir, tag, state)
-        if state.world_size != world and not module_only:
-            tag = checkpoint.universal_tag(ckpt_dir, tag)
-        checkpoint.load(engine, ckpt_dir, tag, module_only=module_only)
-        step, consumed = state.step, state.consumed_samples
-        skipped_batches, skipped_steps = state.skipped_batches, state.skipped_steps
-        if not module_only and scheduler.step_count != step:
-            raise CheckpointError(f"{ckpt_dir / tag}: lr schedule is at step {scheduler.step_count} but the run "
-                                  f"state says {step}; the checkpoint is inconsistent")
-    if rank == 0:
-        write_run_files(args, config, lower_case)
+        step, consumed, skipped_batches, skipped_steps = 0, 0, 0, 0
+        if resume is not None:
+            tag, state = resume
+            checkpoint.verify_checksums(ckpt_dir, tag, state)
+            if state.world_size != world and not module_only:
+                tag = checkpoint.universal_tag(ckpt_dir, tag)
+            checkpoint.load(engine, ckpt_dir, tag, module_only=module_only)
+            step, consumed = state.step, state.consumed_samples
+            skipped_batches, skipped_steps = state.skipped_batches, state.skipped_steps
+            if not module_only and scheduler.step_count != step:
+                raise CheckpointError(f"{ckpt_dir / tag}: lr schedule is at step {scheduler.step_count} but the run "
+                                      f"state says {step}; the checkpoint is inconsistent")
+        if rank == 0:
+            write_run_files(args, config, lower_case)
 
-    info = {
-        "world_size": world, "accelerator": acc.name, "backend": acc.backend, "device_name": acc.device_name,
-        "train_batch_size": sizes.train_batch_size, "micro_batch": sizes.micro_batch,
-        "gradient_accumulation_steps": sizes.grad_accum, "zero_stage": engine.zero_optimization_stage(),
-        "bf16": engine.bfloat16_enabled(), "grad_accum_dtype": accum_dtype, "compiled": compiled,
-        "activation_checkpointing": model.checkpointing.enabled,
-        "activation_checkpointing_interval": model.checkpointing.interval if model.checkpointing.enabled else None,
-        "optimizer": args.optimizer, "optimizer_wrapper": type(engine.optimizer).__name__,
-        "parameters": count_parameters(model), "resumed_from": resume[0] if resume else None,
-        "resumed_world_size": resume[1].world_size if resume else None, "init_checkpoint": init_from,
-        "start_step": step, "start_consumed_samples": consumed,
-    }
-    if rank == 0:
-        atomic_write_text(args.output_dir / "run_info.json", json.dumps(info, indent=1) + "\n")
-        record_start(args.output_dir, info, ds_config)
+        info = {
+            "world_size": world, "accelerator": acc.name, "backend": acc.backend, "device_name": acc.device_name,
+            "train_batch_size": sizes.train_batch_size, "micro_batch": sizes.micro_batch,
+            "gradient_accumulation_steps": sizes.grad_accum, "zero_stage": engine.zero_optimization_stage(),
+            "bf16": engine.bfloat16_enabled(), "grad_accum_dtype": accum_dtype, "compiled": compiled,
+            "activation_checkpointing": model.checkpointing.enabled,
+            "activation_checkpointing_interval": model.checkpointing.interval if model.checkpointing.enabled else None,
+            "optimizer": args.optimizer, "optimizer_wrapper": type(engine.optimizer).__name__,
+            "parameters": count_parameters(model), "resumed_from": resume[0] if resume else None,
+            "resumed_world_size": resume[1].world_size if resume else None, "init_checkpoint": init_from,
+            "start_step": step, "start_consumed_samples": consumed,
+        }
+        if rank == 0:
+            atomic_write_text(args.output_dir / "run_info.json", json.dumps(info, indent=1) + "\n")
+            record_start(args.output_dir, info, ds_config)
 
-    stop = StopRequest()
-    guard = NonFiniteGuard(args.max_nonfinite_steps, skipped_batches, skipped_steps)
-    flops_per_seq = training_flops_per_sequence(config, args.max_seq_length, args.max_predictions_per_seq)
-    peak = peak_tflops(acc.device_name, "bf16" if engine.bfloat16_enabled() else "fp32")
-    writer = MetricsWriter(args.output_dir, args.max_steps, step, enabled=rank == 0)
-    for line in start_lines(info, args, train_set, eval_set):
-        writer.note(line)
-    meter = Throughput(warmup=2)
-    last_saved = step
-    consumed_at_step = consumed  # stream position at the end of the last complete window
-    skipped_at_step = guard.counts()  # and the guard's counts up to it
-    start_step = step
-    stopped = paused = False
+        stop = StopRequest()
+        guard = NonFiniteGuard(args.max_nonfinite_steps, skipped_batches, skipped_steps)
+        flops_per_seq = training_flops_per_sequence(config, args.max_seq_length, args.max_predictions_per_seq)
+        peak = peak_tflops(acc.device_name, "bf16" if engine.bfloat16_enabled() else "fp32")
+        writer = MetricsWriter(args.output_dir, args.max_steps, step, enabled=rank == 0)
+        for line in start_lines(info, args, train_set, eval_set):
+            writer.note(line)
+        meter = Throughput(warmup=2)
+        last_saved = step
+        consumed_at_step = consumed  # stream position at the end of the last complete window
+        skipped_at_step = guard.counts()  # and the guard's counts up to it
+        start_step = step
+        stopped = paused = False
 
-    loader = make_loader(train_set, RankSampler(consumed, sizes.micro_batch, rank, world), sizes.micro_batch,
-                         args.num_workers, pin_memory=acc.name == "cuda")
-    batches = iter(loader)
-    engine.train()
-    try:
-        while step < args.max_steps:
-            lr = scheduler.get_last_lr()[0]
-            result = train_step(engine, batches, consumed, sizes, args.seed, guard, stop, acc, step)
-            consumed, stopped = result.consumed, result.stopped
-            if not result.complete:  # stopped mid-window: the partial gradients are never applied
-                break
-            meter.update(sizes.train_batch_size)
-            guard.step_update(result.applied, step)
-            consumed_at_step, skipped_at_step = consumed, guard.counts()
-            if not result.applied:
-                # Non-finite gradients: DeepSpeed left weights and schedule as they were, so the
-                # next window takes this step again; its samples stay consumed.
-                writer.note(f"step {step + 1}: the gradient norm is not finite, so DeepSpeed skipped the update "
-                            f"on every rank; the next {sizes.train_batch_size} samples take the step again "
-                            f"({guard.steps_in_a_row} in a row, {guard.skipped_steps} in total)")
+        loader = make_loader(train_set, RankSampler(consumed, sizes.micro_batch, rank, world), sizes.micro_batch,
+                             args.num_workers, pin_memory=acc.name == "cuda")
+        batches = iter(loader)
+        engine.train()
+        try:
+            while step < args.max_steps:
+                lr = scheduler.get_last_lr()[0]
+                result = train_step(engine, batches, consumed, sizes, args.seed, guard, stop, acc, step)
+                consumed, stopped = result.consumed, result.stopped
+                if not result.complete:  # stopped mid-window: the partial gradients are never applied
+                    break
+                meter.update(sizes.train_batch_size)
+                guard.step_update(result.applied, step)
+                consumed_at_step, skipped_at_step = consumed, guard.counts()
+                if not result.applied:
+                    # Non-finite gradients: DeepSpeed left weights and schedule as they were, so the
+                    # next window takes this step again; its samples stay consumed.
+                    writer.note(f"step {step + 1}: the gradient norm is not finite, so DeepSpeed skipped the update "
+                                f"on every rank; the next {sizes.train_batch_size} samples take the step again "
+                                f"({guard.steps_in_a_row} in a row, {guard.skipped_steps} in total)")
+                    if stopped:
+                        break
+                    continue
+                step += 1
+                writer.advance(step)
+                if step % args.log_freq == 0 or step == args.max_steps:
+                    mean = (result.totals / (sizes.grad_accum * world)).tolist()
+                    seq_per_s = meter.take()
+                    tflops = None if seq_per_s is None else flops_per_seq * seq_per_s / world / 1e12
+                    grad_norm = engine.get_global_grad_norm()
+                    writer.log({
+                        "step": step, "loss": mean[0], "mlm_loss": mean[1], "nsp_loss": mean[2],
+                        "mlm_accuracy": mean[3], "lr": lr,
+                        "grad_norm": None if grad_norm is None else float(grad_norm),
+                        "seq_per_s": seq_per_s,
+                        "tokens_per_s": None if seq_per_s is None else seq_per_s * args.max_seq_length,
+                        "tflops_per_device": tflops,
+                        "mfu": None if tflops is None or peak is None else tflops / peak,
+                        "peak_memory_bytes": acc.max_memory_bytes(),
+                        "consumed_samples": consumed, "skipped_batches": guard.skipped_batches,
+                        "skipped_steps": guard.skipped_steps,
+                    })
+                # Evaluation and checkpoints stay out of the throughput window: it measures training.
+                if eval_set is not None and args.eval_freq and step % args.eval_freq == 0 and step < args.max_steps:
+                    with meter.excluded():
+                        writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
+                if step % args.num_steps_per_checkpoint == 0 or step == args.max_steps:
+                    with meter.excluded():
+                        checkpoint.save(engine, ckpt_dir, step, consumed, args.seed, guard.counts(), identity,
+                                        args.keep_checkpoints)
+                    last_saved = step
                 if stopped:
                     break
-                continue
-            step += 1
-            writer.advance(step)
-            if step % args.log_freq == 0 or step == args.max_steps:
-                mean = (result.totals / (sizes.grad_accum * world)).tolist()
-                seq_per_s = meter.take()
-                tflops = None if seq_per_s is None else flops_per_seq * seq_per_s / world / 1e12
-                grad_norm = engine.get_global_grad_norm()
-                writer.log({
-                    "step": step, "loss": mean[0], "mlm_loss": mean[1], "nsp_loss": mean[2],
-                    "mlm_accuracy": mean[3], "lr": lr,
-                    "grad_norm": None if grad_norm is None else float(grad_norm),
-                    "seq_per_s": seq_per_s,
-                    "tokens_per_s": None if seq_per_s is None else seq_per_s * args.max_seq_length,
-                    "tflops_per_device": tflops,
-                    "mfu": None if tflops is None or peak is None else tflops / peak,
-                    "peak_memory_bytes": acc.max_memory_bytes(),
-                    "consumed_samples": consumed, "skipped_batches": guard.skipped_batches,
-                    "skipped_steps": guard.skipped_steps,
-                })
-            # Evaluation and checkpoints stay out of the throughput window: it measures training.
-            if eval_set is not None and args.eval_freq and step % args.eval_freq == 0 and step < args.max_steps:
-                with meter.excluded():
-                    writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
-            if step % args.num_steps_per_checkpoint == 0 or step == args.max_steps:
-                with meter.excluded():
-                    checkpoint.save(engine, ckpt_dir, step, consumed, args.seed, guard.counts(), identity,
+                if args.steps_this_run and step - start_step >= args.steps_this_run and step < args.max_steps:
+                    paused = True
+                    break
+            if stopped or paused:
+                # Preempted, or this run's steps done: keep everything up to the last complete step. The
+                # samples of a partial window are read again on resume, as an uninterrupted run reads them.
+                if step != last_saved:
+                    checkpoint.save(engine, ckpt_dir, step, consumed_at_step, args.seed, skipped_at_step, identity,
                                     args.keep_checkpoints)
-                last_saved = step
-            if stopped:
-                break
-            if args.steps_this_run and step - start_step >= args.steps_this_run and step < args.max_steps:
-                paused = True
-                break
-        if stopped or paused:
-            # Preempted, or this run's steps done: keep everything up to the last complete step. The
-            # samples of a partial window are read again on resume, as an uninterrupted run reads them.
-            if step != last_saved:
-                checkpoint.save(engine, ckpt_dir, step, consumed_at_step, args.seed, skipped_at_step, identity,
-                                args.keep_checkpoints)
-            saved = (f"checkpoint {checkpoint.tag_for(step)} is saved; rerun the command to resume" if step
-                     else "no step had completed, so nothing was saved; rerun the command to start")
-            # through the bar, which is still open: printed directly, the line was glued to its end
-            why = (f"stop requested (signal {stop.signal or 'on another rank'})" if stopped
-                   else f"--steps_this_run {args.steps_this_run} done")
-            writer.note(f"{why} at step {step} of {args.max_steps}: {saved}", file=sys.stderr)
-        elif eval_set is not None and (step > start_step or final_evaluation_missing(writer, step)):
-            writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
-    finally:
-        writer.close()
-        if run_lock is not None:
-            run_lock.release(remove=False)
-    return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped, "paused": paused,
-            "skipped_batches": guard.skipped_batches, "skipped_steps": guard.skipped_steps}
+                saved = (f"checkpoint {checkpoint.tag_for(step)} is saved; rerun the command to resume" if step
+                         else "no step had completed, so nothing was saved; rerun the command to start")
+                # through the bar, which is still open: printed directly, the line was glued to its end
+                why = (f"stop requested (signal {stop.signal or 'on another rank'})" if stopped
+                       else f"--steps_this_run {args.steps_this_run} done")
+                writer.note(f"{why} at step {step} of {args.max_steps}: {saved}", file=sys.stderr)
+            elif eval_set is not None and (step > start_step or final_evaluation_missing(writer, step)):
+                writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
+        finally:
+            writer.close()
+        return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped, "paused": paused,
+                "skipped_batches": guard.skipped_batches, "skipped_steps": guard.skipped_steps}
 
 
 def final_evaluation_missing(writer: MetricsWriter, step: int) -> bool:

@@ -728,6 +728,36 @@ def test_a_second_run_on_an_output_dir_in_use_is_refused(phase1_shards, tmp_path
     ok(run(1, base_args(phase1_shards, out, ROOT / "configs/models/bert-tiny.json", ds, 1)))  # once it is free
 
 
+# train() twice in one process, as a notebook or a job wrapper would call it.
+TRAIN_TWICE = """import sys
+import run_pretraining
+args = run_pretraining.parse_args(sys.argv[1:])
+for attempt in (1, 2):
+    try:
+        run_pretraining.train(args)
+    except run_pretraining.USER_ERRORS as e:
+        print(f"attempt {attempt}: {type(e).__name__}: {e}")
+"""
+
+
+def test_a_run_that_fails_after_taking_the_lock_releases_it(phase1_shards, tmp_path):
+    """An error after the output directory's lock was taken (here an --init_checkpoint that is not a checkpoint)
+    left the lock held by the process, so a second train() in it was refused as "in use by another run"."""
+    out = tmp_path / "out"
+    damaged = tmp_path / "ckpt_100.pt"
+    damaged.write_bytes(b"not a checkpoint")
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4)
+    args = base_args(phase1_shards, out, ROOT / "configs/models/bert-tiny.json", ds, 1, phase2=True,
+                     init_checkpoint=damaged)
+    cmd, env = command(1, args)
+    result = subprocess.run([sys.executable, "-c", TRAIN_TWICE, *cmd[2:]], env=env, capture_output=True, text=True,
+                            timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    first, second = [line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("attempt ")]
+    assert first.startswith("CheckpointError: ") and str(damaged) in first
+    assert second == first
+
+
 @pytest.mark.slow
 def test_diverged_run_drops_nonfinite_batches_and_stops_clearly(fp32_setup, phase1_shards, tmp_path):
     args, _ = fp32_setup
