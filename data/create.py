@@ -103,10 +103,14 @@ def validate(cfg: CreateConfig) -> None:
             f"{cfg.max_seq_length}: at most {maskable} tokens can be masked ([CLS] and two [SEP] never are); "
             "use 20 at 128 or 80 at 512"
         )
-    for name in ("short_seq_prob", "masked_lm_prob", "test_fraction"):
+    for name in ("short_seq_prob", "test_fraction"):
         value = getattr(cfg, name)
         if not 0.0 <= value < 1.0:
             raise PipelineError(f"{name} must be in [0, 1), got {value}")
+    if not 0.0 < cfg.masked_lm_prob < 1.0:
+        # The trainer refuses shards whose masked_lm_prob attribute is outside (0, 1) (training/loader.py).
+        raise PipelineError(f"masked_lm_prob must be in (0, 1), got {cfg.masked_lm_prob}: run_pretraining.py "
+                            "refuses shards made with it; BERT uses 0.15")
     if cfg.dupe_factor < 1:
         raise PipelineError(f"dupe_factor must be >= 1, got {cfg.dupe_factor}")
     if cfg.seed < 0:

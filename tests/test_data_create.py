@@ -16,8 +16,11 @@ from data.create import (
     held_out,
     plan_pairs,
     truncate_pairs,
+    validate,
 )
 from data.create import main as create_main
+from data.prepare import main as prepare_main
+from data.stage import PipelineError
 from data.tokens import TokenizedPart, load_part
 
 
@@ -251,3 +254,17 @@ def test_the_default_predictions_that_would_cap_the_masking_are_refused(phase1_s
     assert not (tmp_path / "refused").exists()
     create_main([*argv, "--output_dir", str(tmp_path / "kept"), "--max_predictions_per_seq", "20", "--dupe_factor", "1"])
     assert "create:" in capsys.readouterr().out
+
+
+def test_a_masked_lm_prob_of_zero_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path):
+    """--masked_lm_prob 0 was accepted: data.prepare wrote shards whose masked_lm_prob attribute, 0.0, the trainer then
+    refused ('outside (0, 1); recreate the shards'). It is refused at the start, as the loader would refuse it."""
+    refused = r"masked_lm_prob must be in \(0, 1\), got 0.0: run_pretraining.py refuses shards made with it"
+    with pytest.raises(PipelineError, match=refused):
+        validate(CreateConfig(tmp_path, bert_vocab, tmp_path, masked_lm_prob=0.0))
+    validate(CreateConfig(tmp_path, bert_vocab, tmp_path, masked_lm_prob=0.01))
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit, match=refused):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab),
+                      "--masked_lm_prob", "0"])
+    assert not out.exists()

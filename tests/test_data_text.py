@@ -479,9 +479,11 @@ def test_impossible_max_predictions_is_refused_before_any_work(sample_dump, bert
     with pytest.raises(PipelineError, match="max_predictions_per_seq 126 is not possible at max_seq_length 128"):
         validate(CreateConfig(tmp_path, bert_vocab, tmp_path, max_seq_length=128, max_predictions_per_seq=126))
     validate(CreateConfig(tmp_path, bert_vocab, tmp_path, max_seq_length=128, max_predictions_per_seq=125))  # all
-    for name in ("short_seq_prob", "masked_lm_prob", "test_fraction"):  # probabilities below 1
+    for name in ("short_seq_prob", "test_fraction"):  # probabilities below 1
         with pytest.raises(PipelineError, match=rf"^{name} must be in \[0, 1\), got 1.0$"):
             validate(CreateConfig(tmp_path, bert_vocab, tmp_path, **{name: 1.0}))
+    with pytest.raises(PipelineError, match=r"^masked_lm_prob must be in \(0, 1\), got 1.0: "):
+        validate(CreateConfig(tmp_path, bert_vocab, tmp_path, masked_lm_prob=1.0))
     out = tmp_path / "out"
     with pytest.raises(SystemExit, match="max_predictions_per_seq 200 is not possible"):
         prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab),
