@@ -89,7 +89,7 @@ class BertConfig:
                 raise ConfigError(f"{source}: field '{f.name}' must be {f.type}, got {value!r}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "type_vocab_size",
-                     "pad_vocab_size_multiple"):
+                     "pad_vocab_size_multiple", "initializer_range", "layer_norm_eps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{source}: field '{name}' must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:

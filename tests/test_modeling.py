@@ -434,6 +434,8 @@ def test_config_json_round_trip(tmp_path):
     ({"hidden_act": "swish2"}, r"hidden_act 'swish2' is not one of"),
     ({"num_attention_heads": "2"}, r"field 'num_attention_heads' must be int"),
     ({"hidden_dropout_prob": 1.5}, r"hidden_dropout_prob' must be in \[0, 1\)"),
+    ({"initializer_range": -0.02}, r"field 'initializer_range' must be positive, got -0.02"),
+    ({"layer_norm_eps": -1e-12}, r"field 'layer_norm_eps' must be positive, got -1e-12"),
 ])
 def test_bad_configs_give_clear_errors(tmp_path, changes, message):
     path = write_config(tmp_path, **changes)
