@@ -89,7 +89,7 @@ class BertConfig:
                 raise ConfigError(f"{source}: field '{f.name}' must be {f.type}, got {value!r}")
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "intermediate_size", "max_position_embeddings", "type_vocab_size",
-                     "pad_vocab_size_multiple"):
+                     "pad_vocab_size_multiple", "initializer_range", "layer_norm_eps"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{source}: field '{name}' must be positive, got {getattr(self, name)}")
         if self.hidden_size % self.num_attention_heads:
@@ -616,25 +616,33 @@ def _replace_dir(new: Path, old: Path) -> None:
         shutil.rmtree(trash)
 
 
-def config_from_hf(hf_config, pad_vocab_size_multiple: int = 8, next_sentence_prediction: bool | None = None
-                   ) -> BertConfig:
-    """Our config for a transformers BERT config; without `next_sentence_prediction`, the NSP head is
-    assumed from `architectures` (a *ForMaskedLM has none)."""
+def config_from_hf(hf_config, pad_vocab_size_multiple: int = 8, next_sentence_prediction: bool | None = None,
+                   source: str = "the Hugging Face config") -> BertConfig:
+    """Our config for a transformers BERT config (`source`: its config.json, for the errors); without
+    `next_sentence_prediction`, the NSP head is assumed from `architectures` (a *ForMaskedLM has none)."""
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in ("bert", "megatron-bert"):
-        raise ConfigError(f"model_type {model_type!r} is not a BERT; expected 'bert' or 'megatron-bert'")
+        raise ConfigError(f"{source}: model_type {model_type!r} is not a BERT; expected 'bert' or 'megatron-bert'")
     if getattr(hf_config, "position_embedding_type", "absolute") != "absolute":
-        raise ConfigError(f"position_embedding_type {hf_config.position_embedding_type!r} is not supported")
+        raise ConfigError(f"{source}: position_embedding_type {hf_config.position_embedding_type!r} is not "
+                          "supported; this model has absolute position embeddings only")
+    # transformers makes such a BERT attend causally (and adds cross-attention weights): another function.
+    for name in ("is_decoder", "add_cross_attention"):
+        if getattr(hf_config, name, False):
+            raise ConfigError(f"{source}: {name} is true, a decoder BERT; this model is a bidirectional encoder")
     nsp = next_sentence_prediction
     if nsp is None:
         nsp = not any(a.endswith("ForMaskedLM") for a in getattr(hf_config, "architectures", None) or [])
-    return BertConfig(**{k: getattr(hf_config, k) for k in _HF_FIELDS}, pre_layer_norm=model_type == "megatron-bert",
-                      next_sentence_prediction=nsp, pad_vocab_size_multiple=pad_vocab_size_multiple)
+    values = {k: getattr(hf_config, k) for k in _HF_FIELDS}
+    return BertConfig.from_dict(values | {"pre_layer_norm": model_type == "megatron-bert",
+                                          "next_sentence_prediction": nsp,
+                                          "pad_vocab_size_multiple": pad_vocab_size_multiple}, source)
 
 
-def from_hf_model(hf_model, pad_vocab_size_multiple: int = 8) -> BertForPreTraining:
+def from_hf_model(hf_model, pad_vocab_size_multiple: int = 8, source: str = "the Hugging Face config"
+                  ) -> BertForPreTraining:
     nsp = hasattr(getattr(hf_model, "cls", None), "seq_relationship")  # *ForPreTraining, not *ForMaskedLM
-    config = config_from_hf(hf_model.config, pad_vocab_size_multiple, next_sentence_prediction=nsp)
+    config = config_from_hf(hf_model.config, pad_vocab_size_multiple, next_sentence_prediction=nsp, source=source)
     model = BertForPreTraining(config)
     hf_state = hf_model.state_dict()
     decoder = hf_state.get("cls.predictions.decoder.weight")
@@ -677,7 +685,7 @@ def load_hf(directory: str | os.PathLike, pad_vocab_size_multiple: int = 8) -> B
         raise ConfigError(f"{directory}: the checkpoint has no weights for {', '.join(missing[:4])}"
                           f"{', ...' if len(missing) > 4 else ''}; a BERT pretraining checkpoint (with its MLM head) "
                           "is needed, not a bare encoder or a fine-tuned model")
-    return from_hf_model(hf_model, pad_vocab_size_multiple)
+    return from_hf_model(hf_model, pad_vocab_size_multiple, source=str(directory / "config.json"))
 
 
 def config_differences(then: dict, now: dict, fields: Iterable[str]) -> list[str]:

@@ -213,6 +213,31 @@ def test_an_untied_output_layer_is_refused(tmp_path):
         modeling.load_hf(tmp_path / "untied")
 
 
+@pytest.mark.parametrize("changes", [{"is_decoder": True}, {"is_decoder": True, "add_cross_attention": True}],
+                         ids=["decoder", "cross-attention"])
+def test_a_decoder_bert_is_refused(tmp_path, changes):
+    """transformers makes a BERT with is_decoder attend causally (and add_cross_attention adds weights for
+    an encoder's states); this model is a bidirectional encoder, so loading one would change its outputs."""
+    hf_config = transformers.BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=64, **changes)
+    transformers.BertForPreTraining(hf_config).save_pretrained(tmp_path / "decoder")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'decoder' / 'config.json'))}: is_decoder is "
+                                          "true"):
+        modeling.load_hf(tmp_path / "decoder")
+
+
+@pytest.mark.parametrize("changes,message", [
+    ({"hidden_act": "silu"}, r"hidden_act 'silu' is not one of \['gelu', 'gelu_new', 'gelu_pytorch_tanh', 'relu'\]"),
+    ({"position_embedding_type": "relative_key"}, r"position_embedding_type 'relative_key' is not supported"),
+], ids=["hidden_act", "position_embedding_type"])
+def test_a_hugging_face_config_this_model_does_not_implement_is_refused_naming_its_file(tmp_path, changes, message):
+    hf_config = transformers.BertConfig(vocab_size=1001, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                        intermediate_size=128, max_position_embeddings=64, **changes)
+    transformers.BertForPreTraining(hf_config).save_pretrained(tmp_path / "hf")
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(tmp_path / 'hf' / 'config.json'))}: .*{message}"):
+        modeling.load_hf(tmp_path / "hf")
+
+
 def test_no_nsp_builds_no_head_and_exports_as_masked_lm(tmp_path):
     config = small_config(next_sentence_prediction=False)
     model = BertForPreTraining(config).eval()
@@ -409,6 +434,8 @@ def test_config_json_round_trip(tmp_path):
     ({"hidden_act": "swish2"}, r"hidden_act 'swish2' is not one of"),
     ({"num_attention_heads": "2"}, r"field 'num_attention_heads' must be int"),
     ({"hidden_dropout_prob": 1.5}, r"hidden_dropout_prob' must be in \[0, 1\)"),
+    ({"initializer_range": -0.02}, r"field 'initializer_range' must be positive, got -0.02"),
+    ({"layer_norm_eps": -1e-12}, r"field 'layer_norm_eps' must be positive, got -1e-12"),
 ])
 def test_bad_configs_give_clear_errors(tmp_path, changes, message):
     path = write_config(tmp_path, **changes)
