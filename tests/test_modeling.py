@@ -139,6 +139,15 @@ def test_save_hf_writes_a_working_tokenizer(tmp_path, bert_vocab):
     assert tokenizer.convert_ids_to_tokens(ids) == ["[CLS]", "the", "quick", "brown", "fox", "jumps", ".", "[SEP]"]
     fill = transformers.pipeline("fill-mask", model=str(tmp_path / "hf"))
     assert len(fill("paris is the [MASK] of france.")) == 5
+    # Spelled special tokens: the special token here (fill-mask needs it), text in the shards (TRAINING.md).
+    from data.tokens import WordPieceTokenizer
+
+    spelled = "a [MASK] b [SEP] c"
+    shards, _ = WordPieceTokenizer(bert_vocab, True).tokenize_sentences([spelled])
+    assert tokenizer.convert_ids_to_tokens(shards.tolist()) == ["a", "[", "mask", "]", "b", "[", "sep", "]", "c"]
+    special = tokenizer(spelled, add_special_tokens=False)["input_ids"]
+    assert tokenizer.convert_ids_to_tokens(special) == ["a", "[MASK]", "b", "[SEP]", "c"]
+    assert tokenizer(spelled, add_special_tokens=False, split_special_tokens=True)["input_ids"] == shards.tolist()
     long = tokenizer("word " * 700, truncation=True)["input_ids"]  # cut to the model's positions
     assert len(long) == config.max_position_embeddings == 512
     with pytest.raises(ValueError, match="vocab_size is 1001"):
