@@ -121,7 +121,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--max_seq_length", type=int, default=128, help="must equal the shards' sequence length")
     g.add_argument("--max_predictions_per_seq", type=int, default=20,
                    help="masked positions per sequence; must equal the shards' (static or dynamic masks)")
-    g.add_argument("--num_workers", type=int, default=2, help="DataLoader worker processes per rank")
+    g.add_argument("--num_workers", type=int, default=2,
+                   help="training DataLoader worker processes per rank (evaluation reads in the rank's own process)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_steps", type=int, required=True, help="optimizer steps in this phase")
     g.add_argument("--optimizer", choices=("lamb", "lans", "adamw"), default="lamb",

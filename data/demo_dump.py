@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m data.demo_dump", description=__doc__.split("\n")[0])
     parser.add_argument("--output", type=Path, required=True, help="path of the .xml.bz2 to write")
     parser.add_argument("--articles", type=int, default=400, help="number of article pages (default 400)")
-    parser.add_argument("--seed", type=int, default=12345)
+    parser.add_argument("--seed", type=int, default=12345, help="seed of the generated text (default 12345)")
     args = parser.parse_args(argv)
     try:
         stats = generate_demo_dump(args.output, args.articles, args.seed)

@@ -507,7 +507,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="dump mirror used with --dump_date (default: %(default)s)")
     p.add_argument("--output_dir", type=Path, required=True, help="where the dump is written")
     p.add_argument("--retries", type=non_negative_int, default=5,
-                   help="retries after a network error, 408, 429 or 5xx; 0: a single attempt (default: %(default)s)")
+                   help="retries in a row after a network error, 408, 429 or 5xx (an attempt that gets further "
+                        "into the file starts the count again); 0: a single attempt (default: %(default)s)")
     a = p.parse_args(argv)
     if a.url and a.mirror != DEFAULT_MIRROR:
         p.error("--mirror applies to --dump_date; with --url, put the mirror in the URL")

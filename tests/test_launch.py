@@ -148,12 +148,15 @@ def test_deepspeed_launcher_starts_in_the_root_with_the_env_file_exported(tmp_pa
 
 
 def test_hostfile_comments_and_blank_lines_are_skipped(tmp_path: Path):
-    """The master is the first host the hostfile lists, not a comment above it; a path with a space stays one."""
+    """The master is the first host the hostfile lists, not a comment above it; a path with a space stays one.
+    The ports given reach DeepSpeed's launcher."""
     hostfile = tmp_path / "cluster hosts"
     hostfile.write_text("# the cluster\n\nnode-a slots=8\nnode-b slots=8\n")
     cmd = _command(_launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hostfile", str(hostfile),
+                            "--master_port", "31337", "--ssh_port", "2222",
                             "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"]))
     assert (_flag(cmd, "--master_addr"), _flag(cmd, "--hostfile")) == ("node-a", str(hostfile))
+    assert (_flag(cmd, "--master_port"), _flag(cmd, "--ssh_port")) == ("31337", "2222")
 
 
 def test_path_flags_after_the_separator_are_relative_to_the_callers_directory(tmp_path: Path):
@@ -288,8 +291,9 @@ def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     assert outer[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert outer[5:8] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[8:] == common
     task = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2")
-    inner = _command(_launch([*common, "--master_addr", "node-a"], env=task))
+    inner = _command(_launch([*common, "--master_addr", "node-a", "--master_port", "31337"], env=task))
     assert (_flag(inner, "--nnodes"), _flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("2", "1", "node-a")
+    assert _flag(inner, "--master_port") == "31337"
     outside = _launch(common)
     assert outside.returncode == 2 and "runs inside an allocation" in outside.stderr
     # Without --master_addr the master is the allocation's first host, as scontrol expands the node list. The

@@ -200,14 +200,23 @@ class Counting(Throughput):
     def take(self):
         return None if super().take() is None else 100.0  # a fixed rate: the derived figures are exact
 run_pretraining.Throughput = Counting
+loader_workers = []
+make_loader = run_pretraining.make_loader
+def recording_loader(dataset, sampler, micro_batch, num_workers, **kwargs):
+    loader_workers.append(num_workers)
+    return make_loader(dataset, sampler, micro_batch, num_workers, **kwargs)
+run_pretraining.make_loader = recording_loader
 run_pretraining.train(run_pretraining.parse_args(sys.argv[1:]))
 print("COUNTED", json.dumps(counted))
+print("LOADER_WORKERS", json.dumps(loader_workers))
 """
 
 
 def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards, tmp_path):
     """1 rank, fp32, 2 micro batches of 2 per step: the throughput window gets the step's whole global batch,
-    and the logged rates follow from its sequences per second."""
+    and the logged rates follow from its sequences per second. The same short run shows that --num_workers reaches
+    the training loader and --keep_checkpoints the checkpoints kept (both non-default here), which no other test
+    outside the slow ones can see."""
     import os
     import subprocess
     import sys
@@ -227,8 +236,9 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
     proc = subprocess.run(
         [sys.executable, "-c", COUNTED_RUN, "--deepspeed", "--deepspeed_config", str(ds), "--input_dir",
          str(phase1_shards), "--output_dir", str(out), "--config_file", str(model), "--max_steps", "4",
-         "--log_freq", "1", "--num_workers", "0", "--num_eval_samples", "0", "--optimizer", "adamw",
-         "--learning_rate", "1e-4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+         "--log_freq", "1", "--num_workers", "1", "--num_eval_samples", "0", "--optimizer", "adamw",
+         "--learning_rate", "1e-4", "--num_steps_per_checkpoint", "1", "--keep_checkpoints", "2"], cwd=ROOT, env=env,
+        capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     counted = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("COUNTED ")).split(" ", 1)[1])
     assert counted == [4, 4, 4, 4]  # 2 micro batches x 2 sequences x 1 rank per step
@@ -238,6 +248,10 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
     assert records[3]["tokens_per_s"] == 100.0 * 128
     assert records[3]["tflops_per_device"] == flops * 100.0 / 1 / 1e12
     assert [records[s]["consumed_samples"] for s in (1, 2, 3, 4)] == [4, 8, 12, 16]
+    workers = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("LOADER_WORKERS ")).split(" ", 1)[1])
+    assert workers == [1]  # --num_workers 1, not the default 2
+    # a checkpoint every step, the newest 2 kept (the default keeps 3)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step00000003", "step00000004"]
 
 
 def test_evaluation_is_per_masked_token_and_per_sequence_over_all_batches():

@@ -1,0 +1,333 @@
+"""Every flag of the command lines reaches what it sets. Each command is given every flag with a value other than
+its default, and the settings it builds (its stage's config, the commands it starts) must hold those values: a
+flag whose value a command dropped, taking the default instead, fails here. What each setting then does is
+tested with its stage (test_data_*.py, test_train_*.py, test_launch.py, test_export_hf.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKERS = (os.cpu_count() or 1) + 3  # not --workers' default (the cores) on any machine
+
+
+class Reached(Exception):
+    """Raised by a stand-in for a stage, with the config the command line built for it."""
+
+
+def stand_in(monkeypatch, module: types.ModuleType, name: str) -> None:
+    def reached(cfg, *args, **kwargs):
+        raise Reached(cfg)
+
+    monkeypatch.setattr(module, name, reached)
+
+
+def config_of(main, argv: list[str]):
+    with pytest.raises(Reached) as exc:
+        main(argv)
+    return exc.value.args[0]
+
+
+def changed(cfg, default) -> set[str]:
+    return {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)}
+
+
+# ----------------------------------------------------------------------------- data stages
+
+
+def test_download_flags_reach_its_config(monkeypatch, tmp_path):
+    from data import download
+
+    stand_in(monkeypatch, download, "download")
+    cfg = config_of(download.main, ["--url", "https://example.org/d.xml.bz2", "--output_dir", str(tmp_path),
+                                    "--retries", "2"])
+    assert cfg == download.DownloadConfig("https://example.org/d.xml.bz2", tmp_path, retries=2)
+    cfg = config_of(download.main, ["--dump_date", "20240101", "--mirror", "https://mirror.example/", "--output_dir",
+                                    str(tmp_path)])
+    assert cfg.url == "https://mirror.example/enwiki/20240101/enwiki-20240101-pages-articles-multistream.xml.bz2"
+
+
+def test_extract_segment_and_tokens_flags_reach_their_configs(monkeypatch):
+    from data import extract, segment, tokens
+
+    stand_in(monkeypatch, extract, "extract")
+    cfg = config_of(extract.main, ["--input", "d.xml.bz2", "--output_dir", "out", "--workers", str(WORKERS),
+                                   "--articles_per_part", "33"])
+    assert cfg == extract.ExtractConfig(Path("d.xml.bz2"), Path("out"), WORKERS, 33)
+    stand_in(monkeypatch, segment, "segment")
+    cfg = config_of(segment.main, ["--input_dir", "ex", "--output_dir", "out", "--workers", str(WORKERS)])
+    assert cfg == segment.SegmentConfig(Path("ex"), Path("out"), WORKERS)
+    stand_in(monkeypatch, tokens, "tokenize_with_given_vocab")
+    cfg = config_of(tokens.main, ["--input_dir", "se", "--vocab_file", "v.txt", "--output_dir", "out",
+                                  "--no_lower_case", "--workers", str(WORKERS)])
+    assert cfg == tokens.TokenizeConfig(Path("se"), Path("v.txt"), Path("out"), False, WORKERS)
+
+
+def test_vocab_flags_reach_its_config(monkeypatch):
+    from data import vocab
+
+    stand_in(monkeypatch, vocab, "build_vocab")
+    cfg = config_of(vocab.main, ["--output_dir", "out", "--corpus_dir", "se", "--vocab_size", "3000",
+                                 "--min_frequency", "5", "--limit_alphabet", "50", "--no_lower_case", "--workers",
+                                 str(WORKERS)])
+    assert cfg == vocab.VocabConfig(Path("out"), None, Path("se"), 3000, False, 5, 50, WORKERS)
+    cfg = config_of(vocab.main, ["--output_dir", "out", "--vocab_file", "v.txt"])
+    assert (cfg.vocab_file, cfg.corpus_dir) == (Path("v.txt"), None)
+
+
+def test_create_and_shard_flags_reach_their_configs(monkeypatch):
+    from data import create, shard
+
+    stand_in(monkeypatch, create, "create")
+    cfg = config_of(create.main, ["--input_dir", "tok", "--vocab_file", "v.txt", "--output_dir", "inst",
+                                  "--max_seq_length", "256", "--max_predictions_per_seq", "40", "--dupe_factor", "3",
+                                  "--short_seq_prob", "0.3", "--masked_lm_prob", "0.12", "--whole_word_masking",
+                                  "--dynamic_masking", "--test_fraction", "0.05", "--seed", "7", "--workers",
+                                  str(WORKERS)])
+    assert cfg == create.CreateConfig(Path("tok"), Path("v.txt"), Path("inst"), 256, 40, 3, 0.3, 0.12, True, False,
+                                      0.05, 7, WORKERS)
+    stand_in(monkeypatch, shard, "shard")
+    cfg = config_of(shard.main, ["--instances_dir", "inst", "--output_dir", "h5", "--num_shards", "9",
+                                 "--num_test_shards", "2", "--name", "wiki", "--hdf5_compression", "gzip",
+                                 "--workers", str(WORKERS)])
+    assert cfg == shard.ShardConfig(Path("inst"), Path("h5"), 9, 2, "wiki", WORKERS, "gzip")
+
+
+def test_prepare_flags_reach_its_config(monkeypatch):
+    from data import prepare
+    from data.prepare import PrepareConfig
+
+    stand_in(monkeypatch, prepare, "prepare")
+    given = config_of(prepare.main, [
+        "--input", "d.xml.bz2", "--output_dir", "out", "--text_dir", "text", "--vocab_file", "v.txt",
+        "--max_seq_length", "256", "--max_predictions_per_seq", "40", "--dupe_factor", "3", "--short_seq_prob", "0.3",
+        "--masked_lm_prob", "0.12", "--whole_word_masking", "--dynamic_masking", "--test_fraction", "0.05", "--seed",
+        "7", "--num_shards", "9", "--num_test_shards", "2", "--articles_per_part", "33", "--name", "wiki",
+        "--hdf5_compression", "lzf", "--workers", str(WORKERS)])
+    assert given == PrepareConfig(
+        Path("d.xml.bz2"), Path("out"), Path("v.txt"), max_seq_length=256, max_predictions_per_seq=40, dupe_factor=3,
+        num_shards=9, num_test_shards=2, seed=7, workers=WORKERS, text_dir=Path("text"), short_seq_prob=0.3,
+        masked_lm_prob=0.12, whole_word_masking=True, static_masking=False, test_fraction=0.05,
+        articles_per_part=33, name="wiki", hdf5_compression="lzf")
+    trained = config_of(prepare.main, ["--dump_date", "20240101", "--mirror", "https://mirror.example",
+                                       "--output_dir", "out", "--vocab_size", "3000", "--limit_alphabet", "50",
+                                       "--no_lower_case", "--phase", "2"])
+    assert trained == PrepareConfig(
+        "https://mirror.example/enwiki/20240101/enwiki-20240101-pages-articles-multistream.xml.bz2", Path("out"),
+        max_seq_length=512, max_predictions_per_seq=80, lower_case=False, vocab_size=3000, limit_alphabet=50)
+    # between them, every setting was given a value other than its default
+    default = PrepareConfig(Path("d.xml.bz2"), Path("out"))
+    assert changed(given, default) | changed(trained, default) == {f.name for f in dataclasses.fields(PrepareConfig)
+                                                                  if f.name != "output_dir"}
+
+
+def _sentences(directory: Path, text: str) -> Path:
+    from data import segment, stage
+
+    directory.mkdir()
+    (directory / "part-00000.txt").write_text(text, encoding="utf-8")
+    stage.finish(directory, {stage.VERSION_KEY: segment.FORMAT_VERSION}, {})
+    return directory
+
+
+def test_min_frequency_and_workers_reach_the_vocab_trainer(tmp_path, monkeypatch):
+    """--min_frequency 10 merges only the pairs of the frequent words, so the vocab comes out smaller than with
+    the default 2, which merges those of the words seen 3 times too."""
+    import random
+
+    from data import vocab
+
+    rnd = random.Random(0)
+    word = lambda: "".join(rnd.choice("bcdfghklmnprstvz") + rnd.choice("aeiou") for _ in range(3))  # noqa: E731
+    frequent, seen_thrice = [word() for _ in range(5)], [word() for _ in range(40)]
+    corpus = _sentences(tmp_path / "sentences", " ".join(frequent * 20 + seen_thrice * 3) + "\n")
+    counted = []
+    bounded_map = vocab.bounded_map
+
+    def recording(fn, items, workers):
+        counted.append(workers)
+        return bounded_map(fn, items, workers)
+
+    monkeypatch.setattr(vocab, "bounded_map", recording)
+    vocab.main(["--corpus_dir", str(corpus), "--output_dir", str(tmp_path / "ten"), "--vocab_size", "2000",
+                "--min_frequency", "10", "--workers", str(WORKERS)])
+    assert counted == [WORKERS]
+    ten = vocab.load_vocab(tmp_path / "ten" / "vocab.txt")
+    two = vocab.build_vocab(vocab.VocabConfig(tmp_path / "two", corpus_dir=corpus, vocab_size=2000))
+    assert ten.size < two.size < 2000
+
+
+def test_demo_dump_flags(tmp_path, capsys):
+    from data.demo_dump import main
+
+    assert main(["--output", str(tmp_path / "seed3.xml.bz2"), "--articles", "5", "--seed", "3"]) == 0
+    assert ": 5 articles, " in capsys.readouterr().out
+    assert main(["--output", str(tmp_path / "default.xml.bz2"), "--articles", "5"]) == 0
+    assert (tmp_path / "seed3.xml.bz2").read_bytes() != (tmp_path / "default.xml.bz2").read_bytes()
+
+
+# ----------------------------------------------------------------------------- scripts
+
+
+def test_prepare_wikicorpus_script_passes_its_settings_to_both_phases(tmp_path):
+    """The interpreter is a stand-in that records each data.prepare command."""
+    record = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {record}\necho "---" >> {record}\n')
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "DUMP"}
+    env |= {"PYTHON": str(stub), "DUMP_DATE": "20240101", "MIRROR": "https://mirror.example", "WORKERS": "5",
+            "NUM_SHARDS": "9", "TEST_SHARDS": "3", "TEST_FRACTION": "0.05"}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "prepare_wikicorpus.sh"), "out", "my-vocab.txt"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = [call.strip("\n").split("\n") for call in record.read_text().split("---\n") if call]
+    out = tmp_path / "out"
+    assert calls == [["-m", "data.prepare", "--dump_date", "20240101", "--mirror", "https://mirror.example",
+                      "--vocab_file", str(vocab), "--phase", str(phase), "--output_dir", str(out / f"phase{phase}"),
+                      "--text_dir", str(out / "text"), "--num_shards", "9", "--num_test_shards", "3",
+                      "--test_fraction", "0.05", "--workers", "5"]
+                     for phase, vocab in ((1, tmp_path / "my-vocab.txt"), (2, out / "phase1" / "vocab.txt"))]
+
+
+@pytest.mark.parametrize("nodes", [1, 2, 4, 8, 16])
+def test_each_run_n_nodes_wrapper_passes_its_node_count(nodes):
+    script = ROOT / "scripts" / ("run_1node.sh" if nodes == 1 else f"run_{nodes}nodes.sh")
+    lines = script.read_text().splitlines()
+    assert f"that sets --nodes {nodes}." in lines[1]
+    assert lines[-1] == f'exec "$(dirname "${{BASH_SOURCE[0]}}")/launch.sh" --nodes {nodes} "$@"'
+    assert len(list((ROOT / "scripts").glob("run_*node*.sh"))) == 5
+
+
+def test_export_flags_reach_the_export(monkeypatch, capsys):
+    import scripts.export_hf as export_hf
+
+    calls = []
+
+    def export(*args):
+        calls.append(args)
+        raise export_hf.ExportError("stopped")
+
+    monkeypatch.setattr(export_hf, "export", export)
+    base = ["--checkpoint", "run", "--output", "hf"]
+    assert export_hf.main([*base, "--tag", "step00000008", "--config_file", "m.json", "--vocab_file", "v.txt",
+                           "--do_lower_case"]) == 2
+    assert export_hf.main([*base, "--no_do_lower_case"]) == 2
+    assert export_hf.main(base) == 2
+    assert calls == [(Path("run"), Path("hf"), "step00000008", Path("m.json"), Path("v.txt"), True),
+                     (Path("run"), Path("hf"), None, None, None, False),
+                     (Path("run"), Path("hf"), None, None, None, None)]
+
+
+def test_demo_flags_reach_the_dump_the_pipeline_and_the_launch(monkeypatch, tmp_path, bert_vocab):
+    """The dump, the data pipeline and launch.sh are stand-ins that record what they are given."""
+    import data.demo_dump
+    import data.prepare
+    import scripts.demo as demo
+
+    stand_in(monkeypatch, demo, "run_demo")
+    out = tmp_path / "demo"
+    cfg = config_of(demo.main, ["--output_dir", str(out), "--articles", "50", "--vocab_size", "900", "--max_steps",
+                                "7", "--processes", "3", "--seed", "5", "--log_freq", "2"])
+    assert cfg == demo.DemoConfig(out, 50, 900, 7, 3, 5, 2)
+    assert changed(cfg, demo.DemoConfig()) == {f.name for f in dataclasses.fields(demo.DemoConfig)}
+
+    dumps, prepared, launched = [], [], []
+
+    def generate(path, articles, seed):
+        dumps.append((path, articles, seed))
+        return SimpleNamespace(articles=articles, redirects=0, other_namespace=0, bytes_xml=0)
+
+    def prepare(prepare_cfg):
+        prepared.append(prepare_cfg)
+        return SimpleNamespace(vocab_file=bert_vocab)
+
+    def run(cmd, **kwargs):
+        launched.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(data.demo_dump, "generate_demo_dump", generate)
+    monkeypatch.setattr(data.prepare, "prepare", prepare)
+    monkeypatch.setattr(demo.subprocess, "run", run)
+    out.mkdir()
+    dump, data_dir, model_config = demo.make_data(cfg)
+    assert dumps == [(dump, 50, 5)] and dump.is_relative_to(out)
+    assert (prepared[0].input, prepared[0].vocab_size, prepared[0].seed) == (dump, 900, 5)
+    demo.train(cfg, data_dir, model_config)
+    cmd = launched[0]
+    assert cmd[cmd.index("--devices_per_node") + 1] == "3" and "max_steps=7" in cmd
+    assert cmd[cmd.index("--output_dir") + 1] == str(out / "run")
+    extra = cmd[cmd.index("--") + 1:]
+    assert extra[:6] == ["--log_freq", "2", "--eval_freq", "20", "--seed", "5"]
+
+
+# ----------------------------------------------------------------------------- run_pretraining.py
+
+REQUIRED = ["--deepspeed", "--input_dir", "in", "--output_dir", "out", "--config_file", "c.json", "--max_steps", "5"]
+
+
+def test_schedule_flags_reach_the_schedule():
+    from run_pretraining import parse_args, schedule_config
+    from training.schedule import ScheduleConfig
+
+    args = parse_args(REQUIRED + ["--learning_rate", "3e-3", "--warmup_proportion", "0.1", "--constant_proportion",
+                                  "0.4", "--poly_power", "2", "--max_steps", "50"])
+    assert schedule_config(args) == ScheduleConfig(base_lr=3e-3, total_steps=50, warmup_proportion=0.1,
+                                                   constant_proportion=0.4, power=2.0)
+
+
+def test_train_passes_local_rank_and_the_sequence_flags_on(phase1_shards, tmp_path, monkeypatch):
+    """--max_seq_length and --max_predictions_per_seq the shards were not made with are refused by the loader,
+    before anything is built; the accelerator set-up gets --local_rank. No process group: these are stand-ins."""
+    import run_pretraining
+    from training import accelerator
+    from training.loader import DataConfigError
+
+    ranks = []
+
+    def setup(local_rank=None):
+        ranks.append(local_rank)
+        return accelerator.Accelerator("cpu", "gloo", torch.device("cpu"), "cpu", False)
+
+    monkeypatch.setattr(run_pretraining.accel, "setup", setup)
+    monkeypatch.setitem(sys.modules, "deepspeed", types.ModuleType("deepspeed"))  # nothing of it is reached
+    monkeypatch.setattr(run_pretraining.dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(run_pretraining.dist, "get_world_size", lambda: 1)
+    base = ["--deepspeed", "--input_dir", str(phase1_shards), "--output_dir", str(tmp_path / "run"), "--config_file",
+            str(ROOT / "configs" / "models" / "bert-tiny.json"), "--max_steps", "1", "--local_rank", "3", "--num_eval_samples", "0"]  # the training shards alone
+    with pytest.raises(DataConfigError, match="_training_0.hdf5: .*--max_seq_length is 64"):
+        run_pretraining.train(run_pretraining.parse_args([*base, "--max_seq_length", "64"]))
+    with pytest.raises(DataConfigError, match="_training_0.hdf5: .*--max_predictions_per_seq is 30"):
+        run_pretraining.train(run_pretraining.parse_args([*base, "--max_predictions_per_seq", "30"]))
+    assert ranks == [3, 3] and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("environment, expected", [(None, "3"), ("1", "1")])
+def test_local_rank_flag_is_taken_unless_the_environment_sets_it(monkeypatch, environment, expected):
+    """--local_rank (from DeepSpeed's launcher) when LOCAL_RANK is unset; LOCAL_RANK wins, as the help says."""
+    from training import accelerator
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so that what setup sets is undone after the test
+        monkeypatch.delenv(name)
+    if environment is not None:
+        monkeypatch.setenv("LOCAL_RANK", environment)
+    ds_accelerator = types.ModuleType("deepspeed.accelerator")
+    ds_accelerator.get_accelerator = lambda: SimpleNamespace(device_name=lambda: "cpu",
+                                                             communication_backend_name=lambda: "gloo")
+    ds = types.ModuleType("deepspeed")
+    ds.accelerator, ds.init_distributed = ds_accelerator, lambda dist_backend: None
+    monkeypatch.setitem(sys.modules, "deepspeed", ds)
+    monkeypatch.setitem(sys.modules, "deepspeed.accelerator", ds_accelerator)
+    monkeypatch.setattr(accelerator, "_habana_installed", lambda: False)
+    assert accelerator.setup(3).device == torch.device("cpu")
+    assert os.environ["LOCAL_RANK"] == expected
