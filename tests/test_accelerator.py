@@ -60,7 +60,10 @@ def test_cpu_peak_memory_is_in_bytes():
 
 def test_single_process_defaults_fill_only_what_a_launcher_left_unset(monkeypatch):
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.delenv(name, raising=False)
+        # setenv first, so that monkeypatch removes what the function sets: delenv of an unset
+        # variable records nothing to undo, and the values leaked into the rest of the session.
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
     monkeypatch.setenv("MASTER_PORT", "31234")
     accelerator.set_single_process_defaults()
     import os
