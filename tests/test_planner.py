@@ -312,6 +312,29 @@ def test_flops_per_sequence_of_bert_large():
     assert planner.training_flops_per_sequence(config, 128, 20) == pytest.approx(6 * 303e6 * 128, rel=0.1)
 
 
+@pytest.mark.parametrize("name, seq, predictions, recompute", [
+    ("bert-tiny", 128, 20, False), ("bert-tiny", 512, 80, True), ("bert-large", 128, 20, False),
+    ("bert-large", 512, 80, False), ("bert-large", 128, 20, True), ("bert-1.5b", 128, 20, False),
+])
+def test_training_flops_equal_what_torchs_flop_counter_counts(name, seq, predictions, recompute):
+    """One forward + backward of the real model (on the meta device: shapes only) under FlopCounterMode counts
+    exactly the formula's FLOPs: the matmuls of both passes, the MLM head on the predictions' slots only, pooler
+    and NSP, and with checkpointing the encoder forward once more."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    config, batch = _config(name), 2
+    with torch.device("meta"):
+        model = BertForPreTraining(config, ActivationCheckpointing(enabled=recompute))
+        ids = torch.zeros(batch, seq, dtype=torch.long)
+        positions = torch.arange(1, predictions + 1).expand(batch, -1)
+        inputs = (ids, torch.zeros_like(ids), torch.ones_like(ids), positions, torch.ones_like(positions),
+                  torch.zeros(batch, dtype=torch.long))
+    counter = FlopCounterMode(display=False)
+    with counter:
+        model(*inputs).loss.backward()
+    assert counter.get_total_flops() == batch * planner.training_flops_per_sequence(config, seq, predictions, recompute)
+
+
 def test_time_and_mfu_are_consistent():
     config = _config("bert-1.5b")
     flops = planner.training_flops_per_sequence(config, 128, 20)
@@ -340,6 +363,7 @@ def test_device_table():
         "gaudi3": (128 * 10**9, {"bf16": 1835.0}),
         "a100": (80 * 10**9, {"bf16": 312.0, "tf32": 156.0, "fp32": 19.5}),
         "h100": (80 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+        "h100-pcie": (80 * 10**9, {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
         "h200": (141 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
     }
     assert planner.get_device("dl1") is planner.DEVICES["gaudi"]

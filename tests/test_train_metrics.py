@@ -43,6 +43,9 @@ def test_time_spent_in_evaluation_or_checkpoints_is_not_training_time():
     ("NVIDIA H100 80GB HBM3", "bf16", 989.0), ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
     ("GAUDI2", "bf16", 432.0), ("GAUDI3", "bf16", 1835.0), ("NVIDIA H200", "fp32", 67.0),
     ("cpu", "bf16", None), ("Tesla T4", "bf16", None),
+    # not the SXM part's 989 / 67: the PCIe card's own dense peak; the NVL cards have none in the table
+    ("NVIDIA H100 PCIe", "bf16", 756.0), ("NVIDIA H100 PCIe", "fp32", 51.0),
+    ("NVIDIA H100 NVL", "bf16", None), ("NVIDIA H200 NVL", "bf16", None),
 ])
 def test_device_peaks_come_from_the_planner_table(name, dtype, peak):
     assert peak_tflops(name, dtype) == peak

@@ -20,9 +20,11 @@ from training.atomic import atomic_write_text, named, remove_stale_temporaries
 from training.planner import device_peak_tflops
 
 # torch's device names ("NVIDIA H100 80GB HBM3", "GAUDI2"; first-generation Gaudi is "GAUDI") -> training.planner's
-# device keys, first match wins: "GAUDI" comes after "GAUDI3" and "GAUDI2", which contain it.
-_PLANNER_KEYS = (("GAUDI3", "gaudi3"), ("GAUDI2", "gaudi2"), ("GAUDI", "gaudi"), ("H200", "h200"), ("H100", "h100"),
-                 ("A100", "a100"))
+# device keys, first match wins: "GAUDI" comes after "GAUDI3" and "GAUDI2", which contain it, and "H100" after
+# "H100 PCIE" (a lower peak than the SXM part's). The NVL cards ("NVIDIA H100 NVL", "NVIDIA H200 NVL") are neither
+# SXM part and have no entry in the table: no peak, rather than the SXM one.
+_PLANNER_KEYS = (("GAUDI3", "gaudi3"), ("GAUDI2", "gaudi2"), ("GAUDI", "gaudi"), ("NVL", None), ("H200", "h200"),
+                 ("H100 PCIE", "h100-pcie"), ("H100", "h100"), ("A100", "a100"))
 
 
 def peak_tflops(device_name: str, dtype: str) -> float | None:
@@ -31,7 +33,7 @@ def peak_tflops(device_name: str, dtype: str) -> float | None:
     upper = device_name.upper()
     for marker, key in _PLANNER_KEYS:
         if marker in upper:
-            return device_peak_tflops(key, dtype)
+            return None if key is None else device_peak_tflops(key, dtype)
     return None
 
 

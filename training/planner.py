@@ -65,6 +65,9 @@ DEVICES: dict[str, Device] = {
     # NVIDIA H100 SXM5 datasheet: BF16 989 TFLOPS dense (1979 with sparsity), TF32 494.5 dense,
     # FP32 67; 80 GB HBM3.
     "h100": Device("h100", 80 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
+    # NVIDIA H100 PCIe datasheet: BF16 1,513 TFLOPS with sparsity (756 dense), TF32 756 with sparsity
+    # (378 dense), FP32 51; 80 GB HBM2e. torch names it "NVIDIA H100 PCIe".
+    "h100-pcie": Device("h100-pcie", 80 * 10**9, {"bf16": 756.0, "tf32": 378.0, "fp32": 51.0}),
     # NVIDIA H200 SXM datasheet: same tensor cores as H100 SXM (BF16 989 dense), 141 GB HBM3e.
     "h200": Device("h200", 141 * 10**9, {"bf16": 989.0, "tf32": 494.5, "fp32": 67.0}),
     # This machine class: no meaningful peak; memory comes from --device_memory. With attention
