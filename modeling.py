@@ -53,6 +53,11 @@ _REFERENCE_FIELDS = {
     "layer_norm_large_model": "Habana's pre-LN switch; write \"pre_layer_norm\": true for pre-LN blocks "
                               "(Megatron-BERT's layout, as in configs/models/bert-1.5b.json), or remove it if false",
 }
+# Fields of a Hugging Face BERT config.json that are not ours: named as such rather than with a guess at a
+# misspelt field of ours ("position_embedding_type": did you mean "max_position_embeddings"?).
+_HF_ONLY_FIELDS = frozenset({"architectures", "model_type", "transformers_version", "position_embedding_type",
+                             "pad_token_id", "use_cache", "gradient_checkpointing", "classifier_dropout",
+                             "torch_dtype", "dtype", "is_decoder", "add_cross_attention"})
 _MISSING_FIELD_HINTS = {
     "layer_norm_eps": "\"layer_norm_eps\": 1e-12 (BERT's; NVIDIA's and Habana's code fix it, their JSONs omit it)",
 }
@@ -119,11 +124,18 @@ class BertConfig:
         problems = []  # all of them at once: a reference config has a field to rename and one to add
         reference = [k for k in values if k in _REFERENCE_FIELDS]
         problems += [f"field '{k}' is {_REFERENCE_FIELDS[k]}" for k in reference]
-        unknown = [k for k in values if k not in names and k not in reference]
+        hf_only = [k for k in values if k in _HF_ONLY_FIELDS]
+        if hf_only:
+            problems.append(f"Hugging Face field(s) {', '.join(hf_only)}: for a Hugging Face config.json, keep only "
+                            "the known fields (listed at the end; this model is a bidirectional BERT with absolute positions), "
+                            "or start phase 2 from that model with --init_checkpoint <its directory>")
+        unknown = [k for k in values if k not in names and k not in reference and k not in _HF_ONLY_FIELDS]
         if unknown:
             hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
             hint = "; ".join(f"'{k}'" + (f" (did you mean '{v[0]}'?)" if v else "") for k, v in hints.items())
-            problems.append(f"unknown field(s) {hint}. Known fields: {', '.join(names)}")
+            problems.append(f"unknown field(s) {hint}")
+        if hf_only or unknown:
+            problems.append(f"known fields: {', '.join(names)}")
         required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
         missing = [k for k in required if k not in values]
         if missing:

@@ -439,7 +439,12 @@ def test_config_json_round_trip(tmp_path):
 @pytest.mark.parametrize("changes,message", [
     ({"hidden_size": 129}, r"hidden_size 129 is not divisible by num_attention_heads 2"),
     ({"num_hidden_layers": None}, r"missing field\(s\) num_hidden_layers"),
-    ({"hiden_size": 128}, r"unknown field\(s\) 'hiden_size' \(did you mean 'hidden_size'\?\)"),
+    ({"hiden_size": 128}, r"unknown field\(s\) 'hiden_size' \(did you mean 'hidden_size'\?\); known fields: "),
+    # a Hugging Face config.json: its own fields are named as such, not taken for misspelt ones of ours
+    ({"model_type": "bert", "position_embedding_type": "absolute", "hiden_size": 128},
+     r": Hugging Face field\(s\) model_type, position_embedding_type: for a Hugging Face config.json, keep only the "
+     r"known fields .* --init_checkpoint <its directory>; unknown field\(s\) 'hiden_size' \(did you mean "
+     r"'hidden_size'\?\); known fields: vocab_size, "),
     ({"hidden_act": "swish2"}, r"hidden_act 'swish2' is not one of"),
     ({"num_attention_heads": "2"}, r"field 'num_attention_heads' must be int"),
     ({"hidden_dropout_prob": 1.5}, r"hidden_dropout_prob' must be in \[0, 1\)"),
