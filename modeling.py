@@ -127,8 +127,8 @@ class BertConfig:
         hf_only = [k for k in values if k in _HF_ONLY_FIELDS]
         if hf_only:
             problems.append(f"Hugging Face field(s) {', '.join(hf_only)}: for a Hugging Face config.json, keep only "
-                            "the known fields (listed at the end; this model is a bidirectional BERT with absolute positions), "
-                            "or start phase 2 from that model with --init_checkpoint <its directory>")
+                            "the known fields (listed at the end; this model is a bidirectional BERT with absolute "
+                            "positions), or start phase 2 from that model with --init_checkpoint <its directory>")
         unknown = [k for k in values if k not in names and k not in reference and k not in _HF_ONLY_FIELDS]
         if unknown:
             hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
