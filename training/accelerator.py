@@ -6,7 +6,10 @@ was run in this project; the HPU path follows Habana's documented PyTorch API:
 - `import habana_frameworks.torch.core as htcore` registers the device;
 - lazy mode (PT_HPU_LAZY_MODE=1) builds a graph that `htcore.mark_step()` executes, once after
   backward and once after the optimizer step;
-- eager mode (PT_HPU_LAZY_MODE=0) gets its speed from `torch.compile(backend="hpu_backend")`.
+- eager mode (PT_HPU_LAZY_MODE=0) gets its speed from `torch.compile(backend="hpu_backend")`;
+- a process drives the one Gaudi the bridge assigned to it (module ID = local rank), addressed as
+  `torch.device("hpu")`: the bridge takes no `hpu:<N>` index, so DeepSpeed's HPU accelerator names
+  the device without one and its engine places the model there.
 """
 
 from __future__ import annotations
@@ -93,7 +96,9 @@ def setup(local_rank: int | None = None) -> Accelerator:
     if name != "cpu":
         acc.set_device(local)
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
-    device = torch.device(name, local) if name != "cpu" else torch.device("cpu")
+    # The device the DeepSpeed engine puts the model on (engine._set_distributed_vars): "cuda:<local>" on
+    # NVIDIA, plain "hpu" on Gaudi, whose bridge rejects "hpu:<N>".
+    device = torch.device(acc.device_name(local)) if name != "cpu" else torch.device("cpu")
     return Accelerator(name=name, backend=acc.communication_backend_name(), device=device,
                        device_name=_device_name(name, local), hpu_lazy=hpu_lazy and name == "hpu")
 
@@ -108,5 +113,5 @@ def _device_name(name: str, local: int) -> str:
     if name == "cuda":
         return torch.cuda.get_device_name(local)
     if name == "hpu":
-        return torch.hpu.get_device_name(local)
+        return torch.hpu.get_device_name()  # this process's one Gaudi (no index on HPU, see above)
     return "cpu"
