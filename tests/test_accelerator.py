@@ -93,6 +93,21 @@ def _fake_habana(monkeypatch, is_lazy=None, device_name: str = "GAUDI2") -> list
     return names
 
 
+@pytest.mark.parametrize("is_lazy, variable, lazy", [
+    (False, None, False),  # a release whose default is eager: the unset variable must not be read as lazy
+    (True, None, True), (False, "0", False),
+    # no is_lazy: the variable as the bridge reads it (lazy unless "0"), default 1 as in 1.18
+    (None, None, True), (None, "1", True), (None, "0", False), (None, "true", True),
+])
+def test_hpu_lazy_mode_is_the_bridges(monkeypatch, is_lazy, variable, lazy):
+    _fake_habana(monkeypatch, is_lazy)
+    if variable is None:
+        monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    else:
+        monkeypatch.setenv("PT_HPU_LAZY_MODE", variable)
+    assert accelerator._hpu_lazy_mode() is lazy
+
+
 def _setup_with(monkeypatch, accelerator_class, local_rank: int) -> tuple[Accelerator, list]:
     """accelerator.setup() on rank `local_rank` with DeepSpeed replaced by a stand-in whose accelerator is
     `accelerator_class`; returns the Accelerator and the calls made to the stand-in."""

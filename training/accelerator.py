@@ -83,7 +83,7 @@ def setup(local_rank: int | None = None) -> Accelerator:
     if _habana_installed():
         import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device with torch)
 
-        hpu_lazy = os.environ.get("PT_HPU_LAZY_MODE", "1") == "1"
+        hpu_lazy = _hpu_lazy_mode()
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -107,6 +107,20 @@ def _habana_installed() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("habana_frameworks") is not None
+
+
+def _hpu_lazy_mode() -> bool:
+    """Whether Habana's bridge runs in lazy mode, asked of the bridge: `habana_frameworks.torch.utils.internal.
+    is_lazy` is what the bridge's package import uses to pick its lazy or eager plugin, and what DeepSpeed's
+    HPU FusedAdam asks (it is not in Habana's documented API). PT_HPU_LAZY_MODE's default differs between
+    Gaudi releases (1 in the 1.19 runtime-flags table, 0 in the current one), so an unset variable does not
+    tell. Without that function the variable is read as the bridge reads it (lazy unless "0"), with the
+    default of the release the Dockerfile pins (1.18: lazy)."""
+    try:
+        from habana_frameworks.torch.utils.internal import is_lazy
+    except ImportError:
+        return os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
+    return bool(is_lazy())
 
 
 def _device_name(name: str, local: int) -> str:
