@@ -12,9 +12,10 @@
 #   torchrun   Run once per node with --node_rank 0..N-1; static rendezvous at --master_addr:--master_port.
 #   slurm      Run once inside an sbatch allocation: starts one task per node with srun, each of which
 #              runs torchrun with node rank SLURM_NODEID and the allocation's first host as master.
-#   aws-batch  Run by every node of an AWS Batch multi-node parallel job: the node rank, node count and
-#              master address come from AWS_BATCH_JOB_NODE_INDEX, AWS_BATCH_JOB_NUM_NODES and
-#              AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS (unset on the main node, which uses its own address).
+#   aws-batch  Run by every node of an AWS Batch multi-node parallel job: the node count and master address
+#              come from AWS_BATCH_JOB_NUM_NODES and AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS (unset on the
+#              main node, which uses its own address); the node rank is AWS_BATCH_JOB_NODE_INDEX counted from
+#              the main node (AWS_BATCH_JOB_MAIN_NODE_INDEX), which torchrun's master, node rank 0, must be.
 #
 # Options:
 #   --devices_per_node D   devices (ranks) per node; default: the preset's devices_per_node (8 in every
@@ -167,14 +168,23 @@ case "$LAUNCHER" in
   aws-batch)
     batch_job="run this as a node of an AWS Batch multi-node parallel job"
     NNODES="$(job_var AWS_BATCH_JOB_NUM_NODES "$batch_job")"
-    NODE_RANK="$(job_var AWS_BATCH_JOB_NODE_INDEX "$batch_job")"
+    node_index="$(job_var AWS_BATCH_JOB_NODE_INDEX "$batch_job")"
+    main_index="${AWS_BATCH_JOB_MAIN_NODE_INDEX:-0}"
+    [[ "$NNODES" =~ ^[1-9][0-9]*$ ]] || die "AWS_BATCH_JOB_NUM_NODES is '$NNODES', not a node count"
+    for index in AWS_BATCH_JOB_NODE_INDEX="$node_index" AWS_BATCH_JOB_MAIN_NODE_INDEX="$main_index"; do
+      [[ "${index#*=}" =~ ^[0-9]+$ && "${index#*=}" -lt "$NNODES" ]] \
+        || die "${index%%=*} is '${index#*=}', not a node index in 0..$((NNODES - 1))"
+    done
+    # torchrun's static rendezvous serves its store from node rank 0 at --master_addr, the main node's
+    # address: so the main node is rank 0, whatever index the job definition gave it (mainNode).
+    NODE_RANK=$(( (node_index - main_index + NNODES) % NNODES ))
     if [[ -z "$MASTER_ADDR_ARG" ]]; then
-      if [[ "$NODE_RANK" == "${AWS_BATCH_JOB_MAIN_NODE_INDEX:-0}" ]]; then
+      if [[ "$node_index" == "$main_index" ]]; then
         MASTER_ADDR_ARG="$(hostname -I | awk '{print $1}')"  # Batch does not give the main node its own address
         [[ -n "$MASTER_ADDR_ARG" ]] || die "cannot tell this main node's IP address ('hostname -I' is empty); pass --master_addr"
       else
         MASTER_ADDR_ARG="$(job_var AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS \
-          "Batch sets it on every node but the main one (AWS_BATCH_JOB_MAIN_NODE_INDEX=${AWS_BATCH_JOB_MAIN_NODE_INDEX:-unset}, this node is $NODE_RANK); or pass --master_addr")"
+          "Batch sets it on every node but the main one (AWS_BATCH_JOB_MAIN_NODE_INDEX=${AWS_BATCH_JOB_MAIN_NODE_INDEX:-unset}, this node is $node_index); or pass --master_addr")"
       fi
     fi ;;
   *) die "--launcher must be deepspeed, torchrun, slurm or aws-batch, got '$LAUNCHER'" ;;

@@ -70,3 +70,103 @@ def test_single_process_defaults_fill_only_what_a_launcher_left_unset(monkeypatc
 
     assert {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == \
         {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "31234"}
+
+
+def _fake_habana(monkeypatch, is_lazy=None, device_name: str = "GAUDI2") -> list:
+    """Stand-ins for the parts of Habana's bridge that setup() touches. is_lazy None: a bridge without
+    habana_frameworks.torch.utils.internal.is_lazy. Returns the arguments get_device_name was called with."""
+    names = []
+    modules = {name: types.ModuleType(name) for name in ("habana_frameworks", "habana_frameworks.torch",
+                                                         "habana_frameworks.torch.core",
+                                                         "habana_frameworks.torch.utils")}
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    if is_lazy is None:
+        monkeypatch.setitem(sys.modules, "habana_frameworks.torch.utils.internal", None)  # import fails
+    else:
+        internal = types.ModuleType("habana_frameworks.torch.utils.internal")
+        internal.is_lazy = lambda: is_lazy
+        monkeypatch.setitem(sys.modules, "habana_frameworks.torch.utils.internal", internal)
+    monkeypatch.setattr(accelerator, "_habana_installed", lambda: True)
+    monkeypatch.setattr(torch, "hpu", types.SimpleNamespace(get_device_name=lambda *args: names.append(args)
+                                                            or device_name), raising=False)
+    return names
+
+
+@pytest.mark.parametrize("is_lazy, variable, lazy", [
+    (False, None, False),  # a release whose default is eager: the unset variable must not be read as lazy
+    (True, None, True), (False, "0", False),
+    # no is_lazy: the variable as the bridge reads it (lazy unless "0"), default 1 as in 1.18
+    (None, None, True), (None, "1", True), (None, "0", False), (None, "true", True),
+])
+def test_hpu_lazy_mode_is_the_bridges(monkeypatch, is_lazy, variable, lazy):
+    _fake_habana(monkeypatch, is_lazy)
+    if variable is None:
+        monkeypatch.delenv("PT_HPU_LAZY_MODE", raising=False)
+    else:
+        monkeypatch.setenv("PT_HPU_LAZY_MODE", variable)
+    assert accelerator._hpu_lazy_mode() is lazy
+
+
+def _setup_with(monkeypatch, accelerator_class, local_rank: int) -> tuple[Accelerator, list]:
+    """accelerator.setup() on rank `local_rank` with DeepSpeed replaced by a stand-in whose accelerator is
+    `accelerator_class`; returns the Accelerator and the calls made to the stand-in."""
+    calls = []
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so that what setup sets is undone after the test
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    ds_accelerator = types.ModuleType("deepspeed.accelerator")
+    ds_accelerator.get_accelerator = lambda: accelerator_class(calls)
+    ds = types.ModuleType("deepspeed")
+    ds.accelerator = ds_accelerator
+    ds.init_distributed = lambda dist_backend: calls.append(("init_distributed", dist_backend))
+    monkeypatch.setitem(sys.modules, "deepspeed", ds)
+    monkeypatch.setitem(sys.modules, "deepspeed.accelerator", ds_accelerator)
+    return accelerator.setup(), calls
+
+
+def _fake_accelerator(real, backend: str):
+    """A DeepSpeed accelerator stand-in whose device_name is DeepSpeed's own method of `real`."""
+
+    class Fake:
+        device_name = real.device_name
+
+        def __init__(self, calls):
+            self.calls = calls
+
+        def set_device(self, index):
+            self.calls.append(("set_device", index))
+
+        def communication_backend_name(self):
+            return backend
+
+    return Fake
+
+
+@pytest.mark.parametrize("local_rank", [0, 3])
+def test_hpu_rank_uses_the_unindexed_device_deepspeed_uses(monkeypatch, local_rank):
+    """On Gaudi a process owns one device, addressed as "hpu": the bridge rejects "hpu:<N>", and DeepSpeed's
+    HPU accelerator (whose device_name is used here as is) names it without the index, so its engine puts the
+    model on "hpu". The batches must go to the same device, on every local rank."""
+    from deepspeed.accelerator.hpu_accelerator import HPU_Accelerator
+
+    names = _fake_habana(monkeypatch, is_lazy=True)
+    monkeypatch.setenv("PT_HPU_LAZY_MODE", "1")
+    acc, calls = _setup_with(monkeypatch, _fake_accelerator(HPU_Accelerator, "hccl"), local_rank)
+    assert acc.device == torch.device("hpu") and acc.device.index is None
+    assert (acc.name, acc.backend, acc.device_name, acc.hpu_lazy) == ("hpu", "hccl", "GAUDI2", True)
+    assert names == [()]  # the process's own device, not an index the bridge does not take
+    assert calls == [("set_device", local_rank), ("init_distributed", "hccl")]
+
+
+def test_cuda_rank_uses_its_local_gpu(monkeypatch):
+    from deepspeed.accelerator.cuda_accelerator import CUDA_Accelerator
+
+    monkeypatch.setattr(accelerator, "_habana_installed", lambda: False)
+    names = []
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: names.append(index) or "NVIDIA H100 80GB HBM3")
+    acc, calls = _setup_with(monkeypatch, _fake_accelerator(CUDA_Accelerator, "nccl"), 3)
+    assert acc.device == torch.device("cuda", 3)
+    assert (acc.name, acc.backend, acc.device_name, acc.hpu_lazy) == ("cuda", "nccl", "NVIDIA H100 80GB HBM3", False)
+    assert names == [3] and calls == [("set_device", 3), ("init_distributed", "nccl")]

@@ -267,10 +267,24 @@ def test_aws_batch_mode_maps_the_job_variables(tmp_path: Path):
     cmd = _command(_launch(common, env=main))
     own = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()[0]
     assert (_flag(cmd, "--node_rank"), _flag(cmd, "--master_addr")) == ("0", own)
-    # The job definition may make another node the main one: that node, whatever its index, uses its own address.
+    # The job definition may make another node the main one (mainNode): that node, whatever its index, uses its
+    # own address, and it is node rank 0, since torchrun's static rendezvous serves its store from node rank 0
+    # at --master_addr. The other nodes are ranked after it, in index order.
     main3 = _env(AWS_BATCH_JOB_NUM_NODES="4", AWS_BATCH_JOB_NODE_INDEX="3", AWS_BATCH_JOB_MAIN_NODE_INDEX="3")
     cmd = _command(_launch(common, env=main3))
-    assert (_flag(cmd, "--node_rank"), _flag(cmd, "--master_addr")) == ("3", own)
+    assert (_flag(cmd, "--node_rank"), _flag(cmd, "--master_addr")) == ("0", own)
+    ranks = []
+    for index in (0, 1, 2):
+        child3 = _env(AWS_BATCH_JOB_NUM_NODES="4", AWS_BATCH_JOB_NODE_INDEX=str(index),
+                      AWS_BATCH_JOB_MAIN_NODE_INDEX="3", AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS="10.0.3.7")
+        cmd = _command(_launch(common, env=child3))
+        assert _flag(cmd, "--master_addr") == "10.0.3.7"
+        ranks.append(_flag(cmd, "--node_rank"))
+    assert ranks == ["1", "2", "3"]
+    outside = _launch(common, env=_env(AWS_BATCH_JOB_NUM_NODES="4", AWS_BATCH_JOB_NODE_INDEX="4",
+                                       AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS="10.0.3.7"))
+    assert outside.returncode == 2 and outside.stderr.strip() == (
+        "launch.sh: error: AWS_BATCH_JOB_NODE_INDEX is '4', not a node index in 0..3")
     wrong = _launch(common, env=_env(AWS_BATCH_JOB_NUM_NODES="2", AWS_BATCH_JOB_NODE_INDEX="1",
                                      AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS="10.0.3.7"))
     assert wrong.returncode == 2 and "--nodes is 4 but the aws-batch job has 2 nodes" in wrong.stderr

@@ -6,7 +6,10 @@ was run in this project; the HPU path follows Habana's documented PyTorch API:
 - `import habana_frameworks.torch.core as htcore` registers the device;
 - lazy mode (PT_HPU_LAZY_MODE=1) builds a graph that `htcore.mark_step()` executes, once after
   backward and once after the optimizer step;
-- eager mode (PT_HPU_LAZY_MODE=0) gets its speed from `torch.compile(backend="hpu_backend")`.
+- eager mode (PT_HPU_LAZY_MODE=0) gets its speed from `torch.compile(backend="hpu_backend")`;
+- a process drives the one Gaudi the bridge assigned to it (module ID = local rank), addressed as
+  `torch.device("hpu")`: the bridge takes no `hpu:<N>` index, so DeepSpeed's HPU accelerator names
+  the device without one and its engine places the model there.
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def setup(local_rank: int | None = None) -> Accelerator:
     if _habana_installed():
         import habana_frameworks.torch.core  # noqa: F401  (registers the hpu device with torch)
 
-        hpu_lazy = os.environ.get("PT_HPU_LAZY_MODE", "1") == "1"
+        hpu_lazy = _hpu_lazy_mode()
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -93,7 +96,9 @@ def setup(local_rank: int | None = None) -> Accelerator:
     if name != "cpu":
         acc.set_device(local)
     deepspeed.init_distributed(dist_backend=acc.communication_backend_name())
-    device = torch.device(name, local) if name != "cpu" else torch.device("cpu")
+    # The device the DeepSpeed engine puts the model on (engine._set_distributed_vars): "cuda:<local>" on
+    # NVIDIA, plain "hpu" on Gaudi, whose bridge rejects "hpu:<N>".
+    device = torch.device(acc.device_name(local)) if name != "cpu" else torch.device("cpu")
     return Accelerator(name=name, backend=acc.communication_backend_name(), device=device,
                        device_name=_device_name(name, local), hpu_lazy=hpu_lazy and name == "hpu")
 
@@ -104,9 +109,23 @@ def _habana_installed() -> bool:
     return importlib.util.find_spec("habana_frameworks") is not None
 
 
+def _hpu_lazy_mode() -> bool:
+    """Whether Habana's bridge runs in lazy mode, asked of the bridge: `habana_frameworks.torch.utils.internal.
+    is_lazy` is what the bridge's package import uses to pick its lazy or eager plugin, and what DeepSpeed's
+    HPU FusedAdam asks (it is not in Habana's documented API). PT_HPU_LAZY_MODE's default differs between
+    Gaudi releases (1 in the 1.19 runtime-flags table, 0 in the current one), so an unset variable does not
+    tell. Without that function the variable is read as the bridge reads it (lazy unless "0"), with the
+    default of the release the Dockerfile pins (1.18: lazy)."""
+    try:
+        from habana_frameworks.torch.utils.internal import is_lazy
+    except ImportError:
+        return os.environ.get("PT_HPU_LAZY_MODE", "1") != "0"
+    return bool(is_lazy())
+
+
 def _device_name(name: str, local: int) -> str:
     if name == "cuda":
         return torch.cuda.get_device_name(local)
     if name == "hpu":
-        return torch.hpu.get_device_name(local)
+        return torch.hpu.get_device_name()  # this process's one Gaudi (no index on HPU, see above)
     return "cpu"
