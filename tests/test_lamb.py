@@ -48,11 +48,10 @@ def reference_lans_step(params, grads, states, groups_wd, lr, betas, eps):
         denom = (v / (1 - beta2**t)).sqrt() + eps
         r_m = (m / (1 - beta1**t)) / denom + wd * w
         r_c = g / denom + wd * w
-        tm = tc = 1.0
-        if wd != 0:
-            wn = w.norm().item()
-            tm = wn / r_m.norm().item() if wn > 0 and r_m.norm() > 0 else 1.0
-            tc = wn / r_c.norm().item() if wn > 0 and r_c.norm() > 0 else 1.0
+        # both ratios on every tensor, weight decay or not (no exemption in the paper, apex or Habana)
+        wn = w.norm().item()
+        tm = wn / r_m.norm().item() if wn > 0 and r_m.norm() > 0 else 1.0
+        tc = wn / r_c.norm().item() if wn > 0 and r_c.norm() > 0 else 1.0
         params[i] = w - lr * (beta1 * tm * r_m + (1 - beta1) * tc * r_c)
         states[i] = (m, v, t)
 
@@ -230,6 +229,24 @@ def test_trust_ratio_only_where_weights_decay():
             u = adam + 0.01 * before[name]
             expected = before[name] - lr * before[name].norm() / u.norm() * u
         torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6, msg=name)
+
+
+def test_lans_trust_ratios_apply_to_tensors_without_weight_decay_too():
+    """LANS adapts biases and LayerNorm as well (Zheng et al. 2020, Algorithm 2; apex FusedLANS; Habana's LANS)."""
+    model = make_model()
+    lr = 1e-2
+    opt = Lans(build_param_groups(model, 0.01), lr=lr, eps=1e-6)
+    weight = model.blocks[0][0].bias  # weight_decay 0
+    before = weight.detach().clone()
+    x, y = batches(1)[0]
+    model(x, y).backward()
+    g = weight.grad.detach().clone()
+    opt.step()
+    g_hat = g / (g.norm() + 1e-6)
+    r = g_hat / (g_hat.abs() + 1e-6)  # first step: m_hat = g_hat, sqrt(v_hat) = |g_hat|, so r_m = r_c
+    expected = before - lr * before.norm() / r.norm() * r
+    assert (before.norm() / r.norm() - 1).abs() > 0.1  # the ratio is not 1: the check is not vacuous
+    torch.testing.assert_close(weight.detach(), expected, rtol=0, atol=1e-6)
 
 
 def test_a_zero_tensor_takes_the_plain_adam_step():

@@ -26,9 +26,9 @@ __all__ = ["Lamb", "Lans", "bind_to_deepspeed", "build_param_groups"]
 def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two parameter groups in the BERT recipe's split: weights decay, biases and LayerNorm parameters do not.
 
-    Optimizer-agnostic (plain ``params``/``weight_decay`` dicts), so AdamW takes them too. LAMB and LANS
-    also skip the trust ratio where ``weight_decay`` is 0, as NVIDIA's BERT LAMB does. Tied parameters
-    are listed once; frozen ones are left out. Empty groups are dropped.
+    Optimizer-agnostic (plain ``params``/``weight_decay`` dicts), so AdamW takes them too. LAMB also
+    skips the trust ratio where ``weight_decay`` is 0, as NVIDIA's BERT LAMB does (LANS does not). Tied
+    parameters are listed once; frozen ones are left out. Empty groups are dropped.
     """
     if not (isinstance(weight_decay, int | float) and math.isfinite(weight_decay) and weight_decay >= 0):
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
@@ -285,10 +285,15 @@ class Lans(_LayerwiseOptimizer):
     g_hat = g / (||g|| + eps) per original tensor; m, v: Adam moments of g_hat with bias correction;
     r_m = m_hat / (sqrt(v_hat) + eps) + wd * w and r_c = g_hat / (sqrt(v_hat) + eps) + wd * w;
     w -= lr * (beta1 * ||w||/||r_m|| * r_m + (1 - beta1) * ||w||/||r_c|| * r_c).
-    Every tensor's gradient is normalised; the trust ratios are skipped where weight_decay is 0, as for
-    Lamb. Under ZeRO this takes two small all-reduces per step: the gradient
-    norms are needed before the moments, the update norms after them.
+    Every tensor's gradient is normalised and every tensor gets both trust ratios, also where weight_decay
+    is 0 (biases, LayerNorm): the paper's Algorithm 2, apex ``FusedLANS`` and Habana's ``LANS`` have no
+    exemption, unlike apex's LAMB without ``use_nvlamb``. Under ZeRO this takes two small all-reduces per
+    step: the gradient norms are needed before the moments, the update norms after them.
     """
+
+    @staticmethod
+    def _adaptive(group: dict) -> bool:
+        return True
 
     def _update(self, stepped: list[tuple[dict, list[torch.Tensor]]], table_of: dict[int, _Pieces],
                 num_tensors: int, process_group: object | None) -> None:
