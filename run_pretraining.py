@@ -54,7 +54,7 @@ from training.loader import (
 )
 from training.metrics import MetricsWriter, Throughput, peak_tflops
 from training.planner import training_flops_per_sequence
-from training.schedule import ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay
+from training.schedule import DECAY_STYLES, ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay
 from training.weights import load_initial_weights, set_fp32_masters
 
 ROOT = Path(__file__).resolve().parent
@@ -135,6 +135,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="hold the peak learning rate until this fraction of --max_steps (Gaudi 1.5B: 0.3)")
     g.add_argument("--poly_power", type=float, default=1.0,
                    help="decay exponent after warm-up/constant: 1 = linear (Gaudi 1.5B), 0.5 = NVIDIA BERT")
+    g.add_argument("--lr_decay_style", choices=DECAY_STYLES, default="habana",
+                   help="habana: decay from the peak to 0 over the steps after warm-up/constant; nvidia: NVIDIA's "
+                        "PolyWarmUpScheduler, peak x (1 - step/max_steps)^power after warm-up (a drop where the "
+                        "warm-up ends), no constant phase")
     g.add_argument("--seed", type=int, default=12439, help="weights, data order, masks and dropout")
     g.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
     g.add_argument("--checkpoint_activations_interval", type=int, default=1,
@@ -215,7 +219,7 @@ def check_output_dir(path: Path) -> None:
 def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
     return ScheduleConfig(base_lr=args.learning_rate, total_steps=args.max_steps,
                           warmup_proportion=args.warmup_proportion, constant_proportion=args.constant_proportion,
-                          power=args.poly_power)
+                          power=args.poly_power, decay_style=args.lr_decay_style)
 
 
 # ----------------------------------------------------------------------------- DeepSpeed JSON

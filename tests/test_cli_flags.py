@@ -283,6 +283,8 @@ def test_schedule_flags_reach_the_schedule():
                                   "0.4", "--poly_power", "2", "--max_steps", "50"])
     assert schedule_config(args) == ScheduleConfig(base_lr=3e-3, total_steps=50, warmup_proportion=0.1,
                                                    constant_proportion=0.4, power=2.0)
+    args = parse_args(REQUIRED + ["--warmup_proportion", "0.1", "--lr_decay_style", "nvidia"])
+    assert schedule_config(args).decay_style == "nvidia"
 
 
 def test_train_passes_local_rank_and_the_sequence_flags_on(phase1_shards, tmp_path, monkeypatch):

@@ -65,7 +65,8 @@ def test_gaudi_1_5b_recipe_figures():
     assert resolve(preset, 16).gradient_accumulation_steps == 3
 
 
-SCHEDULE_FLAGS = ("--learning_rate", "--warmup_proportion", "--constant_proportion", "--poly_power", "--max_steps")
+SCHEDULE_FLAGS = ("--learning_rate", "--warmup_proportion", "--constant_proportion", "--poly_power", "--max_steps",
+                  "--lr_decay_style")
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
@@ -91,8 +92,9 @@ def test_every_preset_has_one_schedule_on_every_node_count(path: Path, tmp_path:
     assert len(set(schedules.values())) == 1, schedules
     (flags, global_batch), = set(schedules.values())
     assert global_batch == preset.global_batch_size
-    assert tuple(float(f) for f in flags) == (preset.learning_rate, preset.warmup_proportion,
-                                              preset.constant_proportion, preset.poly_power, preset.max_steps)
+    assert tuple(float(f) for f in flags[:-1]) == (preset.learning_rate, preset.warmup_proportion,
+                                                   preset.constant_proportion, preset.poly_power, preset.max_steps)
+    assert flags[-1] == preset.lr_decay_style
 
 
 def test_nvidia_bert_large_phase2_figures(tmp_path: Path):
@@ -141,6 +143,9 @@ def _write(tmp_path: Path, **changes) -> Path:
     ({"max_predictions_per_seq": 126}, "max_predictions_per_seq", "(125 maskable tokens)"),
     ({"global_batch_size": True}, "global_batch_size", "must be an integer >= 1, got True"),
     ({"poly_power": 0}, "poly_power", "must be a number > 0"),
+    ({"lr_decay_style": "google"}, "lr_decay_style", "must be one of habana, nvidia, got 'google'"),
+    ({"lr_decay_style": "nvidia", "warmup_proportion": 0.05, "constant_proportion": 0.3}, "lr_decay_style",
+     "whose scheduler has no constant phase, but constant_proportion is 0.3"),
     ({"warmup_proportion": 1.5}, "warmup_proportion", "in [0, 1]"),
     ({"warmup_proportion": 0.1, "constant_proportion": 0.05}, "constant_proportion", "where the constant phase ENDS"),
     # the removed per-node-count form: the message says why and what to write instead
@@ -261,8 +266,11 @@ def test_run_pretraining_accepts_every_preset_flag(path: Path, tmp_path: Path):
     assert ns.config_file == preset.model_config and ns.deepspeed_config == tmp_path / "ds.json"
     assert (ns.max_seq_length, ns.max_predictions_per_seq, ns.max_steps) == \
         (preset.max_seq_length, preset.max_predictions_per_seq, preset.max_steps)
-    assert (ns.learning_rate, ns.warmup_proportion, ns.constant_proportion, ns.poly_power) == \
-        (preset.learning_rate, preset.warmup_proportion, preset.constant_proportion, preset.poly_power)
+    assert (ns.learning_rate, ns.warmup_proportion, ns.constant_proportion, ns.poly_power, ns.lr_decay_style) == \
+        (preset.learning_rate, preset.warmup_proportion, preset.constant_proportion, preset.poly_power,
+         preset.lr_decay_style)
+    # NVIDIA's recipes take NVIDIA's decay form (test_schedule.py checks it step by step), the others Habana's
+    assert preset.lr_decay_style == ("nvidia" if path.stem.startswith("bert-large") else "habana")
     assert (ns.optimizer, ns.num_steps_per_checkpoint, ns.checkpoint_activations, ns.phase2) == \
         (preset.optimizer, preset.num_steps_per_checkpoint, preset.checkpoint_activations, preset.phase == 2)
     assert ns.init_checkpoint == init

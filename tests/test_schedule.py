@@ -23,27 +23,60 @@ def test_gaudi_1p5b_shape_warmup_constant_linear_decay():
     assert all(a > b for a, b in zip(lrs, lrs[1:]))
 
 
-@pytest.mark.parametrize("preset, ratio", [("bert-large-phase1", 1.18), ("bert-large-phase2", 1.07)])
-def test_the_nvidia_presets_decay_above_nvidias_unrescaled_schedule_by_the_documented_ratio(preset, ratio):
-    """TRAINING.md and the README: NVIDIA's PolyWarmUpScheduler decays as peak * (1 - step/total)^power from the
-    end of warm-up, without rescaling; this schedule rescales the decay to start at the peak, which puts it at a
-    constant 1 / (1 - warm-up)^power times NVIDIA's rate: 1.18x in phase 1 and 1.07x in phase 2."""
+def _nvidia_poly_warmup(base_lr: float, warmup: float, total_steps: int, degree: float, steps_done: int) -> float:
+    """NVIDIA DeepLearningExamples' PolyWarmUpScheduler (BERT, schedulers.py), as their run_pretraining.py drives it:
+    step() runs before each optimizer step with last_epoch = the optimizer's steps done + 1."""
+    progress = (steps_done + 1) / total_steps
+    if progress < warmup:
+        return base_lr * progress / warmup
+    return base_lr * ((1.0 - progress) ** degree)
+
+
+def _preset_schedule(preset: str) -> ScheduleConfig:
     import json
     from pathlib import Path
 
     values = json.loads((Path(__file__).resolve().parents[1] / "configs" / "presets" / f"{preset}.json").read_text())
-    cfg = ScheduleConfig(base_lr=values["learning_rate"], total_steps=values["max_steps"],
-                         warmup_proportion=values["warmup_proportion"], power=values["poly_power"])
+    return ScheduleConfig(base_lr=values["learning_rate"], total_steps=values["max_steps"],
+                          warmup_proportion=values["warmup_proportion"], power=values["poly_power"],
+                          decay_style=values.get("lr_decay_style", "habana"))
 
-    def nvidia(step: int) -> float:  # the lr of the optimizer step after `step` steps, as their scheduler gives it
-        progress = (step + 1) / cfg.total_steps
-        return cfg.base_lr * (1.0 - progress) ** cfg.power
 
-    # The same ratio through the decay, to 1%, but for its last tenth, where both rates near 0 and
-    # NVIDIA's counts one step further on.
-    ratios = [lr_at(cfg, s) / nvidia(s) for s in range(cfg.warmup_steps, int(0.9 * cfg.total_steps))]
+@pytest.mark.parametrize("preset", ["bert-large-phase1", "bert-large-phase2"])
+def test_the_nvidia_presets_follow_nvidias_scheduler_at_every_step(preset):
+    cfg = _preset_schedule(preset)
+    assert cfg.decay_style == "nvidia"
+    nvidia = [_nvidia_poly_warmup(cfg.base_lr, cfg.warmup_proportion, cfg.total_steps, cfg.power, s)
+              for s in range(cfg.total_steps)]
+    assert [lr_at(cfg, s) for s in range(cfg.total_steps)] == pytest.approx(nvidia, rel=1e-12, abs=0)
+    # their drop where the warm-up ends (phase 1: steps 0-1999 warm up, 2000.9 being the warm-up's end), and
+    # a last step at 0
+    if preset == "bert-large-phase1":
+        assert lr_at(cfg, 1999) == pytest.approx(cfg.base_lr * 2000 / 2000.9034)
+        assert lr_at(cfg, 2000) == pytest.approx(cfg.base_lr * (1 - 2001 / 7038) ** 0.5)  # 0.846 of the peak
+    assert lr_at(cfg, cfg.total_steps - 1) == 0.0
+
+
+@pytest.mark.parametrize("preset, ratio", [("bert-large-phase1", 1.18), ("bert-large-phase2", 1.07)])
+def test_the_habana_decay_runs_above_nvidias_by_the_documented_ratio(preset, ratio):
+    """TRAINING.md: with NVIDIA's values, the decay rescaled to start at the peak (habana) runs at a constant
+    1 / (1 - warm-up)^power times NVIDIA's rate: 1.18x in phase 1 and 1.07x in phase 2."""
+    cfg = dataclasses.replace(_preset_schedule(preset), decay_style="habana")
+    # The same ratio to 1%, but for the decay's last tenth, where both rates near 0 and NVIDIA's counts one
+    # step further on.
+    ratios = [lr_at(cfg, s) / _nvidia_poly_warmup(cfg.base_lr, cfg.warmup_proportion, cfg.total_steps, cfg.power, s)
+              for s in range(cfg.warmup_steps, int(0.9 * cfg.total_steps))]
     assert max(ratios) / min(ratios) < 1.01
     assert round(min(ratios), 2) == ratio
+
+
+def test_the_nvidia_style_has_no_constant_phase():
+    with pytest.raises(ValueError, match="--constant_proportion 0.3 with --lr_decay_style nvidia: NVIDIA's scheduler "
+                                         "has no constant phase"):
+        ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.1, constant_proportion=0.3,
+                       decay_style="nvidia")
+    with pytest.raises(ValueError, match="--lr_decay_style must be one of habana, nvidia, got 'google'"):
+        ScheduleConfig(base_lr=1.0, total_steps=10, decay_style="google")
 
 
 def test_warmup_steps_round_to_the_nearest_step():
@@ -117,3 +150,13 @@ def test_every_schedule_field_is_checked_on_resume(field, flag):
     changed = dataclasses.replace(cfg, **{field: getattr(cfg, field) + 0.1})
     with pytest.raises(ScheduleMismatchError, match=f"schedule: {flag} [0-9.]+ \\(the checkpoint's: "):
         WarmupConstantDecay(_optimizer(), changed).load_state_dict(state)
+
+
+def test_a_checkpoint_saved_before_the_decay_style_existed_resumes_as_habana_and_refuses_nvidia():
+    cfg = ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.2, power=0.5)
+    state = WarmupConstantDecay(_optimizer(), cfg).state_dict()
+    del state["config"]["decay_style"]  # as schedules saved before 2026-11-24 are
+    resumed = WarmupConstantDecay(_optimizer(), cfg)
+    resumed.load_state_dict(state)
+    with pytest.raises(ScheduleMismatchError, match=r"schedule: --lr_decay_style 'nvidia' \(the checkpoint's: 'habana'\)"):
+        WarmupConstantDecay(_optimizer(), dataclasses.replace(cfg, decay_style="nvidia")).load_state_dict(state)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from data.stage import disk_error
 from training.atomic import atomic_write_text
+from training.schedule import DECAY_STYLES
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PRESET_DIR = PROJECT_ROOT / "configs" / "presets"
@@ -32,8 +33,8 @@ OPTIMIZERS = ("lamb", "lans", "adamw")
 DEFAULT_KEY = "default"
 # Fields a user may override at launch (--set name=value); the recipe's identity fields are not among them.
 OVERRIDABLE = ("model_config", "deepspeed_config", "max_steps", "num_steps_per_checkpoint", "learning_rate", "micro_batch_per_device",
-               "global_batch_size", "warmup_proportion", "constant_proportion", "poly_power", "devices_per_node",
-               "checkpoint_activations", "optimizer")
+               "global_batch_size", "warmup_proportion", "constant_proportion", "poly_power", "lr_decay_style",
+               "devices_per_node", "checkpoint_activations", "optimizer")
 
 
 class PresetError(ValueError):
@@ -62,6 +63,7 @@ class Preset:
     num_steps_per_checkpoint: int
     optimizer: str
     checkpoint_activations: bool = False
+    lr_decay_style: str = "habana"  # "nvidia" for NVIDIA's recipes (training/schedule.py)
     notes: str = ""
 
 
@@ -101,6 +103,7 @@ class ResolvedRun:
             "--warmup_proportion", repr(p.warmup_proportion),
             "--constant_proportion", repr(p.constant_proportion),
             "--poly_power", repr(p.poly_power),
+            "--lr_decay_style", p.lr_decay_style,
             "--num_steps_per_checkpoint", str(p.num_steps_per_checkpoint),
             "--optimizer", p.optimizer,
             "--deepspeed", "--deepspeed_config", str(deepspeed_config_path),
@@ -190,7 +193,7 @@ REQUIRED = ("name", "description", "source", "model_config", "deepspeed_config",
             "max_predictions_per_seq", "global_batch_size", "devices_per_node", "micro_batch_per_device",
             "learning_rate", "warmup_proportion", "constant_proportion", "poly_power", "max_steps",
             "num_steps_per_checkpoint", "optimizer")
-OPTIONAL = ("checkpoint_activations", "notes")
+OPTIONAL = ("checkpoint_activations", "lr_decay_style", "notes")
 
 
 def preset_from_dict(values: dict, path: Path) -> Preset:
@@ -229,6 +232,12 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
     poly_power = values["poly_power"]
     if isinstance(poly_power, bool) or not isinstance(poly_power, (int, float)) or poly_power <= 0:
         raise _fail(path, "poly_power", f"must be a number > 0 (1 = linear decay), got {poly_power!r}")
+    decay_style = values.get("lr_decay_style", "habana")
+    if decay_style not in DECAY_STYLES:
+        raise _fail(path, "lr_decay_style", f"must be one of {', '.join(DECAY_STYLES)}, got {decay_style!r}")
+    if decay_style == "nvidia" and constant > warmup:
+        raise _fail(path, "lr_decay_style", f"is 'nvidia', whose scheduler has no constant phase, but "
+                                            f"constant_proportion is {constant}; set it to 0, or use 'habana'")
     optimizer = values["optimizer"]
     if optimizer not in OPTIMIZERS:
         raise _fail(path, "optimizer", f"must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
@@ -251,7 +260,7 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
         poly_power=float(poly_power),
         max_steps=_int(values, path, "max_steps"),
         num_steps_per_checkpoint=_int(values, path, "num_steps_per_checkpoint"),
-        optimizer=optimizer, checkpoint_activations=checkpoint_activations, notes=notes,
+        optimizer=optimizer, checkpoint_activations=checkpoint_activations, lr_decay_style=decay_style, notes=notes,
     )
     _check_model_fits(preset)
     return preset

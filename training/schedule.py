@@ -1,6 +1,12 @@
 """Learning rate: linear warm-up, an optional constant phase, then polynomial decay to zero.
 
 The Gaudi BERT-1.5B recipe is warm-up 5%, constant to 30%, linear decay (power 1.0).
+Two forms of the decay (`decay_style`), as the two reference implementations have them:
+  habana  the decay is rescaled to run from the peak, where warm-up or constant phase ends, to 0 at
+          the last step: peak * ((total - step) / (total - decay start))^power (Habana's BERT scheduler);
+  nvidia  NVIDIA's PolyWarmUpScheduler exactly: with progress = (step + 1) / total, the peak *
+          progress / warm-up, then the peak * (1 - progress)^power, so the rate drops at the end of
+          warm-up to (1 - warm-up)^power of the peak and is 0 at the last step; no constant phase.
 The schedule is a pure function of the optimizer step; its state (the step and the shape
 parameters) is saved in every checkpoint through DeepSpeed's lr_scheduler hook.
 """
@@ -12,6 +18,8 @@ from dataclasses import asdict, dataclass
 
 from torch.optim import Optimizer
 
+DECAY_STYLES = ("habana", "nvidia")
+
 
 @dataclass(frozen=True)
 class ScheduleConfig:
@@ -20,6 +28,7 @@ class ScheduleConfig:
     warmup_proportion: float = 0.01
     constant_proportion: float = 0.0  # hold the peak until this fraction of total_steps
     power: float = 1.0  # 1.0 = linear decay; NVIDIA's phase-1 recipe uses 0.5
+    decay_style: str = "habana"  # or "nvidia" (see the module docstring)
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.base_lr) and self.base_lr > 0):
@@ -32,6 +41,11 @@ class ScheduleConfig:
             raise ValueError(f"--constant_proportion must be in [0, 1], got {self.constant_proportion}")
         if not (math.isfinite(self.power) and self.power > 0):
             raise ValueError(f"--poly_power must be > 0 and finite, got {self.power}")
+        if self.decay_style not in DECAY_STYLES:
+            raise ValueError(f"--lr_decay_style must be one of {', '.join(DECAY_STYLES)}, got {self.decay_style!r}")
+        if self.decay_style == "nvidia" and self.constant_proportion > self.warmup_proportion:
+            raise ValueError(f"--constant_proportion {self.constant_proportion} with --lr_decay_style nvidia: NVIDIA's "
+                             "scheduler has no constant phase; pass --constant_proportion 0, or --lr_decay_style habana")
 
     @property
     def warmup_steps(self) -> int:
@@ -45,6 +59,11 @@ class ScheduleConfig:
 
 def lr_at(cfg: ScheduleConfig, step: int) -> float:
     """Learning rate used by optimizer step `step` (0-based)."""
+    if cfg.decay_style == "nvidia":
+        progress = (step + 1) / cfg.total_steps
+        if progress < cfg.warmup_proportion:
+            return cfg.base_lr * progress / cfg.warmup_proportion
+        return cfg.base_lr * max(0.0, 1.0 - progress) ** cfg.power
     if step < cfg.warmup_steps:
         return cfg.base_lr * (step + 1) / cfg.warmup_steps
     if step < cfg.constant_end:
@@ -58,7 +77,7 @@ def lr_at(cfg: ScheduleConfig, step: int) -> float:
 
 # The command-line flag behind each ScheduleConfig field (run_pretraining.schedule_config).
 FLAGS = {"base_lr": "--learning_rate", "total_steps": "--max_steps", "warmup_proportion": "--warmup_proportion",
-         "constant_proportion": "--constant_proportion", "power": "--poly_power"}
+         "constant_proportion": "--constant_proportion", "power": "--poly_power", "decay_style": "--lr_decay_style"}
 
 
 class ScheduleMismatchError(ValueError):
