@@ -939,4 +939,4 @@ if __name__ == "__main__":
     # A rank killed by a fatal signal (a segfault in a kernel, an abort in a C++ thread) prints the
     # Python stack of each of its threads, which its launcher's log otherwise lacks.
     faulthandler.enable()
-    sys.exit(main())
+    accel.leave(main())

@@ -173,9 +173,13 @@ def worker(args: argparse.Namespace) -> None:
     }
     Path(args.result_dir, f"rank{rank}.json").write_text(json.dumps(result))
     # Leave together and close gloo before exit: a rank that exits while its peer's gloo threads still
-    # talk to it can abort ('terminate called without an active exception').
+    # talk to it can abort ('terminate called without an active exception'); then skip the interpreter's
+    # teardown, where finished ranks have aborted too (training.accelerator.leave).
+    from training.accelerator import leave
+
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    leave(0)
 
 
 def launch(args: argparse.Namespace, result_dir: str) -> list[dict]:

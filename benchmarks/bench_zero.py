@@ -79,9 +79,13 @@ def worker(args: argparse.Namespace) -> None:
               "optimizer_class": type(zero).__name__, "parameters": sum(p.numel() for p in model.parameters())}
     Path(args.result_dir, f"rank{engine.global_rank}.json").write_text(json.dumps(result))
     # Leave together and close gloo before exit: a rank that exits while its peer's gloo threads still
-    # talk to it can abort ('terminate called without an active exception').
+    # talk to it can abort ('terminate called without an active exception'); then skip the interpreter's
+    # teardown, where finished ranks have aborted too (training.accelerator.leave).
+    from training.accelerator import leave
+
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    leave(0)
 
 
 def launch(world_size: int, args: argparse.Namespace, result_dir: str) -> list[dict]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,3 +171,19 @@ def test_cuda_rank_uses_its_local_gpu(monkeypatch):
     assert acc.device == torch.device("cuda", 3)
     assert (acc.name, acc.backend, acc.device_name, acc.hpu_lazy) == ("cuda", "nccl", "NVIDIA H100 80GB HBM3", False)
     assert names == [3] and calls == [("set_device", 3), ("init_distributed", "nccl")]
+
+
+def test_leave_exits_with_the_code_after_flushing_and_runs_no_teardown(tmp_path):
+    """leave() is how a distributed process ends (run_pretraining.py, the 2-rank workers): the code it is given,
+    buffered output written, and no interpreter teardown (an atexit handler stands for it here)."""
+    import subprocess
+
+    script = ("import atexit, sys\n"
+              "from training.accelerator import leave\n"
+              "atexit.register(lambda: print('teardown ran'))\n"
+              "print('to stdout', end='')\n"
+              "sys.stderr.write('to stderr')\n"
+              "leave(3)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert (proc.returncode, proc.stdout, proc.stderr) == (3, "to stdout", "to stderr")

@@ -327,6 +327,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from training import checkpoint
+from training.accelerator import leave
 from training.atomic import atomic_write_text
 
 rank, ckpt_dir, port, identity, fault = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
@@ -376,6 +377,7 @@ except dist.DistError as e:
     print(f"DistError: {e}")
 finally:
     dist.destroy_process_group()
+leave(0)  # no interpreter teardown, where finished ranks have aborted (training.accelerator.leave)
 """
 
 
@@ -460,6 +462,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from training import checkpoint
+from training.accelerator import leave
 from training.atomic import atomic_write_text
 
 rank, ckpt_dir, port = int(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
@@ -489,6 +492,7 @@ except checkpoint.CheckpointError as e:
     print(f"CheckpointError: {e}")
 finally:
     dist.destroy_process_group()
+leave(0)  # no interpreter teardown, where finished ranks have aborted (training.accelerator.leave)
 """
 
 

@@ -666,6 +666,10 @@ if __name__ == "__main__":
     import torch.distributed
 
     {"scenarios": _worker, "universal": _universal_worker}[sys.argv[1]](sys.argv[2], sys.argv[3])
-    # Leave together and close gloo: a rank exiting while its peer still talks to it can abort.
+    # Leave together and close gloo: a rank exiting while its peer still talks to it can abort. Then skip
+    # the interpreter's teardown, where finished ranks have aborted too (training.accelerator.leave).
+    from training.accelerator import leave
+
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    leave(0)

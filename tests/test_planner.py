@@ -490,6 +490,10 @@ if __name__ == "__main__":  # a rank of test_bf16_zero1_memory_matches_a_real_de
     import torch.distributed
 
     _bf16_zero1_worker(sys.argv[1])
-    # Leave together and close gloo: a rank exiting while its peer still talks to it can abort.
+    # Leave together and close gloo: a rank exiting while its peer still talks to it can abort. Then skip
+    # the interpreter's teardown, where finished ranks have aborted too (training.accelerator.leave).
+    from training.accelerator import leave
+
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    leave(0)
