@@ -291,22 +291,16 @@ class Lans(_LayerwiseOptimizer):
     step: the gradient norms are needed before the moments, the update norms after them.
     """
 
-    @staticmethod
-    def _adaptive(group: dict) -> bool:
-        return True
-
     def _update(self, stepped: list[tuple[dict, list[torch.Tensor]]], table_of: dict[int, _Pieces],
                 num_tensors: int, process_group: object | None) -> None:
         all_params = [p for _, params in stepped for p in params]
         tables = [table_of[id(p)] for p in all_params]
         device = all_params[0].device
 
-        # Gradient norms of every tensor, and weight norms of the adapted ones, in one all-reduce.
+        # Gradient and weight norms of every tensor in one all-reduce.
         first = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
         self._sum_squares([p.grad for p in all_params], tables, num_tensors, first[0])
-        adaptive_params = [p for group, params in stepped if self._adaptive(group) for p in params]
-        adaptive_tables = [table_of[id(p)] for p in adaptive_params]
-        self._sum_squares(adaptive_params, adaptive_tables, num_tensors, first[1])
+        self._sum_squares(all_params, tables, num_tensors, first[1])
         self._all_reduce(first, process_group)
         grad_norm = first[0].sqrt()
 
@@ -326,21 +320,18 @@ class Lans(_LayerwiseOptimizer):
                     update_c.add_(p, alpha=group["weight_decay"])
                 pending.append((group, p, update_m, update_c))
 
-        adaptive = [(p, m, c) for group, p, m, c in pending if self._adaptive(group)]
-        ratio_m = ratio_c = None
-        if adaptive:
-            second = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
-            self._sum_squares([m for _, m, _ in adaptive], adaptive_tables, num_tensors, second[0])
-            self._sum_squares([c for _, _, c in adaptive], adaptive_tables, num_tensors, second[1])
-            self._all_reduce(second, process_group)
-            ratio_m = self._trust_ratio(first[1], second[0])
-            ratio_c = self._trust_ratio(first[1], second[1])
+        # Both trust ratios of every tensor, in the order of all_params.
+        second = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
+        self._sum_squares([m for _, _, m, _ in pending], tables, num_tensors, second[0])
+        self._sum_squares([c for _, _, _, c in pending], tables, num_tensors, second[1])
+        self._all_reduce(second, process_group)
+        ratio_m = self._trust_ratio(first[1], second[0])
+        ratio_c = self._trust_ratio(first[1], second[1])
 
         for group, p, update_m, update_c in pending:
             beta1 = group["betas"][0]
-            if self._adaptive(group):
-                self._scale_by_piece(update_m, table_of[id(p)], ratio_m)
-                self._scale_by_piece(update_c, table_of[id(p)], ratio_c)
+            self._scale_by_piece(update_m, table_of[id(p)], ratio_m)
+            self._scale_by_piece(update_c, table_of[id(p)], ratio_c)
             p.add_(update_m, alpha=-group["lr"] * beta1)
             p.add_(update_c, alpha=-group["lr"] * (1 - beta1))
 
