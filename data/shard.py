@@ -4,7 +4,8 @@ Every part's instances (already shuffled within the part) are cut into `num_shar
 slices whose sizes differ by at most one; the part that gets the extra rows rotates, so shard
 sizes over the whole corpus differ by at most one instance. A shard is assembled from its slice
 of every part (read through memory maps), shuffled with a seed of its own, and written to a
-temporary name, then renamed. Memory per worker is one shard.
+temporary name, then renamed. Memory per worker is about half a shard: one key's shuffled array
+(`_gather`).
 
 Files: `<output_dir>/{training,test}/<name>_{training,test}_<i>.hdf5`, keys and dtypes as in
 docs/ARCHITECTURE.md, attributes max_seq_length, max_predictions_per_seq, vocab_size, masking
@@ -122,13 +123,26 @@ class _WriteErrorKeeper:
         return getattr(self._raw, name)
 
 
+def _gather(task: _ShardTask, key: str, destination: np.ndarray) -> np.ndarray:
+    """One key's rows of the shard in its shuffled order, copied from the parts' memory maps straight to their
+    places: the only array in memory is the one being written (at most `input_ids`, 55% of the shard)."""
+    out = None
+    start = 0
+    for p, lo, hi in task.slices:
+        piece = load_instances(task.part_dirs[p] / f"{key}.npy")[lo:hi]
+        if out is None:
+            out = np.empty((len(destination),) + piece.shape[1:], dtype=DTYPES[key])
+        out[destination[start:start + hi - lo]] = piece
+        start += hi - lo
+    return out
+
+
 def _write_shard(task: _ShardTask) -> tuple[int, int]:
     if not task.path.is_file():
-        arrays = {}
-        for key in task.keys:
-            pieces = [load_instances(task.part_dirs[p] / f"{key}.npy")[lo:hi] for p, lo, hi in task.slices]
-            arrays[key] = np.concatenate(pieces)
-        order = np.random.default_rng(task.seed).permutation(len(arrays[task.keys[0]]))
+        rows = sum(hi - lo for _, lo, hi in task.slices)
+        order = np.random.default_rng(task.seed).permutation(rows)
+        destination = np.empty_like(order)  # where each row of the parts' slices, in turn, goes in the shard
+        destination[order] = np.arange(rows)
         # HDF5 writes through a file object that keeps a full disk's error from it (`_WriteErrorKeeper`). (Made in
         # memory and then written, which kept it from HDF5 too, the shard stage took 2.4x longer: PERFORMANCE.md.)
         with stage.atomic_path(task.path) as tmp, open(tmp, "w+b", buffering=0) as raw:
@@ -138,7 +152,7 @@ def _write_shard(task: _ShardTask) -> tuple[int, int]:
                     for key in task.keys:
                         if target.error is not None:  # the shard is lost: stop at once (a full disk, a Ctrl-C)
                             break
-                        f.create_dataset(key, data=arrays.pop(key)[order], dtype=DTYPES[key],
+                        f.create_dataset(key, data=_gather(task, key, destination), dtype=DTYPES[key],
                                          compression=task.compression)
                     for k, v in task.attrs.items():
                         f.attrs[k] = v
