@@ -425,6 +425,23 @@ def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path
             "(--phase2 --init_checkpoint starts from this run's weights)")
 
 
+def check_resume_clipping(tag_dir: Path, saved_config: dict, clipping: float, ds_path: Path) -> None:
+    """The checkpoint's gradient clipping must be this launch's (`clipping`, DeepSpeed's reading of the JSON): on
+    the same world size DeepSpeed takes the checkpoint's value from the optimizer partitions over the JSON's,
+    without a word (after a change of world size, the universal checkpoint keeps the JSON's)."""
+    if not saved_config:  # DeepSpeed keeps the config it saved with in the model states; nothing to compare
+        return
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT
+
+    then = float(saved_config.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+    if then != clipping:
+        raise RunConfigError(
+            f"{tag_dir} was trained with \"gradient_clipping\": {then}; --deepspeed_config {ds_path} gives "
+            f"{clipping}, which DeepSpeed would silently replace by the checkpoint's on the same number of ranks "
+            f"(and use on another). Set \"gradient_clipping\": {then} to resume, or start a new phase in another "
+            "--output_dir with --phase2 --init_checkpoint")
+
+
 def micro_step_seed(seed: int, position: int, rank: int) -> int:
     """Dropout randomness as a function of (seed, stream position, rank): a resumed run draws
     the same masks as an uninterrupted one without saving generator states."""
@@ -784,7 +801,10 @@ def train(args: argparse.Namespace) -> dict:
             checkpoint.verify_checksums(ckpt_dir, tag, state)
             if state.world_size != world and not module_only:
                 tag = checkpoint.universal_tag(ckpt_dir, tag)
-            checkpoint.load(engine, ckpt_dir, tag, module_only=module_only)
+            saved_config = checkpoint.load(engine, ckpt_dir, tag, module_only=module_only)
+            if not module_only:
+                check_resume_clipping(ckpt_dir / resume[0], saved_config, float(engine.gradient_clipping()),
+                                      args.deepspeed_config)
             step, consumed = state.step, state.consumed_samples
             skipped_batches, skipped_steps = state.skipped_batches, state.skipped_steps
             if not module_only and scheduler.step_count != step:

@@ -153,6 +153,45 @@ def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     assert set(before) < {p.name for p in (tmp_path / "tensorboard").iterdir()}
 
 
+LOG_THEN_SIGKILL = """
+import os, signal, sys, time
+from pathlib import Path
+
+from tensorboard.summary.writer.record_writer import RecordWriter
+
+from training.metrics import MetricsWriter
+
+write = RecordWriter.write
+RecordWriter.write = lambda self, data: (time.sleep(0.02), write(self, data))  # a slow file system
+writer = MetricsWriter(Path(sys.argv[1]), 100, 0, enabled=True)
+for step in range(1, 9):
+    writer.log({"step": step, "loss": 1.0 / step, "lr": 1e-4})
+writer.log({"step": 8, "loss": 0.5}, prefix="eval")
+os.kill(os.getpid(), signal.SIGKILL)  # right after the checkpoint of step 8, say
+"""
+
+
+def test_a_run_killed_after_its_checkpoint_keeps_every_logged_step_in_tensorboard(tmp_path):
+    """SIGKILL after a checkpoint at the last logged step: the resume drops no record, so it does not rebuild
+    TensorBoard from the logs. Before, the events SummaryWriter's thread had not yet written (it writes behind
+    the records; slowed down here, as on a slow file system) were lost, and TensorBoard missed those steps for
+    good."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run([sys.executable, "-c", LOG_THEN_SIGKILL, str(tmp_path)], cwd=root, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
+    MetricsWriter(tmp_path, total_steps=100, start_step=8, enabled=True).close()  # the resume from step 8
+    assert not (tmp_path / "metrics.dropped.jsonl").exists()
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert scalars["train/loss"] == [(step, pytest.approx(1.0 / step)) for step in range(1, 9)]
+    assert scalars["eval/loss"] == [(8, 0.5)]
+
+
 def test_a_start_from_scratch_over_an_earlier_runs_records_says_so(tmp_path, capsys):
     """Its checkpoints deleted, a run's rerun trained again from step 0 without a word."""
     MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=True).close()  # a first start: nothing to say

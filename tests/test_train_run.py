@@ -585,6 +585,12 @@ def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shard
     result = run(1, with_flag(args(phase1_shards, out), "--deepspeed_config", str(bf16)))
     assert result.returncode == 1 and "step00000012 was trained in fp32; this DeepSpeed JSON trains in bf16" in result.stderr
     assert json.loads((out / "model_config.json").read_text())["hidden_act"] == "gelu"  # not overwritten
+    # DeepSpeed would take the checkpoint's gradient clipping over the JSON's without a word.
+    clip = ds_config(tmp_path / "clip.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2,
+                     gradient_clipping=0.5)
+    result = run(1, with_flag(args(phase1_shards, out), "--deepspeed_config", str(clip)))
+    assert result.returncode == 1
+    assert f'step00000012 was trained with "gradient_clipping": 1.0; --deepspeed_config {clip} gives 0.5' in result.stderr
     # Another --seed would change the data order, masks and dropout of the rest of the run.
     result = run(1, args(phase1_shards, out) + ["--seed", "7"])
     assert result.returncode == 1

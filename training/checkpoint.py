@@ -422,11 +422,12 @@ def verify_checksums(ckpt_dir: Path, tag: str, state: RunState) -> None:
 LOAD_ERRORS = (RuntimeError, OSError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, KeyError, ValueError)
 
 
-def load(engine, ckpt_dir: Path, tag: str, module_only: bool = False) -> None:
+def load(engine, ckpt_dir: Path, tag: str, module_only: bool = False) -> dict:
     """Restore module, optimizer partitions and lr schedule of `tag` into the engine (only the module
-    with `module_only`, which any world size can read)."""
+    with `module_only`, which any world size can read). Returns the DeepSpeed config the checkpoint was
+    saved with (DeepSpeed keeps it in the model states; empty if absent)."""
     try:
-        path, _ = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_only=module_only)
+        path, client_state = engine.load_checkpoint(str(ckpt_dir), tag=tag, load_module_only=module_only)
     except ScheduleMismatchError:
         raise  # flags that differ from the checkpoint's: its message names them; the files are fine
     except LOAD_ERRORS as e:
@@ -438,6 +439,8 @@ def load(engine, ckpt_dir: Path, tag: str, module_only: bool = False) -> None:
                               "'latest' at another tag") from e
     if path is None:
         raise CheckpointError(f"{ckpt_dir / tag}: DeepSpeed found no checkpoint to load")
+    saved = (client_state or {}).get("ds_config")
+    return saved if isinstance(saved, dict) else {}
 
 
 def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:

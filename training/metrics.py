@@ -225,6 +225,9 @@ class MetricsWriter:
         append_line(self.jsonl if prefix == "train" else self.eval_jsonl, json.dumps(record))
         try:
             _add_scalars(self.tb, prefix, record)
+            # Out of the writer's queue and buffer now, as the record is: a run killed after its next
+            # checkpoint drops no record, so no rebuild would restore the events it had not yet written.
+            self.tb.flush()
         except OSError as e:  # an earlier write of TensorBoard's writer thread, raised here
             raise named(e, Path(self.tb.get_logdir())) from e
         self.bar.write(self.progress_line(record, prefix))
