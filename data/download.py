@@ -333,7 +333,9 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end:
         with part.open("r+b" if have else "wb") as f:
             f.seek(have)
             f.truncate()
-            while chunk := response.read(CHUNK):
+            # read1: what one receive brings. read() gathers CHUNK bytes over many receives and loses them
+            # all when a reset or a read timeout ends it, so a resume would begin before them.
+            while chunk := response.read1(CHUNK):
                 f.write(chunk)
                 bar.update(len(chunk))
             size = f.tell()

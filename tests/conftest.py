@@ -7,9 +7,11 @@ import hashlib
 import http.server
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +116,7 @@ class MirrorSite:
     files: dict[str, bytes]
     cut_after: int = 0  # the next `cuts` responses for a .bz2 file stop after this many body bytes
     cuts: int = 0
+    cut_by: str = "close"  # how they stop: "close" the connection, "reset" it (RST), or "stall" (keep it open)
     statuses: dict[str, list[int]] = field(default_factory=dict)  # path -> statuses its next requests get, in turn
     retry_after: str | None = None  # the Retry-After header sent with those statuses
     range_starts: list[int] = field(default_factory=list)  # the next ranged answers start here, not where asked
@@ -188,6 +191,14 @@ def _mirror_handler(site: MirrorSite):
                 site.cuts -= 1
                 payload = payload[:site.cut_after]
                 self.close_connection = True
+                if site.cut_by != "close":
+                    self.wfile.write(payload)
+                    time.sleep(0.2 if site.cut_by == "reset" else 3)  # a stall outlasts the client's timeout
+                    if site.cut_by == "reset":  # closed with a zero linger: a RST, not a FIN
+                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        self.rfile.close()
+                        self.connection.close()
+                    return
             self.wfile.write(payload)
 
     return Handler

@@ -601,3 +601,17 @@ def test_prepare_reads_a_file_url_input(bert_vocab, tmp_path):
     with pytest.raises(SystemExit) as exc:  # the file was found and read: it is not a dump
         prepare_main(["--input", notes.as_uri(), "--output_dir", str(tmp_path / "out"), "--vocab_file", str(bert_vocab)])
     assert str(exc.value.code).startswith(f"error: {notes} is not a MediaWiki XML dump: it is neither bz2")
+
+
+@pytest.mark.parametrize("cut_by", ["reset", "stall"])
+def test_the_bytes_received_before_a_reset_or_a_stall_are_kept(wiki_mirror, multistream_sample, tmp_path, cut_by):
+    """A read of up to 1 MiB that ends in a connection reset or a read timeout raised and lost the bytes it had
+    already received: the part file stayed empty and the resume began at byte 0, so a link that drops every
+    few hundred kB never got anywhere."""
+    mirror, site = wiki_mirror
+    site.cut_after, site.cuts, site.cut_by = 300_000, 1, cut_by
+    cfg = DownloadConfig(dump_url(mirror, DATE), tmp_path, backoff_s=0.01, timeout_s=0.5, retries=1)
+    start = time.monotonic()
+    assert download(cfg).read_bytes() == multistream_sample.read_bytes()
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=300000-"]
+    assert time.monotonic() - start < 2.5  # a stall ends with the 0.5 s read timeout, not when the server gives up
