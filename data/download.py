@@ -185,6 +185,35 @@ def _read_text(url: str, timeout_s: float) -> str:
         return r.read().decode("utf-8", "replace")
 
 
+# The jobs of a dump run that write a file (dumpstatus.json's keys): the recombined file of a wiki dumped in
+# parts (enwiki), or the only one of a smaller wiki.
+_WRITER_JOBS = {"pages-articles-multistream.xml.bz2": ("articlesmultistreamdumprecombine", "articlesmultistreamdump"),
+                "pages-articles.xml.bz2": ("articlesdumprecombine", "articlesdump")}
+
+
+def _unfinished(url: str, timeout_s: float) -> str | None:
+    """Why url's file is not published yet, from the dumpstatus.json beside it: the job that writes it is
+    not done (waiting, in progress, failed). None when that file says nothing of the kind or cannot be read
+    (a mirror may not copy it): this only words an error better."""
+    parts = urllib.parse.urlsplit(url)
+    status_url = urllib.parse.urlunsplit((parts.scheme, parts.netloc,
+                                          f"{parts.path.rsplit('/', 1)[0]}/dumpstatus.json", "", ""))
+    name = file_name(url)
+    m = _DUMP_NAME.match(name)
+    try:
+        jobs = json.loads(_read_text(status_url, timeout_s))["jobs"]
+        listed = [job for job, info in jobs.items() if name in (info.get("files") or {})]
+        job = (listed or [job for job in _WRITER_JOBS.get(name[m.end():] if m else "", ()) if job in jobs]
+               or [None])[0]
+        status = jobs[job]["status"] if job else "done"
+    except (*_NETWORK_ERRORS, ValueError, LookupError, TypeError, AttributeError):
+        return None
+    if status == "done":
+        return None
+    return (f"{status_url} says that {job}, the job that writes {name}, is {status!r}: the dump of "
+            f"{m['date'] if m else 'that date'} is not finished. Wait for it, or use an earlier dump date")
+
+
 def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
     """(algorithm, hex digest) of cfg.url from the dump's checksum file, or None when none is published.
     The checksum file is fetched with the same retries as the dump."""
@@ -204,8 +233,9 @@ def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
                 return algorithm, parts[0].lower()
         unlisted.append(sums_url)
     if unlisted:
+        why = _unfinished(cfg.url, cfg.timeout_s) or "check the dump date and file name"
         raise PipelineError(f"{' and '.join(unlisted)} {'do' if len(unlisted) > 1 else 'does'} not list {name}; "
-                            "check the dump date and file name")
+                            f"{why}")
     return None
 
 
@@ -397,6 +427,9 @@ def _download_part(cfg: DownloadConfig, part: Path, checksum_known: bool) -> boo
             return True
         except urllib.error.HTTPError as exc:
             if exc.code in (404, 410):
+                why = _unfinished(cfg.url, cfg.timeout_s)
+                if why:
+                    raise PipelineError(f"{cfg.url}: HTTP {exc.code}; {why}") from exc
                 raise PipelineError(
                     f"{cfg.url}: HTTP {exc.code}, no such dump. Check the date (dumps are kept a few "
                     "months; see https://dumps.wikimedia.org/enwiki/) or use another --mirror"

@@ -615,3 +615,39 @@ def test_the_bytes_received_before_a_reset_or_a_stall_are_kept(wiki_mirror, mult
     assert download(cfg).read_bytes() == multistream_sample.read_bytes()
     assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=300000-"]
     assert time.monotonic() - start < 2.5  # a stall ends with the 0.5 s read timeout, not when the server gives up
+
+
+def _dump_status(status: str, files: dict | None = None) -> bytes:
+    """A dumpstatus.json as dumps.wikimedia.org publishes it (version 0.8), trimmed to two jobs."""
+    import json
+
+    return json.dumps({"jobs": {
+        "articlesdump": {"status": "done", "updated": "2024-12-03 10:00:00",
+                         "files": {f"enwiki-{DATE}-pages-articles1.xml-p1p41242.bz2": {"size": 1}}},
+        "articlesmultistreamdumprecombine": {"status": status, "updated": "2024-12-04 01:00:00",
+                                             "files": files or {}}}, "version": "0.8"}).encode()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_dump_that_is_not_finished_says_so(wiki_mirror, tmp_path, verify):
+    """The directory of a dump run in progress holds its finished files and checksum lists without the
+    multistream file (written as .inprog until its job is done): the error said to check the date, or that
+    no such dump exists, where dumpstatus.json says that it is not finished yet."""
+    mirror, site = wiki_mirror
+    del site.files[_dump_path()]
+    site.files[_sums_path()] = f"{'0' * 40}  enwiki-{DATE}-pages-articles1.xml-p1p41242.bz2\n".encode()
+    status = f"/enwiki/{DATE}/dumpstatus.json"
+    site.files[status] = _dump_status("in-progress")
+    with pytest.raises(PipelineError, match=rf"{'does not list' if verify else 'HTTP 404'}.*; "
+                                            rf"{re.escape(mirror + status)} says that "
+                                            r"articlesmultistreamdumprecombine, the job that writes "
+                                            rf"{NAME}, is 'in-progress': the dump of {DATE} is not finished\. "
+                                            r"Wait for it, or use an earlier dump date$"):
+        download(_cfg(mirror, tmp_path, verify=verify))
+    site.files[status] = _dump_status("done", {NAME: {"size": 1}})  # done, yet missing: the usual words
+    with pytest.raises(PipelineError, match="check the dump date and file name$" if verify else "no such dump"):
+        download(_cfg(mirror, tmp_path, verify=verify))
+    del site.files[status]  # a mirror that does not copy it
+    with pytest.raises(PipelineError, match="check the dump date and file name$" if verify else "no such dump"):
+        download(_cfg(mirror, tmp_path, verify=verify))
+    assert list(tmp_path.iterdir()) == []
