@@ -206,12 +206,15 @@ def _unfinished(url: str, timeout_s: float) -> str | None:
         job = (listed or [job for job in _WRITER_JOBS.get(name[m.end():] if m else "", ()) if job in jobs]
                or [None])[0]
         status = jobs[job]["status"] if job else "done"
-    except (*_NETWORK_ERRORS, ValueError, LookupError, TypeError, AttributeError):
-        return None
+    except (OSError, http.client.HTTPException, ValueError, LookupError, TypeError, AttributeError):
+        return None  # any network error (OSError covers URLError and SSLError), or not the JSON expected
     if status == "done":
         return None
-    return (f"{status_url} says that {job}, the job that writes {name}, is {status!r}: the dump of "
-            f"{m['date'] if m else 'that date'} is not finished. Wait for it, or use an earlier dump date")
+    said = f"{status_url} says that {job}, the job that writes {name}, is {status!r}"
+    if status in ("waiting", "in-progress"):
+        return (f"{said}: the dump of {m['date'] if m else 'that date'} is not finished. Wait for it, or use an "
+                "earlier dump date")
+    return f"{said} (failed or skipped in this run); use another dump date"
 
 
 def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:

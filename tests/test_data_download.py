@@ -644,6 +644,10 @@ def test_a_dump_that_is_not_finished_says_so(wiki_mirror, tmp_path, verify):
                                             rf"{NAME}, is 'in-progress': the dump of {DATE} is not finished\. "
                                             r"Wait for it, or use an earlier dump date$"):
         download(_cfg(mirror, tmp_path, verify=verify))
+    site.files[status] = _dump_status("failed")
+    with pytest.raises(PipelineError, match=r"is 'failed' \(failed or skipped in this run\); use another dump "
+                                            r"date$"):
+        download(_cfg(mirror, tmp_path, verify=verify))
     site.files[status] = _dump_status("done", {NAME: {"size": 1}})  # done, yet missing: the usual words
     with pytest.raises(PipelineError, match="check the dump date and file name$" if verify else "no such dump"):
         download(_cfg(mirror, tmp_path, verify=verify))
