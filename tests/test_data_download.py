@@ -655,3 +655,36 @@ def test_a_dump_that_is_not_finished_says_so(wiki_mirror, tmp_path, verify):
     with pytest.raises(PipelineError, match="check the dump date and file name$" if verify else "no such dump"):
         download(_cfg(mirror, tmp_path, verify=verify))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_mirror_that_redirects_to_another_host_is_followed_with_its_range(wiki_mirror, multistream_sample,
+                                                                          tmp_path):
+    """Mirrors (the Internet Archive, download pools) answer with a 302 to another host: the resume's Range
+    and If-Range go with the redirected request, and the checksum list is the one beside the URL given."""
+    import http.server
+    import threading
+
+    mirror, site = wiki_mirror
+    site.validators, site.cut_after, site.cuts = True, 400_000, 1
+
+    class Redirect(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            self.send_response(302)
+            self.send_header("Location", f"{mirror}{self.path}")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+    front = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=front.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    try:
+        cfg = _cfg(f"http://127.0.0.1:{front.server_address[1]}", tmp_path, retries=1)
+        assert download(cfg).read_bytes() == multistream_sample.read_bytes()
+    finally:
+        front.shutdown()
+        front.server_close()
+    etag = f'"{hashlib.sha1(multistream_sample.read_bytes()).hexdigest()}"'
+    assert [(p, r, i) for (p, r), i in zip(site.requests, site.if_ranges)] == [
+        (_sums_path(), None, None), (_dump_path(), None, None), (_dump_path(), "bytes=400000-", etag)]
