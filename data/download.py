@@ -59,6 +59,8 @@ class DownloadConfig:
     max_retry_after_s: float = 300.0
     # The longest back-off between two attempts: doubling from backoff_s would reach hours by the 12th.
     max_backoff_s: float = 300.0
+    # How a wait between attempts is spent (tests record the waits instead of sleeping them).
+    sleep: Callable[[float], None] = time.sleep
 
 
 # 408 Request Timeout and 429 Too Many Requests are worth retrying, as are 5xx server errors.
@@ -176,7 +178,7 @@ def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint:
                     f"{url}: failed after {attempt + 1} attempts in a row without progress (last: "
                     f"{_describe(exc)}); {rerun_hint()}"
                 ) from exc
-            time.sleep(_wait_s(cfg, attempt, exc))
+            cfg.sleep(_wait_s(cfg, attempt, exc))
             attempt += 1
 
 
