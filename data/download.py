@@ -247,7 +247,7 @@ def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
 def _content_range(header: str | None) -> tuple[int | None, int | None]:
     """(first byte, total size) of a Content-Range header: `bytes 100-199/200` or, on a 416, `bytes */200`;
     None for what it does not state (total `*`) or for a missing or malformed header."""
-    m = re.fullmatch(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+|\*)\s*", header or "")
+    m = re.fullmatch(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+|\*)\s*", header or "", re.IGNORECASE)  # RFC 9110 14.1
     if not m:
         return None, None
     return (int(m[1]) if m[1] else None), (int(m[2]) if m[2] != "*" else None)

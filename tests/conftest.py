@@ -128,6 +128,7 @@ class MirrorSite:
     cap: int = 0  # answer every request for a .bz2 file, ranged or not, with a 206 of at most this many bytes
     bad_length: bool = False  # send "Content-Length: abc" (and end the body by closing the connection)
     bare_416: bool = False  # a 416 without Content-Range (which RFC 9110 only recommends)
+    range_unit: str = "bytes"  # as Content-Range spells it (case-insensitive, RFC 9110 14.1)
     requests: list[tuple[str, str | None]] = field(default_factory=list)
     if_ranges: list[str | None] = field(default_factory=list)  # the If-Range header of each request
 
@@ -170,13 +171,13 @@ def _mirror_handler(site: MirrorSite):
             if start >= len(body):
                 self.send_response(416)
                 if not site.bare_416:
-                    self.send_header("Content-Range", f"bytes */{len(body)}")
+                    self.send_header("Content-Range", f"{site.range_unit} */{len(body)}")
                 self.end_headers()
                 return
             stop = min(len(body), start + site.cap) if site.cap and path.endswith(".bz2") else len(body)
             self.send_response(206 if rng or stop < len(body) else 200)
             if rng or stop < len(body):
-                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(body)}")
+                self.send_header("Content-Range", f"{site.range_unit} {start}-{stop - 1}/{len(body)}")
             if site.validators:
                 self.send_header("ETag", etag)
                 self.send_header("Last-Modified", LAST_MODIFIED)

@@ -691,3 +691,12 @@ def test_a_mirror_that_redirects_to_another_host_is_followed_with_its_range(wiki
     etag = f'"{hashlib.sha1(multistream_sample.read_bytes()).hexdigest()}"'
     assert [(p, r, i) for (p, r), i in zip(site.requests, site.if_ranges)] == [
         (_sums_path(), None, None), (_dump_path(), None, None), (_dump_path(), "bytes=400000-", etag)]
+
+
+def test_a_content_range_unit_in_capitals_is_read(wiki_mirror, multistream_sample, tmp_path):
+    """Range units are case-insensitive (RFC 9110 14.1): `Bytes 400000-.../...` was taken for a range that
+    does not fit, and each resume emptied the part file and began again from byte 0."""
+    mirror, site = wiki_mirror
+    site.range_unit, site.cut_after, site.cuts = "Bytes", 400_000, 1
+    assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == multistream_sample.read_bytes()
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=400000-"]
