@@ -194,7 +194,7 @@ def _mirror_handler(site: MirrorSite):
                 self.close_connection = True
                 if site.cut_by != "close":
                     self.wfile.write(payload)
-                    time.sleep(0.2 if site.cut_by == "reset" else 3)  # a stall outlasts the client's timeout
+                    time.sleep(0.2 if site.cut_by == "reset" else 5)  # a stall outlasts the client's timeout
                     if site.cut_by == "reset":  # closed with a zero linger: a RST, not a FIN
                         self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                         self.rfile.close()

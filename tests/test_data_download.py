@@ -617,7 +617,7 @@ def test_the_bytes_received_before_a_reset_or_a_stall_are_kept(wiki_mirror, mult
     start = time.monotonic()
     assert download(cfg).read_bytes() == multistream_sample.read_bytes()
     assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=300000-"]
-    assert time.monotonic() - start < 2.5  # a stall ends with the 0.5 s read timeout, not when the server gives up
+    assert time.monotonic() - start < 4  # a stall ends with the 0.5 s read timeout, not when the server ends it (5 s)
 
 
 def _dump_status(status: str, files: dict | None = None) -> bytes:
