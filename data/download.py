@@ -446,8 +446,9 @@ def download(cfg: DownloadConfig) -> Path:
     """Download cfg.url into cfg.output_dir and return the final path (skipped if already done)."""
     _check_config(cfg)
     name = file_name(cfg.url)
-    if not name:
-        raise PipelineError(f"{cfg.url} does not name a file")
+    if name in ("", ".", "..") or "/" in name or "\0" in name:  # %2F unquoted would lead out of output_dir
+        raise PipelineError(f"{cfg.url} does not name a file: its path must end in a file name such as "
+                            f"{file_name(dump_url(DEFAULT_MIRROR, DEFAULT_DUMP_DATE))}")
     final = cfg.output_dir / name
     part = cfg.output_dir / f"{name}.part"
     try:

@@ -700,3 +700,16 @@ def test_a_content_range_unit_in_capitals_is_read(wiki_mirror, multistream_sampl
     site.range_unit, site.cut_after, site.cuts = "Bytes", 400_000, 1
     assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == multistream_sample.read_bytes()
     assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=400000-"]
+
+
+@pytest.mark.parametrize("path", ["/enwiki/", "/enwiki/%2E%2E", "/enwiki/..%2F..%2Fescaped.xml.bz2"])
+def test_a_url_that_names_no_file_is_refused(wiki_mirror, tmp_path, path):
+    """The name is the URL's last path segment, unquoted. `%2E%2E` (..) was downloaded whole into `....part`,
+    then failed to be renamed over the directory above (a disk error, "Device or resource busy"); `..%2F..%2Fx`
+    pointed above --output_dir and failed on its lock file ("No such file or directory ... free space")."""
+    mirror, site = wiki_mirror
+    out = tmp_path / "a" / "b"
+    with pytest.raises(PipelineError, match=rf"^{re.escape(mirror + path)} does not name a file: its path must end "
+                                            r"in a file name such as enwiki-\d{8}-pages-articles-multistream"):
+        download(DownloadConfig(f"{mirror}{path}", out, backoff_s=0.01))
+    assert site.requests == [] and list(tmp_path.rglob("*")) == []
