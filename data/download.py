@@ -59,6 +59,8 @@ class DownloadConfig:
     max_retry_after_s: float = 300.0
     # The longest back-off between two attempts: doubling from backoff_s would reach hours by the 12th.
     max_backoff_s: float = 300.0
+    # How a wait between attempts is spent (tests record the waits instead of sleeping them).
+    sleep: Callable[[float], None] = time.sleep
 
 
 # 408 Request Timeout and 429 Too Many Requests are worth retrying, as are 5xx server errors.
@@ -176,13 +178,45 @@ def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint:
                     f"{url}: failed after {attempt + 1} attempts in a row without progress (last: "
                     f"{_describe(exc)}); {rerun_hint()}"
                 ) from exc
-            time.sleep(_wait_s(cfg, attempt, exc))
+            cfg.sleep(_wait_s(cfg, attempt, exc))
             attempt += 1
 
 
 def _read_text(url: str, timeout_s: float) -> str:
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return r.read().decode("utf-8", "replace")
+
+
+# The jobs of a dump run that write a file (dumpstatus.json's keys): the recombined file of a wiki dumped in
+# parts (enwiki), or the only one of a smaller wiki.
+_WRITER_JOBS = {"pages-articles-multistream.xml.bz2": ("articlesmultistreamdumprecombine", "articlesmultistreamdump"),
+                "pages-articles.xml.bz2": ("articlesdumprecombine", "articlesdump")}
+
+
+def _unfinished(url: str, timeout_s: float) -> str | None:
+    """Why url's file is not published yet, from the dumpstatus.json beside it: the job that writes it is
+    not done (waiting, in progress, failed). None when that file says nothing of the kind or cannot be read
+    (a mirror may not copy it): this only words an error better."""
+    parts = urllib.parse.urlsplit(url)
+    status_url = urllib.parse.urlunsplit((parts.scheme, parts.netloc,
+                                          f"{parts.path.rsplit('/', 1)[0]}/dumpstatus.json", "", ""))
+    name = file_name(url)
+    m = _DUMP_NAME.match(name)
+    try:
+        jobs = json.loads(_read_text(status_url, timeout_s))["jobs"]
+        listed = [job for job, info in jobs.items() if name in (info.get("files") or {})]
+        job = (listed or [job for job in _WRITER_JOBS.get(name[m.end():] if m else "", ()) if job in jobs]
+               or [None])[0]
+        status = jobs[job]["status"] if job else "done"
+    except (OSError, http.client.HTTPException, ValueError, LookupError, TypeError, AttributeError):
+        return None  # any network error (OSError covers URLError and SSLError), or not the JSON expected
+    if status == "done":
+        return None
+    said = f"{status_url} says that {job}, the job that writes {name}, is {status!r}"
+    if status in ("waiting", "in-progress"):
+        return (f"{said}: the dump of {m['date'] if m else 'that date'} is not finished. Wait for it, or use an "
+                "earlier dump date")
+    return f"{said} (failed or skipped in this run); use another dump date"
 
 
 def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
@@ -204,15 +238,16 @@ def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
                 return algorithm, parts[0].lower()
         unlisted.append(sums_url)
     if unlisted:
+        why = _unfinished(cfg.url, cfg.timeout_s) or "check the dump date and file name"
         raise PipelineError(f"{' and '.join(unlisted)} {'do' if len(unlisted) > 1 else 'does'} not list {name}; "
-                            "check the dump date and file name")
+                            f"{why}")
     return None
 
 
 def _content_range(header: str | None) -> tuple[int | None, int | None]:
     """(first byte, total size) of a Content-Range header: `bytes 100-199/200` or, on a 416, `bytes */200`;
     None for what it does not state (total `*`) or for a missing or malformed header."""
-    m = re.fullmatch(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+|\*)\s*", header or "")
+    m = re.fullmatch(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+|\*)\s*", header or "", re.IGNORECASE)  # RFC 9110 14.1
     if not m:
         return None, None
     return (int(m[1]) if m[1] else None), (int(m[2]) if m[2] != "*" else None)
@@ -333,7 +368,9 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end:
         with part.open("r+b" if have else "wb") as f:
             f.seek(have)
             f.truncate()
-            while chunk := response.read(CHUNK):
+            # read1: what one receive brings. read() gathers CHUNK bytes over many receives and loses them
+            # all when a reset or a read timeout ends it, so a resume would begin before them.
+            while chunk := response.read1(CHUNK):
                 f.write(chunk)
                 bar.update(len(chunk))
             size = f.tell()
@@ -395,6 +432,9 @@ def _download_part(cfg: DownloadConfig, part: Path, checksum_known: bool) -> boo
             return True
         except urllib.error.HTTPError as exc:
             if exc.code in (404, 410):
+                why = _unfinished(cfg.url, cfg.timeout_s)
+                if why:
+                    raise PipelineError(f"{cfg.url}: HTTP {exc.code}; {why}") from exc
                 raise PipelineError(
                     f"{cfg.url}: HTTP {exc.code}, no such dump. Check the date (dumps are kept a few "
                     "months; see https://dumps.wikimedia.org/enwiki/) or use another --mirror"
@@ -406,8 +446,9 @@ def download(cfg: DownloadConfig) -> Path:
     """Download cfg.url into cfg.output_dir and return the final path (skipped if already done)."""
     _check_config(cfg)
     name = file_name(cfg.url)
-    if not name:
-        raise PipelineError(f"{cfg.url} does not name a file")
+    if name in ("", ".", "..") or "/" in name or "\0" in name:  # %2F unquoted would lead out of output_dir
+        raise PipelineError(f"{cfg.url} does not name a file: its path must end in a file name such as "
+                            f"{file_name(dump_url(DEFAULT_MIRROR, DEFAULT_DUMP_DATE))}")
     final = cfg.output_dir / name
     part = cfg.output_dir / f"{name}.part"
     try:

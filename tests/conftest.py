@@ -7,9 +7,11 @@ import hashlib
 import http.server
 import os
 import socket
+import struct
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,6 +116,7 @@ class MirrorSite:
     files: dict[str, bytes]
     cut_after: int = 0  # the next `cuts` responses for a .bz2 file stop after this many body bytes
     cuts: int = 0
+    cut_by: str = "close"  # how they stop: "close" the connection, "reset" it (RST), or "stall" (keep it open)
     statuses: dict[str, list[int]] = field(default_factory=dict)  # path -> statuses its next requests get, in turn
     retry_after: str | None = None  # the Retry-After header sent with those statuses
     range_starts: list[int] = field(default_factory=list)  # the next ranged answers start here, not where asked
@@ -125,6 +128,7 @@ class MirrorSite:
     cap: int = 0  # answer every request for a .bz2 file, ranged or not, with a 206 of at most this many bytes
     bad_length: bool = False  # send "Content-Length: abc" (and end the body by closing the connection)
     bare_416: bool = False  # a 416 without Content-Range (which RFC 9110 only recommends)
+    range_unit: str = "bytes"  # as Content-Range spells it (case-insensitive, RFC 9110 14.1)
     requests: list[tuple[str, str | None]] = field(default_factory=list)
     if_ranges: list[str | None] = field(default_factory=list)  # the If-Range header of each request
 
@@ -167,13 +171,13 @@ def _mirror_handler(site: MirrorSite):
             if start >= len(body):
                 self.send_response(416)
                 if not site.bare_416:
-                    self.send_header("Content-Range", f"bytes */{len(body)}")
+                    self.send_header("Content-Range", f"{site.range_unit} */{len(body)}")
                 self.end_headers()
                 return
             stop = min(len(body), start + site.cap) if site.cap and path.endswith(".bz2") else len(body)
             self.send_response(206 if rng or stop < len(body) else 200)
             if rng or stop < len(body):
-                self.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(body)}")
+                self.send_header("Content-Range", f"{site.range_unit} {start}-{stop - 1}/{len(body)}")
             if site.validators:
                 self.send_header("ETag", etag)
                 self.send_header("Last-Modified", LAST_MODIFIED)
@@ -188,6 +192,14 @@ def _mirror_handler(site: MirrorSite):
                 site.cuts -= 1
                 payload = payload[:site.cut_after]
                 self.close_connection = True
+                if site.cut_by != "close":
+                    self.wfile.write(payload)
+                    time.sleep(0.2 if site.cut_by == "reset" else 5)  # a stall outlasts the client's timeout
+                    if site.cut_by == "reset":  # closed with a zero linger: a RST, not a FIN
+                        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                        self.rfile.close()
+                        self.connection.close()
+                    return
             self.wfile.write(payload)
 
     return Handler
