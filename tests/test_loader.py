@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import io
 import itertools
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import h5py
@@ -412,3 +415,30 @@ def test_missing_dataset_and_non_integer_dtype_are_clear(tmp_path):
         f["next_sentence_labels"] = np.zeros(2, np.int8)
     with pytest.raises(DataConfigError, match="'input_ids' has dtype float32; expected an integer dtype"):
         training_set(tmp_path)
+
+
+FAILING_RUN = """
+import sys
+import run_pretraining
+from pathlib import Path
+from training.loader import RankSampler, make_loader, open_split
+
+def failing_main():
+    ds = open_split(Path(sys.argv[1]), "training", 128, 20, 30522, seed=1, shuffle=True)
+    batches = iter(make_loader(ds, RankSampler(0, 4, 0, 1), 4, num_workers=2))
+    next(batches)
+    raise RuntimeError("an unexpected error while training")
+
+run_pretraining.main = failing_main
+run_pretraining.{end}
+"""
+
+
+def test_an_unexpected_error_with_workers_running_exits_1(phase1_shards):
+    """The workers ignore SIGTERM, which multiprocessing's exit handler sends them before it waits for
+    them: an error that left the interpreter to exit hung the rank for good (killed after 30 s here)."""
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", FAILING_RUN.format(end="script()"), str(phase1_shards)], cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    assert "RuntimeError: an unexpected error while training" in proc.stderr
