@@ -310,6 +310,23 @@ def test_a_dataset_of_the_wrong_rank_is_named_with_its_shape(tmp_path):
         inspect_shard(path, 128, 20, 30522)
 
 
+def test_next_sentence_labels_of_another_shape_are_named(phase1_shards, tmp_path):
+    """[rows, 2] labels (one-hot, say) failed at the first sample with numpy's "cannot reshape array of size 2
+    into shape ()", naming no file; [rows, 1] is one label per row and reads as such."""
+    src = find_shards(phase1_shards, "training")[0]
+    for columns in (2, 1):
+        with h5py.File(src, "r") as fin, h5py.File(tmp_path / "x_training_0.hdf5", "w") as fout:
+            for key in fin:
+                data = fin[key][()]
+                fout[key] = np.stack([data] * columns, axis=1) if key == "next_sentence_labels" else data
+        if columns == 2:
+            with pytest.raises(DataConfigError, match=r"x_training_0\.hdf5: dataset 'next_sentence_labels' has shape "
+                                                      r"\(\d+, 2\); expected \[rows\]"):
+                training_set(tmp_path)
+    ds = training_set(tmp_path)
+    with h5py.File(src, "r") as f:
+        assert int(ds[0]["next_sentence_labels"]) == int(f["next_sentence_labels"][ds.locate(0)[1]])
+
 def test_max_predictions_mismatch_names_file_and_flag(phase1_shards, dynamic_shards):
     with pytest.raises(DataConfigError, match=r"\.hdf5: 'masked_lm_positions' holds 20 predictions per sequence but "
                                               r"--max_predictions_per_seq is 80; pass --max_predictions_per_seq 20"):

@@ -111,6 +111,10 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
         for key in ("input_ids", "input_mask", "segment_ids") + tuple(present):
             if f[key].ndim != 2:
                 raise DataConfigError(f"{path}: dataset '{key}' has shape {f[key].shape}; expected [rows, positions]")
+        labels = f["next_sentence_labels"]
+        if labels.ndim > 2 or labels.ndim == 2 and labels.shape[1] != 1:
+            raise DataConfigError(f"{path}: dataset 'next_sentence_labels' has shape {labels.shape}; expected [rows] "
+                                  "(one label per sequence, 1 where B is a random sentence)")
         for key in ("input_ids", "input_mask", "segment_ids"):
             if f[key].shape[1] != max_seq_length:
                 raise DataConfigError(
