@@ -362,6 +362,27 @@ def test_vocab_size_mismatch_is_caught_in_reference_shards_without_attributes(ph
     assert training_set(tmp_path, vocab_size=largest + 1)[position]["input_ids"].max() == largest
 
 
+def test_static_masks_outside_the_sequence_or_vocabulary_name_the_row(phase1_shards, tmp_path):
+    """A masked position past the sequence or a masked id past the vocabulary was an index error inside the
+    model (a device-side assert on a GPU), naming no file; input_ids alone were checked."""
+    shard, row = training_set(phase1_shards).locate(0)
+    for key, value, message in (("masked_lm_positions", 128, r"holds masked_lm_positions \d+\.\.\.128, outside its 128 "
+                                                              r"positions; the shard is corrupt"),
+                                ("masked_lm_ids", VOCAB, rf"holds masked_lm_ids {VOCAB}, outside the model's vocab_size")):
+        (tmp_path / key).mkdir()
+        for i, path in enumerate(find_shards(phase1_shards, "training")):
+            with h5py.File(path, "r") as fin, h5py.File(tmp_path / key / path.name, "w") as fout:
+                for k in fin:
+                    data = fin[k][()]
+                    if k == key and i == shard:
+                        data[row, -1] = value
+                    fout[k] = data
+                fout.attrs.update(fin.attrs)
+        bad = training_set(tmp_path / key)
+        bad[1]  # other rows read
+        with pytest.raises(DataConfigError, match=rf"wikicorpus_en_training_{shard}\.hdf5: row {row} {message}"):
+            bad[0]
+
 def test_static_and_dynamic_shards_are_not_mixed(phase1_shards, dynamic_shards, tmp_path):
     (tmp_path / "training").mkdir()
     (tmp_path / "training" / "a_training_0.hdf5").write_bytes(find_shards(phase1_shards, "training")[0].read_bytes())

@@ -293,6 +293,16 @@ class PretrainingDataset(Dataset):
         if self.shards[shard].static_masks:
             positions = f["masked_lm_positions"][row].astype(np.int64)
             ids = f["masked_lm_ids"][row].astype(np.int64)
+            # Out of range, either one is an index error in the model (a device-side assert on a GPU).
+            if positions.min(initial=0) < 0 or positions.max(initial=0) >= len(input_ids):
+                raise DataConfigError(
+                    f"{self.shards[shard].path}: row {row} holds masked_lm_positions {int(positions.min())}..."
+                    f"{int(positions.max())}, outside its {len(input_ids)} positions; the shard is corrupt, recreate it")
+            if ids.min(initial=0) < 0 or ids.max(initial=0) >= self.vocab_size:
+                raise DataConfigError(
+                    f"{self.shards[shard].path}: row {row} holds masked_lm_ids {int(ids.max())}, outside the model's "
+                    f"vocab_size {self.vocab_size}; the shards were made with another vocabulary, set vocab_size in "
+                    "--config_file to match it")
         else:
             positions, ids = self._mask(sample, shard, position)
         sample["masked_lm_positions"] = positions
