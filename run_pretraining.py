@@ -18,6 +18,7 @@ import shutil
 import signal
 import socket
 import sys
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -955,8 +956,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+def script() -> None:
+    """The command: main(), then accel.leave, also after an unexpected error (its traceback printed, exit 1).
+    Left to the interpreter, such an error hung the rank for good: multiprocessing's exit handler stops
+    the DataLoader workers with SIGTERM, which they ignore (training.loader._worker_init: a Ctrl-C or
+    a scheduler's SIGTERM to every process must leave them to the main process), then waits for them."""
     # A rank killed by a fatal signal (a segfault in a kernel, an abort in a C++ thread) prints the
     # Python stack of each of its threads, which its launcher's log otherwise lacks.
     faulthandler.enable()
-    accel.leave(main())
+    try:
+        code = main()
+    except Exception:
+        traceback.print_exc()
+        code = 1
+    accel.leave(code)
+
+
+if __name__ == "__main__":
+    script()

@@ -37,8 +37,7 @@ MASK_KEYS = ("masked_lm_positions", "masked_lm_ids")
 BERT_MASKED_LM_PROB = 0.15  # dynamic masking of shards without our attributes (NVIDIA's, Habana's)
 SPLITS = ("training", "test")
 OPEN_FILES = 2  # HDF5 handles per process
-CHUNK_CACHE_BYTES = 64 << 20  # per dataset of an open file; only chunked (compressed) shards use it
-CHUNK_CACHE_SLOTS = 100_003  # a prime well above the chunk count, as HDF5 advises
+CHUNK_CACHE_SLOTS = 100_003  # at least; a prime above the dataset's chunk count, so that no two chunks share a slot
 
 
 class DataConfigError(ValueError):
@@ -112,6 +111,10 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
         for key in ("input_ids", "input_mask", "segment_ids") + tuple(present):
             if f[key].ndim != 2:
                 raise DataConfigError(f"{path}: dataset '{key}' has shape {f[key].shape}; expected [rows, positions]")
+        labels = f["next_sentence_labels"]
+        if labels.ndim > 2 or labels.ndim == 2 and labels.shape[1] != 1:
+            raise DataConfigError(f"{path}: dataset 'next_sentence_labels' has shape {labels.shape}; expected [rows] "
+                                  "(one label per sequence, 1 where B is a random sentence)")
         for key in ("input_ids", "input_mask", "segment_ids"):
             if f[key].shape[1] != max_seq_length:
                 raise DataConfigError(
@@ -215,6 +218,7 @@ class PretrainingDataset(Dataset):
         self._order_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self._rows_cache: dict[tuple[int, int], np.ndarray] = {}
         self._files: OrderedDict[int, h5py.File] = OrderedDict()
+        self._datasets: dict[int, dict[str, h5py.Dataset]] = {}  # the open files' datasets, kept open with them
         self._files_pid = -1
 
     def __len__(self) -> int:
@@ -254,23 +258,26 @@ class PretrainingDataset(Dataset):
         shard = int(order[k])
         return shard, int(self._row_order(epoch, shard)[within - start])
 
-    def _file(self, shard: int) -> h5py.File:
-        """An open handle, at most OPEN_FILES per process (the stream visits one shard after another)."""
+    def _file(self, shard: int) -> dict[str, h5py.Dataset]:
+        """The shard's open datasets, at most OPEN_FILES files per process (the stream visits one shard
+        after another)."""
         if self._files_pid != os.getpid():  # handles must not cross a fork into DataLoader workers
-            self._files, self._files_pid = OrderedDict(), os.getpid()
+            self._files, self._datasets, self._files_pid = OrderedDict(), {}, os.getpid()
         if shard in self._files:
             self._files.move_to_end(shard)
         else:
             if len(self._files) >= OPEN_FILES:
-                self._files.popitem(last=False)[1].close()
-            # A large chunk cache: compressed (chunked) shards are read row by row in random order.
-            self._files[shard] = h5py.File(self.shards[shard].path, "r", rdcc_nbytes=CHUNK_CACHE_BYTES,
-                                           rdcc_nslots=CHUNK_CACHE_SLOTS)
-        return self._files[shard]
+                old, handle = self._files.popitem(last=False)
+                del self._datasets[old]
+                handle.close()
+            f = h5py.File(self.shards[shard].path, "r")
+            keys = REQUIRED_KEYS + (MASK_KEYS if self.shards[shard].static_masks else ())
+            self._files[shard], self._datasets[shard] = f, {key: _open_cached(f, key) for key in keys}
+        return self._datasets[shard]
 
     def __getitem__(self, position: int) -> dict[str, np.ndarray]:
         shard, row = self.locate(position)
-        f = self._file(shard)
+        f = self._file(shard)  # datasets by key
         input_ids = f["input_ids"][row].astype(np.int64)
         if input_ids.max(initial=0) >= self.vocab_size or input_ids.min(initial=0) < 0:
             raise DataConfigError(
@@ -286,6 +293,16 @@ class PretrainingDataset(Dataset):
         if self.shards[shard].static_masks:
             positions = f["masked_lm_positions"][row].astype(np.int64)
             ids = f["masked_lm_ids"][row].astype(np.int64)
+            # Out of range, either one is an index error in the model (a device-side assert on a GPU).
+            if positions.min(initial=0) < 0 or positions.max(initial=0) >= len(input_ids):
+                raise DataConfigError(
+                    f"{self.shards[shard].path}: row {row} holds masked_lm_positions {int(positions.min())}..."
+                    f"{int(positions.max())}, outside its {len(input_ids)} positions; the shard is corrupt, recreate it")
+            if ids.min(initial=0) < 0 or ids.max(initial=0) >= self.vocab_size:
+                raise DataConfigError(
+                    f"{self.shards[shard].path}: row {row} holds masked_lm_ids {int(ids.max())}, outside the model's "
+                    f"vocab_size {self.vocab_size}; the shards were made with another vocabulary, set vocab_size in "
+                    "--config_file to match it")
         else:
             positions, ids = self._mask(sample, shard, position)
         sample["masked_lm_positions"] = positions
@@ -304,6 +321,30 @@ class PretrainingDataset(Dataset):
                                       info.whole_word_masking, self.vocab, np.random.default_rng([self.seed, position, 2]))
         sample["input_ids"] = ids[0]
         return positions[0].astype(np.int64), labels[0].astype(np.int64)
+
+
+def _open_cached(f: h5py.File, key: str) -> h5py.Dataset:
+    """A dataset whose chunk cache holds all of it, decompressed. The stream reads a shard's rows in
+    random order, so every chunk of a chunked (compressed) dataset is needed again and again: with a
+    smaller cache each row decompressed its chunks anew (NVIDIA's gzip shards, auto-chunked in column
+    strips of (7813, 4) rows x positions, read 34 rows/s), and HDF5 evicts a chunk whose hash slot
+    another takes, hence a slot per chunk. The cache fills as chunks are read, up to the dataset's
+    decompressed size (its chunks' size); contiguous (uncompressed) datasets have no chunks and use none."""
+    ds = f[key]
+    if ds.chunks is None:
+        return ds
+    chunks = int(np.prod([-(-n // c) for n, c in zip(ds.shape, ds.chunks)], dtype=np.int64))
+    chunk_bytes = int(np.prod(ds.chunks, dtype=np.int64)) * ds.dtype.itemsize  # edge chunks are whole in memory
+    del ds  # HDF5 hands an open dataset out again with the cache it has, whatever a new open asks for
+    access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
+    access.set_chunk_cache(_prime_at_least(max(CHUNK_CACHE_SLOTS, 2 * chunks)), max(1, chunks * chunk_bytes), 0.75)
+    return h5py.Dataset(h5py.h5d.open(f.id, key.encode(), dapl=access))
+
+
+def _prime_at_least(n: int) -> int:
+    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+        n += 1
+    return n
 
 
 class RankSampler(Sampler[int]):
