@@ -1,0 +1,155 @@
+"""Reading a shard for training: our loader against NVIDIA's, on a shard in NVIDIA's layout.
+
+    .venv/bin/python benchmarks/bench_loader.py [--rows 200000] [--batches 300] [--work_dir DIR]
+
+Writes one synthetic seq-128 shard of `--rows` rows (random ids, 20 static masks, NVIDIA's keys and
+dtypes) twice: gzip with h5py's automatic chunks, as NVIDIA's and Habana's `create_pretraining_data.py`
+write it, and uncompressed, as ours are by default. Each reader then takes `--batches` batches of 64
+in the training order, in a process of its own (0 DataLoader workers), timed from opening the file to
+the last batch, with the process's peak resident memory:
+- ours: `training.loader` (`open_split`, `RankSampler`, `make_loader`), rows read lazily in random order;
+- the reference: NVIDIA's `pretraining_dataset` reads every key of the shard whole into memory, then
+  indexes rows (its `__getitem__`); the same rows, through a DataLoader with the same batch size.
+Prints samples/s (ours / nvidia: the speed-up, above 1 where ours is faster), the time to the first batch
+and the peak memory for each (ours / nvidia: ratios of time and of memory, below 1 where ours is less).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+SEQ, PREDS, BATCH, VOCAB = 128, 20, 64, 30522
+KEYS = {"input_ids": (np.int32, SEQ), "input_mask": (np.int8, SEQ), "segment_ids": (np.int8, SEQ),
+        "masked_lm_positions": (np.int32, PREDS), "masked_lm_ids": (np.int32, PREDS),
+        "next_sentence_labels": (np.int8, None)}
+
+
+def write_shard(path: Path, rows: int, compression: str | None, block: int = 50_000) -> None:
+    """A shard of real shape: lengths 20..128, [CLS] ... [SEP], 15% (at most 20) masked positions, sorted."""
+    rng = np.random.default_rng(0)
+    with h5py.File(path, "w") as f:
+        sets = {k: f.create_dataset(k, (rows,) + ((w,) if w else ()), dtype, compression=compression)
+                for k, (dtype, w) in KEYS.items()}
+        for start in range(0, rows, block):
+            m = min(block, rows - start)
+            lens = rng.integers(20, SEQ + 1, m)
+            real = np.arange(SEQ)[None] < lens[:, None]
+            ids = np.where(real, rng.integers(1000, VOCAB, (m, SEQ)), 0)
+            ids[:, 0] = 101
+            ids[np.arange(m), lens - 1] = 102
+            # Masked positions: the k smallest random keys among positions 1..len-2, sorted.
+            keys = np.where(real & (np.arange(SEQ)[None] > 0) & (np.arange(SEQ)[None] < lens[:, None] - 1),
+                            rng.random((m, SEQ)), 2.0)
+            k = np.minimum(PREDS, np.maximum(1, np.round(lens * 0.15).astype(int)))
+            chosen = np.where(np.arange(PREDS)[None] < k[:, None], np.argsort(keys, axis=1)[:, :PREDS], SEQ)
+            chosen = np.sort(chosen, axis=1)
+            pos = np.where(chosen == SEQ, 0, chosen)  # padding slots: position 0, id 0
+            sets["input_ids"][start:start + m] = ids
+            sets["input_mask"][start:start + m] = real
+            sets["segment_ids"][start:start + m] = real & (np.arange(SEQ)[None] > lens[:, None] // 2)
+            sets["masked_lm_positions"][start:start + m] = pos
+            sets["masked_lm_ids"][start:start + m] = np.where(pos > 0, np.take_along_axis(ids, pos, 1), 0)
+            sets["next_sentence_labels"][start:start + m] = rng.integers(0, 2, m)
+
+
+class NvidiaShard:
+    """NVIDIA's `pretraining_dataset` (DeepLearningExamples, run_pretraining.py), reduced to what it does:
+    every key read whole (`np.asarray(f[key][:])`), then rows indexed, masked_lm_labels built per row."""
+
+    def __init__(self, path: Path, max_pred_length: int) -> None:
+        with h5py.File(path, "r") as f:
+            self.inputs = [np.asarray(f[key][:]) for key in KEYS]
+        self.max_pred_length = max_pred_length
+
+    def __len__(self) -> int:
+        return len(self.inputs[0])
+
+    def __getitem__(self, index: int):
+        import torch
+
+        input_ids, input_mask, segment_ids, positions, ids, nsp = (
+            torch.from_numpy(np.asarray(x[index].astype(np.int64))) for x in self.inputs)
+        labels = torch.full_like(input_ids, -1)
+        padded = (positions == 0).nonzero()
+        end = int(padded[0].item()) if len(padded) else self.max_pred_length
+        labels[positions[:end]] = ids[:end]
+        return [input_ids, segment_ids, input_mask, labels, nsp]
+
+
+def run_case(reader: str, shard: Path, batches: int) -> dict:
+    """One reader, in this process: seconds from opening the shard to the last batch, and peak RSS."""
+    import itertools
+
+    from torch.utils.data import DataLoader
+
+    from training.loader import RankSampler, make_loader, open_split
+
+    start = time.perf_counter()
+    if reader == "ours":
+        ds = open_split(shard.parent.parent, "training", SEQ, PREDS, VOCAB, seed=1, shuffle=True)
+        loader = make_loader(ds, RankSampler(0, BATCH, 0, 1), BATCH, 0)
+    else:
+        ds = NvidiaShard(shard, PREDS)
+        # NVIDIA's order: a RandomSampler over the shard (ours: the shard's seeded permutation).
+        order = np.random.default_rng(1).permutation(len(ds)).tolist()
+        loader = DataLoader(ds, batch_size=BATCH, sampler=order)
+    first = None
+    for _ in itertools.islice(iter(loader), batches):
+        first = first or time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "first_batch_s": first,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=200_000, help="rows of the synthetic shard")
+    p.add_argument("--batches", type=int, default=300, help="batches of 64 each reader takes")
+    p.add_argument("--work_dir", type=Path, default=None, help="where the shards go (default: a temporary dir)")
+    p.add_argument("--_case", nargs=2, metavar=("READER", "SHARD"), help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a._case:
+        print(json.dumps(run_case(a._case[0], Path(a._case[1]), a.batches)))
+        return
+    with tempfile.TemporaryDirectory(dir=a.work_dir) as tmp:
+        shards = {}
+        for name, compression in (("gzip", "gzip"), ("uncompressed", None)):
+            shards[name] = Path(tmp) / name / "training" / "shard_training_0.hdf5"
+            shards[name].parent.mkdir(parents=True)
+            t = time.perf_counter()
+            write_shard(shards[name], a.rows, compression)
+            print(f"wrote the {name} shard: {a.rows:,} rows, {shards[name].stat().st_size / 1e6:.0f} MB, "
+                  f"{time.perf_counter() - t:.0f} s", flush=True)
+        samples = a.batches * BATCH
+        print(f"\n{samples:,} samples ({a.batches} batches of {BATCH}) per reader, one process each, 0 workers; "
+              "time from opening the shard to the last batch\n")
+        print("| shard | reader | samples/s | first batch (s) | peak RSS (MB) |\n|---|---|---|---|---|")
+        for name, shard in shards.items():
+            results = {}
+            for reader in ("ours", "nvidia"):
+                out = subprocess.run([sys.executable, __file__, "--batches", str(a.batches), "--_case", reader,
+                                      str(shard)], capture_output=True, text=True)
+                if out.returncode:
+                    sys.exit(f"the {reader} reader failed on {shard}:\n{out.stderr}")
+                results[reader] = json.loads(out.stdout.strip().splitlines()[-1])
+                r = results[reader]
+                print(f"| {name} | {reader} | {samples / r['seconds']:,.0f} | {r['first_batch_s']:.3f} | "
+                      f"{r['peak_rss_mb']:,.0f} |", flush=True)
+            ours, ref = results["ours"], results["nvidia"]
+            print(f"| {name} | ours / nvidia | {ref['seconds'] / ours['seconds']:.2f}x | "
+                  f"{ours['first_batch_s'] / ref['first_batch_s']:.2f}x | "
+                  f"{ours['peak_rss_mb'] / ref['peak_rss_mb']:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
