@@ -966,7 +966,7 @@ def script() -> None:
     faulthandler.enable()
     try:
         code = main()
-    except Exception:
+    except Exception:  # noqa: BLE001 (any error: its traceback printed, then exit 1 past the workers)
         traceback.print_exc()
         code = 1
     accel.leave(code)
