@@ -248,7 +248,6 @@ def test_compressed_shards_read_the_same_samples(phase1_shards, tmp_path):
         assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
-
 def test_compressed_shards_decompress_each_chunk_once(phase1_shards, tmp_path, monkeypatch):
     """NVIDIA's and Habana's shards are gzip datasets in h5py's automatic chunks: column strips (about
     rows / 64 by 4 positions), 32 of which hold a row of input_ids. Each row reopened its datasets,
@@ -327,6 +326,7 @@ def test_next_sentence_labels_of_another_shape_are_named(phase1_shards, tmp_path
     with h5py.File(src, "r") as f:
         assert int(ds[0]["next_sentence_labels"]) == int(f["next_sentence_labels"][ds.locate(0)[1]])
 
+
 def test_max_predictions_mismatch_names_file_and_flag(phase1_shards, dynamic_shards):
     with pytest.raises(DataConfigError, match=r"\.hdf5: 'masked_lm_positions' holds 20 predictions per sequence but "
                                               r"--max_predictions_per_seq is 80; pass --max_predictions_per_seq 20"):
@@ -382,6 +382,7 @@ def test_static_masks_outside_the_sequence_or_vocabulary_name_the_row(phase1_sha
         bad[1]  # other rows read
         with pytest.raises(DataConfigError, match=rf"wikicorpus_en_training_{shard}\.hdf5: row {row} {message}"):
             bad[0]
+
 
 def test_static_and_dynamic_shards_are_not_mixed(phase1_shards, dynamic_shards, tmp_path):
     (tmp_path / "training").mkdir()
