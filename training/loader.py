@@ -258,7 +258,7 @@ class PretrainingDataset(Dataset):
         shard = int(order[k])
         return shard, int(self._row_order(epoch, shard)[within - start])
 
-    def _file(self, shard: int) -> dict[str, h5py.Dataset]:
+    def _shard_data(self, shard: int) -> dict[str, h5py.Dataset]:
         """The shard's open datasets, at most OPEN_FILES files per process (the stream visits one shard
         after another)."""
         if self._files_pid != os.getpid():  # handles must not cross a fork into DataLoader workers
@@ -277,37 +277,38 @@ class PretrainingDataset(Dataset):
 
     def __getitem__(self, position: int) -> dict[str, np.ndarray]:
         shard, row = self.locate(position)
-        f = self._file(shard)  # datasets by key
-        input_ids = f["input_ids"][row].astype(np.int64)
-        if input_ids.max(initial=0) >= self.vocab_size or input_ids.min(initial=0) < 0:
-            raise DataConfigError(
-                f"{self.shards[shard].path}: row {row} holds token id {int(input_ids.max())}, outside the model's "
-                f"vocab_size {self.vocab_size}; the shards were made with another vocabulary, set vocab_size "
-                "in --config_file to match it")
+        data = self._shard_data(shard)
+        input_ids = data["input_ids"][row].astype(np.int64)
+        self._check_ids(shard, row, "token id", input_ids)
         sample = {
             "input_ids": input_ids,
-            "token_type_ids": f["segment_ids"][row].astype(np.int64),
-            "attention_mask": f["input_mask"][row].astype(np.int64),
-            "next_sentence_labels": np.asarray(f["next_sentence_labels"][row], dtype=np.int64).reshape(()),
+            "token_type_ids": data["segment_ids"][row].astype(np.int64),
+            "attention_mask": data["input_mask"][row].astype(np.int64),
+            "next_sentence_labels": np.asarray(data["next_sentence_labels"][row], dtype=np.int64).reshape(()),
         }
         if self.shards[shard].static_masks:
-            positions = f["masked_lm_positions"][row].astype(np.int64)
-            ids = f["masked_lm_ids"][row].astype(np.int64)
+            positions = data["masked_lm_positions"][row].astype(np.int64)
+            ids = data["masked_lm_ids"][row].astype(np.int64)
             # Out of range, either one is an index error in the model (a device-side assert on a GPU).
             if positions.min(initial=0) < 0 or positions.max(initial=0) >= len(input_ids):
                 raise DataConfigError(
                     f"{self.shards[shard].path}: row {row} holds masked_lm_positions {int(positions.min())}..."
                     f"{int(positions.max())}, outside its {len(input_ids)} positions; the shard is corrupt, recreate it")
-            if ids.min(initial=0) < 0 or ids.max(initial=0) >= self.vocab_size:
-                raise DataConfigError(
-                    f"{self.shards[shard].path}: row {row} holds masked_lm_ids {int(ids.max())}, outside the model's "
-                    f"vocab_size {self.vocab_size}; the shards were made with another vocabulary, set vocab_size in "
-                    "--config_file to match it")
+            self._check_ids(shard, row, "masked_lm_ids", ids)
         else:
             positions, ids = self._mask(sample, shard, position)
         sample["masked_lm_positions"] = positions
         sample["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
         return sample
+
+    def _check_ids(self, shard: int, row: int, what: str, ids: np.ndarray) -> None:
+        """Token ids outside the vocabulary are an index error in the model (a device-side assert on a GPU)."""
+        if ids.min(initial=0) < 0 or ids.max(initial=0) >= self.vocab_size:
+            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+            raise DataConfigError(
+                f"{self.shards[shard].path}: row {row} holds {what} {bad}, outside the model's vocab_size "
+                f"{self.vocab_size}; the shards were made with another vocabulary, set vocab_size in --config_file "
+                "to match it")
 
     def _mask(self, sample: dict[str, np.ndarray], shard: int, position: int) -> tuple[np.ndarray, np.ndarray]:
         """Mask a sample as data.create masks static shards, seeded by the stream position so that a
