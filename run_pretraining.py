@@ -380,15 +380,21 @@ def run_identity(args: argparse.Namespace, train_set, sizes: BatchSizes, config:
     keep theirs), the global batch (the schedule and learning rate were set for it; the
     accumulation steps adapt to the world size), the training shards (consumed_samples indexes
     their sample stream), the model config (initializer_range aside: the weights are loaded) and
-    the precision (bf16 and fp32 checkpoints hold other optimizer partitions)."""
+    the precision (bf16 and fp32 checkpoints hold other optimizer partitions) and the masking budget (shards
+    without static masks or attributes, NVIDIA-style, are masked with up to --max_predictions_per_seq)."""
     return {"optimizer": args.optimizer, "weight_decay": args.weight_decay, "train_batch_size": sizes.train_batch_size,
+            "max_predictions_per_seq": args.max_predictions_per_seq,
             "training_shards": [[Path(s.path).relative_to(args.input_dir).as_posix(), s.num_samples]
                                 for s in train_set.shards],
             "model": {k: v for k, v in config.to_dict().items() if k != "initializer_range"}, "bf16": bf16}
 
 
+# Recorded since 2026-11-24: checkpoints saved before lack them, and their resumes are not checked for them.
+_RECORDED_LATER = {"max_predictions_per_seq"}
+
+
 def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path) -> None:
-    if set(saved) != set(now):
+    if (set(now) - set(saved) - _RECORDED_LATER) | (set(saved) - set(now)):
         # Not damage (its files passed their checks): the code that wrote it recorded other things.
         raise RunConfigError(f"{tag_dir} was saved by another version of run_pretraining.py, which recorded "
                              f"{', '.join(sorted(saved))} for a resume to check, where this one checks "
@@ -400,8 +406,8 @@ def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path
             f"this launch makes {now['train_batch_size']}. Set \"train_batch_size\": {saved['train_batch_size']} in "
             "the DeepSpeed JSON, without gradient_accumulation_steps: the accumulation steps then adapt to the "
             "number of ranks")
-    for flag in ("optimizer", "weight_decay"):
-        if saved[flag] != now[flag]:
+    for flag in ("optimizer", "weight_decay", "max_predictions_per_seq"):
+        if flag in saved and saved[flag] != now[flag]:
             raise RunConfigError(f"{tag_dir} was trained with --{flag} {saved[flag]}; resuming with --{flag} "
                                  f"{now[flag]} would not continue that run. Pass --{flag} {saved[flag]}, or use a "
                                  "new --output_dir (--phase2 --init_checkpoint starts from this run's weights)")

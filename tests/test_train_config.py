@@ -231,8 +231,9 @@ TINY_MODEL = json.loads(Path("configs/models/bert-tiny.json").read_text())
 
 
 def _identity(optimizer="lamb", weight_decay=0.01, batch=64, shards=(("training/w_training_0.hdf5", 40),),
-              bf16=True, **model):
+              bf16=True, predictions=20, **model):
     return {"optimizer": optimizer, "weight_decay": weight_decay, "train_batch_size": batch,
+            "max_predictions_per_seq": predictions,
             "training_shards": [list(s) for s in shards], "model": TINY_MODEL | model, "bf16": bf16}
 
 
@@ -240,6 +241,9 @@ def _identity(optimizer="lamb", weight_decay=0.01, batch=64, shards=(("training/
     (_identity(optimizer="adamw"), "trained with --optimizer lamb; resuming with --optimizer adamw .* "
                                    "Pass --optimizer lamb"),
     (_identity(weight_decay=0.1), "trained with --weight_decay 0.01; .* Pass --weight_decay 0.01"),
+    # Shards without static masks or attributes (NVIDIA-style) are masked with up to this many predictions.
+    (_identity(predictions=80), "trained with --max_predictions_per_seq 20; resuming with --max_predictions_per_seq 80 "
+                                ".* Pass --max_predictions_per_seq 20"),
     (_identity(batch=128), r"global batch \(train_batch_size\) of 64 sequences; this launch makes 128. "
                            "Set \"train_batch_size\": 64"),
     (_identity(shards=(("training/w_training_0.hdf5", 37),)),
@@ -276,7 +280,7 @@ def test_run_identity_records_what_a_resume_checks(tmp_path):
         ShardInfo(str(tmp_path / "in" / "w_training_1.hdf5"), 9, True)])
     args = parse_args(REQUIRED + ["--input_dir", str(tmp_path / "in"), "--optimizer", "lans", "--weight_decay", "0.02"])
     identity = run_identity(args, train_set, BatchSizes(64, 4, 8), config, bf16=False)
-    assert identity == {"optimizer": "lans", "weight_decay": 0.02, "train_batch_size": 64,
+    assert identity == {"optimizer": "lans", "weight_decay": 0.02, "train_batch_size": 64, "max_predictions_per_seq": 20,
                         "training_shards": [["training/w_training_0.hdf5", 40], ["w_training_1.hdf5", 9]],
                         "model": {k: v for k, v in config.to_dict().items() if k != "initializer_range"},
                         "bf16": False}
@@ -294,11 +298,23 @@ def test_resume_refuses_a_checkpoint_that_recorded_other_checks():
     # Saved before the model config and precision were recorded: resuming it would check neither.
     old = {k: v for k, v in _identity(bf16=False, hidden_act="relu").items() if k not in ("model", "bf16")}
     with pytest.raises(RunConfigError, match=r"step00000008 was saved by another version of run_pretraining.py, which "
-                                             r"recorded optimizer, train_batch_size, training_shards, weight_decay for "
-                                             r"a resume to check, where this one checks bf16, model, optimizer, "
-                                             r"train_batch_size, training_shards, weight_decay. Resume the run with the "
-                                             r"version that wrote it, or start a new phase"):
+                                             r"recorded max_predictions_per_seq, optimizer, train_batch_size, "
+                                             r"training_shards, weight_decay for a resume to check, where this one "
+                                             r"checks bf16, max_predictions_per_seq, model, optimizer, train_batch_size, "
+                                             r"training_shards, weight_decay. Resume the run with the version that "
+                                             r"wrote it, or start a new phase"):
         check_resume_identity(Path("out/checkpoints/step00000008"), old, _identity(), Path("in"))
+    newer = _identity() | {"masking_recipe": "x"}
+    with pytest.raises(RunConfigError, match="saved by another version"):
+        check_resume_identity(Path("out/checkpoints/step00000008"), newer, _identity(), Path("in"))
+
+
+def test_checkpoints_saved_before_the_masking_budget_was_recorded_still_resume():
+    """Their record lacks max_predictions_per_seq (recorded since 2026-11-24): the rest is still checked."""
+    before = {k: v for k, v in _identity().items() if k != "max_predictions_per_seq"}
+    check_resume_identity(Path("out/checkpoints/step00000008"), before, _identity(predictions=80), Path("in"))
+    with pytest.raises(RunConfigError, match="trained with --optimizer lamb"):
+        check_resume_identity(Path("out/checkpoints/step00000008"), before, _identity(optimizer="adamw"), Path("in"))
 
 
 def test_deepspeed_flag_is_required(capsys):
