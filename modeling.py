@@ -51,7 +51,9 @@ class ConfigError(ValueError):
 # spelled otherwise here, or that their code does not read from the JSON: what to write instead.
 _REFERENCE_FIELDS = {
     "layer_norm_large_model": "Habana's pre-LN switch; write \"pre_layer_norm\": true for pre-LN blocks "
-                              "(Megatron-BERT's layout, as in configs/models/bert-1.5b.json), or remove it if false",
+                              "(Megatron-BERT's layout, as in configs/models/bert-1.5b.json; not their block, which keeps the "
+                              "embeddings out of the residual stream, so their weights do not load into it), or "
+                              "remove it if false",
 }
 # Fields of a Hugging Face BERT config.json that are not ours: named as such rather than with a guess at a
 # misspelt field of ours ("position_embedding_type": did you mean "max_position_embeddings"?).

@@ -62,11 +62,20 @@ def load_reference_checkpoint(model: BertForPreTraining, path: Path, chosen: str
     padded vocabulary must cover. Returns the description for run_info.json."""
     state = _read(path)
     weights, source = _our_names(path, state)
+    load_their_weights(model, path, weights, FIX, vocab_tokens)
+    return f"{path} (NVIDIA/Habana ckpt_<step>.pt, {source}{chosen})"
+
+
+def load_their_weights(model: BertForPreTraining, path: Path, weights: dict[str, torch.Tensor], fix: str,
+                       vocab_tokens: int | None) -> None:
+    """Fill `model` with `weights` (their BertForPreTraining's, in our names: `our_names`) strictly: every
+    parameter of ours from one of them, each of them used, shapes compared before anything is loaded, their
+    vocabulary padding rows dropped and ours zeroed. `fix`: what to do when they do not fit --config_file."""
     ours = model.state_dict()
     missing, unused = sorted(set(ours) - set(weights)), sorted(set(weights) - set(ours))
     if missing or unused:
         raise CheckpointError(f"{path}: its tensors are not this model's: {_names('missing there', missing)}"
-                              f"{'; ' if missing and unused else ''}{_names('unused', unused)}; {FIX}")
+                              f"{'; ' if missing and unused else ''}{_names('unused', unused)}; {fix}")
     vocab = model.config.vocab_size
     differ = []
     for name, target in ours.items():
@@ -78,7 +87,7 @@ def load_reference_checkpoint(model: BertForPreTraining, path: Path, chosen: str
             differ.append(f"{name} {tuple(value.shape)} there, {expected} in --config_file")
     if differ:
         raise CheckpointError(f"{path}: the model of --config_file has other shapes ({'; '.join(differ[:6])}"
-                              f"{'; ...' if len(differ) > 6 else ''}); {FIX}")
+                              f"{'; ...' if len(differ) > 6 else ''}); {fix}")
     if vocab_tokens is not None and vocab_tokens != vocab:
         raise CheckpointError(f"{path}: --config_file's vocab_size {vocab} (the rows taken from it) is not the "
                               f"{vocab_tokens} tokens of the shards' vocab.txt; make them agree")
@@ -87,7 +96,6 @@ def load_reference_checkpoint(model: BertForPreTraining, path: Path, chosen: str
         padded[:vocab] = weights[name]
         weights[name] = padded
     model.load_state_dict(weights, strict=True)
-    return f"{path} (NVIDIA/Habana ckpt_<step>.pt, {source}{chosen})"
 
 
 def _our_names(path: Path, state: dict) -> tuple[dict[str, torch.Tensor], str]:
@@ -96,19 +104,32 @@ def _our_names(path: Path, state: dict) -> tuple[dict[str, torch.Tensor], str]:
     if not isinstance(theirs, dict) or not all(isinstance(v, torch.Tensor) for v in theirs.values()):
         raise CheckpointError(f"{path}: no 'model' state_dict in it (keys: {', '.join(map(str, state)) or 'none'}); "
                               "not a ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py")
-    for prefix in _PREFIXES:
-        if theirs and all(k.startswith(prefix) for k in theirs):
-            theirs = {k.removeprefix(prefix): v for k, v in theirs.items()}
-    decoder = theirs.pop(_TIED_DECODER, None)
-    if decoder is not None and not torch.equal(decoder, theirs.get(_EMBEDDINGS, decoder)):
-        raise CheckpointError(f"{path}: {_TIED_DECODER} is not the word embeddings; this model ties them, so one "
-                              "would be lost")
-    theirs = {k: v for k, v in theirs.items() if k not in _NON_PARAMETERS}
+    theirs = their_parameters(path, theirs)
     source = f"{'/'.join(sorted({str(v.dtype).removeprefix('torch.') for v in theirs.values()}))} model weights"
     masters = _master_weights(theirs, state.get("master params"))
     if masters is not None:
         theirs, source = masters, "fp32 master weights"
-    return {k.replace(".dense_act.", ".dense."): v.float() for k, v in theirs.items()}, source
+    return our_names(theirs), source
+
+
+def their_parameters(path: Path, theirs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Their BertForPreTraining's state_dict as its parameters, each once: a wrapper's prefix dropped, the
+    tied decoder (which must be the word embeddings) and transformers' buffers left out."""
+    for prefix in _PREFIXES:
+        if theirs and all(k.startswith(prefix) for k in theirs):
+            theirs = {k.removeprefix(prefix): v for k, v in theirs.items()}
+    theirs = dict(theirs)
+    decoder = theirs.pop(_TIED_DECODER, None)
+    if decoder is not None and not torch.equal(decoder, theirs.get(_EMBEDDINGS, decoder)):
+        raise CheckpointError(f"{path}: {_TIED_DECODER} is not the word embeddings; this model ties them, so one "
+                              "would be lost")
+    return {k: v for k, v in theirs.items() if k not in _NON_PARAMETERS}
+
+
+def our_names(theirs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Their parameters (`their_parameters`) in our names, fp32: their fused linear+activation layers are
+    `dense_act` where ours are `dense`; every other name is the same."""
+    return {k.replace(".dense_act.", ".dense."): v.float() for k, v in theirs.items()}
 
 
 def _master_weights(theirs: dict[str, torch.Tensor], masters) -> dict[str, torch.Tensor] | None:

@@ -25,6 +25,7 @@ from training.checkpoint import (
     find_resume,
     verify_checksums,
 )
+from training.habana_deepspeed import check_config, deepspeed_tag, load_deepspeed_reference
 from training.loader import TOKENIZATION
 from training.reference_checkpoint import load_reference_checkpoint, reference_checkpoint
 
@@ -141,8 +142,9 @@ def set_fp32_masters(engine, weights: dict[str, torch.Tensor]) -> None:
         safe_set_full_fp32_param(param, value)
 
 
-_SUPPORTED = ("point it at the --output_dir of a finished phase-1 run, a Hugging Face BERT directory, or a "
-              "ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py (or the directory holding them)")
+_SUPPORTED = ("point it at the --output_dir of a finished phase-1 run, a Hugging Face BERT directory, a "
+              "ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py (or the directory holding them), or a "
+              "DeepSpeed checkpoint folder of Habana's deepspeed-bert (or a tag directory in it)")
 # Fields that make two BERTs the same function of their weights (dropout and init do not).
 _ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pre_layer_norm",
@@ -154,7 +156,9 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
     """Phase 2: the fp32 weights of `init_dir`'s latest checkpoint (its fp32 master weights, merged from
     its partitions after a bf16 run), read memory-mapped into `model` before DeepSpeed wraps it, or those of a Hugging
     Face BERT directory (config.json and weights: an export of ours, or a published BERT to continue
-    pretraining from), or those of NVIDIA's or Habana's ckpt_<step>.pt (training/reference_checkpoint.py).
+    pretraining from), or those of NVIDIA's or Habana's ckpt_<step>.pt (training/reference_checkpoint.py), or
+    those of a DeepSpeed checkpoint folder of Habana's deepspeed-bert (training/habana_deepspeed.py: its fp32
+    master weights where it has ZeRO partitions).
     Optimizer state and schedule are not touched. Collective for a checkpoint: the
     ranks share the CRC checks of its files. With `vocab_file` (the shards' vocab.txt), the vocabulary of
     `init_dir` (a run's copy, a Hugging Face directory's) must be that one: a vocab of the same size but
@@ -166,15 +170,16 @@ def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: 
         _check_vocab(init_dir, vocab_file)
         _check_case(init_dir / "tokenizer_config.json", "do_lower_case", lower_case)
         return _load_hf(model, init_dir)
+    if not ckpt_dir.is_dir() and (habana := deepspeed_tag(init_dir)):
+        tag_dir, chosen = habana
+        check_config(tag_dir, model.config)
+        weights, source = read_fp32_weights(tag_dir)
+        return load_deepspeed_reference(model, tag_dir, weights, source, chosen,
+                                        vocab_tokens=_token_count(vocab_file))
     if not ckpt_dir.is_dir() and (reference := reference_checkpoint(init_dir)):
-        tokens = len(_vocab_tokens(vocab_file)) if vocab_file is not None and vocab_file.is_file() else None
-        return load_reference_checkpoint(model, *reference, vocab_tokens=tokens)
+        return load_reference_checkpoint(model, *reference, vocab_tokens=_token_count(vocab_file))
     found = find_resume(ckpt_dir)
     if found is None:
-        if (init_dir / "latest").is_file():
-            raise CheckpointError(f"--init_checkpoint {init_dir}: a DeepSpeed checkpoint directory of another script "
-                                  "('latest' beside its tags, as Habana's deepspeed-bert writes), which is not read; "
-                                  f"{_SUPPORTED}")
         raise CheckpointError(f"--init_checkpoint {init_dir}: no checkpoint under {ckpt_dir}; {_SUPPORTED}")
     _check_phase1_config(init_dir / "model_config.json", model)
     _check_vocab(init_dir, vocab_file)
@@ -249,6 +254,11 @@ def _check_case(record: Path, key: str, lower_case: bool | None) -> None:
                               f"{str(theirs).lower()}) but the shards hold {text[lower_case]} (their lower_case "
                               f"attribute); make the shards {'without' if theirs else 'with'} data.prepare "
                               "--no_lower_case")
+
+
+def _token_count(vocab_file: Path | None) -> int | None:
+    """The size of the shards' vocab.txt, where there is one: all a file without a vocabulary can be checked by."""
+    return len(_vocab_tokens(vocab_file)) if vocab_file is not None and vocab_file.is_file() else None
 
 
 def _vocab_tokens(path: Path) -> list[str]:

@@ -1,0 +1,217 @@
+"""--phase2 --init_checkpoint <a DeepSpeed checkpoint folder of Habana's deepspeed-bert>.
+
+No folder written by their scripts is available offline: these are written by DeepSpeed's own `save_checkpoint`
+(one CPU rank, gloo) from an engine built as their run_pretraining.py builds it (their deepspeed_config_bert_1.5b.json:
+bf16, ZeRO-1), around a module carrying their parameter names (tests/test_reference_checkpoint.py's
+`their_state_dict` of one of our models), under their tag (the step) and client state. The fp32 master weights are
+set to our model's fp32 values, so that they differ from the bf16 module weights beside them."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, free_port
+
+from tests.test_reference_checkpoint import state_equal, their_state_dict, tiny_model
+from training.checkpoint import MODEL_STATES, CheckpointError
+from training.habana_deepspeed import FIX, PRE_LN
+from training.weights import load_initial_weights
+
+_SAVE = r"""
+import sys
+import deepspeed
+import torch
+from torch import nn
+from deepspeed.utils import safe_set_full_fp32_param
+
+theirs = torch.load(sys.argv[1])
+deepspeed.init_distributed(dist_backend="gloo")
+
+
+def module_with(weights):
+    # A module whose state_dict names are `weights`' (their BertForPreTraining's), the decoder tied as theirs is.
+    root = nn.Module()
+    for name, value in weights.items():
+        *path, leaf = name.split(".")
+        owner = root
+        for part in path:
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        if name == "cls.predictions.decoder.weight":
+            owner.weight = root.bert.embeddings.word_embeddings.weight
+        else:
+            owner.register_parameter(leaf, nn.Parameter(value.clone()))
+    return root
+
+
+# Their deepspeed_config_bert_1.5b.json (bf16, ZeRO-1 without contiguous gradients); "bf16_optimizer" as
+# DeepSpeed versions before 0.15 (Habana's fork among them) ran it: BF16_Optimizer, not the ZeRO optimizer.
+base = {"train_batch_size": 1, "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": 1, "contiguous_gradients": False}, "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9}
+folders = {"zero": (base, theirs), "bf16_optimizer": (base | {"data_types": {"grad_accum_dtype": "fp32"}}, theirs)}
+renamed = dict(theirs)
+renamed["bert.encoder.layer.0.attention.self.qkv.weight"] = renamed.pop("bert.encoder.layer.0.attention.self.query.weight")
+folders["renamed"] = (base, renamed)
+for folder, (config, weights) in folders.items():
+    model = module_with(weights)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
+    for name, param in engine.module.named_parameters():
+        safe_set_full_fp32_param(param, weights[name])
+    engine.save_checkpoint(f"{sys.argv[2]}/{folder}", "7038", {"files": [3, "/data/shard_3.hdf5"], "epoch": 0})
+    print(folder, type(engine.optimizer).__name__, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> Path:
+    """Folders `zero`, `bf16_optimizer` (tiny_model(1), DeepSpeed's two optimizers for their config) and
+    `renamed` (one tensor under another name), each with `latest` naming the tag 7038."""
+    out = tmp_path_factory.mktemp("habana")
+    torch.save(their_state_dict(tiny_model(1)), out / "theirs.pt")
+    env = os.environ | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "-c", _SAVE, str(out / "theirs.pt"), str(out)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    wrappers = dict(line.split() for line in done.stdout.splitlines() if line.startswith(("zero ", "bf16_", "ren")))
+    assert wrappers == {"zero": "DeepSpeedZeroOptimizer", "bf16_optimizer": "BF16_Optimizer",
+                        "renamed": "DeepSpeedZeroOptimizer"}
+    return out
+
+
+@pytest.mark.parametrize("folder", ["zero", "bf16_optimizer"])
+def test_their_folder_loads_its_fp32_master_weights(folders, folder):
+    root = folders / folder
+    tag = root / "7038"
+    assert (root / "latest").read_text() == "7038"
+    assert sorted(p.name for p in tag.iterdir()) == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", MODEL_STATES]
+    source = tiny_model(1)
+    module = torch.load(tag / MODEL_STATES, weights_only=False)["module"]
+    embeddings = module["bert.embeddings.word_embeddings.weight"]
+    assert embeddings.dtype == torch.bfloat16
+    assert not torch.equal(embeddings.float()[:30522], source.bert.embeddings.word_embeddings.weight[:30522])
+    model = tiny_model(2)
+    assert load_initial_weights(model, root) == (
+        f"{tag} (Habana deepspeed-bert DeepSpeed checkpoint, fp32 master weights merged from 1 ZeRO partition(s) "
+        f"(bf16 optimizer) of {tag}; tag 7038 named by {root / 'latest'})")
+    state_equal(model, source)
+    for named in (tag, tag / MODEL_STATES):  # the tag directory, or its model states file
+        model = tiny_model(2)
+        assert load_initial_weights(model, named).startswith(f"{tag} (Habana deepspeed-bert DeepSpeed checkpoint, "
+                                                             "fp32 master weights")
+        state_equal(model, source)
+
+
+def test_without_partitions_the_bf16_module_weights_are_taken(folders, tmp_path):
+    shutil.copytree(folders / "zero", tmp_path / "zero")
+    tag = tmp_path / "zero" / "7038"
+    (tag / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    model = tiny_model(2)
+    assert load_initial_weights(model, tag) == (f"{tag} (Habana deepspeed-bert DeepSpeed checkpoint, module weights "
+                                                "(bfloat16), no ZeRO partitions)")
+    rounded = tiny_model(1)
+    with torch.no_grad():
+        for param in rounded.parameters():
+            param.copy_(param.bfloat16().float())
+    state_equal(model, rounded)
+
+
+def test_a_missing_or_unused_tensor_is_named(folders):
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{folders / 'renamed' / '7038'}: its tensors are not this model's: missing there "
+            "bert.encoder.layer.0.attention.self.query.weight (1); unused "
+            f"bert.encoder.layer.0.attention.self.qkv.weight (1); {FIX}")):
+        load_initial_weights(tiny_model(2), folders / "renamed")
+
+
+def test_another_config_is_refused_naming_the_shapes_and_the_fix(folders, tmp_path):
+    tag = folders / "zero" / "7038"
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{tag}: the model of --config_file has other shapes (bert.encoder.layer.0.intermediate.dense.weight "
+            "(512, 128) there, (256, 128) in --config_file; ")) as error:
+        load_initial_weights(tiny_model(2, intermediate_size=256), folders / "zero")
+    assert str(error.value).endswith(FIX)
+    # Their pre-LN model has these very tensors: refused for its reason, before anything is read.
+    with pytest.raises(CheckpointError, match=re.escape(f"{tag}: --config_file is pre-LN (pre_layer_norm true), but "
+                                                        f"{PRE_LN}")):
+        load_initial_weights(tiny_model(2, pre_layer_norm=True), folders / "zero")
+    # The shards' vocabulary must be the one --config_file gives their rows.
+    vocab = tmp_path / "vocab.txt"
+    specials = "[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n"
+    vocab.write_text(specials + "".join(f"t{i}\n" for i in range(30528 - 5)))
+    with pytest.raises(CheckpointError, match=re.escape(f"{tag}: --config_file's vocab_size 30522 (the rows taken "
+                                                        "from it) is not the 30528 tokens of the shards' vocab.txt")):
+        load_initial_weights(tiny_model(2), folders / "zero", vocab)
+    vocab.write_text(specials + "".join(f"t{i}\n" for i in range(30522 - 5)))
+    load_initial_weights(tiny_model(2), folders / "zero", vocab)
+
+
+def test_a_latest_without_its_tag_is_a_clear_error(folders, tmp_path):
+    root = tmp_path / "results"
+    shutil.copytree(folders / "zero", root)
+    latest = root / "latest"
+    fix = f"write one of its tags (7038) into {latest} or point --init_checkpoint at that tag's directory"
+    latest.write_text("7100")
+    with pytest.raises(CheckpointError, match=re.escape(f"{latest} names the tag '7100' but {root / '7100'} does "
+                                                        f"not exist; {fix}")):
+        load_initial_weights(tiny_model(2), root)
+    (root / "7100").mkdir()
+    (root / "7100" / "state_0").write_bytes(b"")
+    with pytest.raises(CheckpointError, match=re.escape(f"{latest} names the tag '7100' but "
+                                                        f"{root / '7100' / MODEL_STATES} does not exist: the "
+                                                        f"checkpoint is incomplete; {fix}")):
+        load_initial_weights(tiny_model(2), root)
+    latest.write_text("\n")
+    with pytest.raises(CheckpointError, match=re.escape(f"{latest}: '' is not a tag name; {fix}")):
+        load_initial_weights(tiny_model(2), root)
+    shutil.rmtree(root / "7038")
+    with pytest.raises(CheckpointError, match=re.escape(f"{latest}: '' is not a tag name; it holds no tag with "
+                                                        "model states")):
+        load_initial_weights(tiny_model(2), root)
+
+
+def test_a_damaged_model_states_file_is_named(tmp_path):
+    (tmp_path / "7038").mkdir()
+    (tmp_path / "7038" / MODEL_STATES).write_bytes(b"")
+    (tmp_path / "latest").write_text("7038")
+    with pytest.raises(CheckpointError, match=re.escape(f"{tmp_path / '7038'}: cannot read the checkpoint (")):
+        load_initial_weights(tiny_model(2), tmp_path)
+
+
+def test_a_checkpoints_directory_of_ours_is_not_taken_for_theirs(tmp_path):
+    tag = tmp_path / "run" / "checkpoints" / "step00000010"
+    tag.mkdir(parents=True)
+    (tag / MODEL_STATES).write_bytes(b"")
+    (tag / "run_state.json").write_text("{}")
+    (tag.parent / "latest").write_text("step00000010")
+    for named in (tag.parent, tag):
+        with pytest.raises(CheckpointError, match=re.escape(f"--init_checkpoint {named}: a checkpoint tag of a run "
+                                                            f"of ours ({tag / 'run_state.json'}); pass that run's "
+                                                            f"--output_dir ({tmp_path / 'run'}) instead")):
+            load_initial_weights(tiny_model(2), named)
+
+
+@pytest.mark.slow
+def test_phase2_runs_from_their_folder(folders, phase1_shards, tmp_path):
+    from tests.test_train_run import base_args, ds_config, ok, run
+
+    out = tmp_path / "phase2"
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    ok(run(1, base_args(phase1_shards, out, ROOT / "configs" / "models" / "bert-tiny.json", ds, 2,
+                        num_eval_samples=0, phase2=True, init_checkpoint=folders / "zero")))
+    info = json.loads((out / "run_info.json").read_text())
+    tag = folders / "zero" / "7038"
+    assert info["init_checkpoint"] == (f"{tag} (Habana deepspeed-bert DeepSpeed checkpoint, fp32 master weights "
+                                       f"merged from 1 ZeRO partition(s) (bf16 optimizer) of {tag}; tag 7038 named "
+                                       f"by {folders / 'zero' / 'latest'})")
+    assert info["start_step"] == 0
