@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import mmap
 import os
 import re
 import subprocess
@@ -252,7 +253,8 @@ def test_compressed_shards_decompress_each_chunk_once(phase1_shards, tmp_path, m
     """NVIDIA's and Habana's shards are gzip datasets in h5py's automatic chunks: column strips (about
     rows / 64 by 4 positions), 32 of which hold a row of input_ids. Each row reopened its datasets,
     which dropped their chunk caches, and decompressed its strips anew: a 500,000-row NVIDIA-style
-    shard read 34 rows/s. Every compressed byte is now read from the file once, however many rows need it."""
+    shard read 34 rows/s. Every compressed byte is now read from the file once, however many rows need it
+    (a compressed dataset is read whole when the shard's first row is)."""
     for src in find_shards(phase1_shards, "training"):
         with h5py.File(src, "r") as fin, h5py.File(tmp_path / src.name, "w") as fout:
             for key in fin:
@@ -280,6 +282,107 @@ def test_compressed_shards_decompress_each_chunk_once(phase1_shards, tmp_path, m
     size = Path(shard.path).stat().st_size
     assert len(first) == count < shard.num_samples
     assert read[0] <= size, f"read {read[0]:,} bytes of a {size:,}-byte shard for {count} rows"
+
+
+def _mapping(array: np.ndarray) -> mmap.mmap | None:
+    """The file map an array views, if it views one."""
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return array if isinstance(array, mmap.mmap) else None
+
+
+def _h5py_sample(ds, position: int) -> dict[str, np.ndarray]:
+    """A sample as a straightforward h5py read of its row gives it (the loader's output before rows were
+    memory-mapped or read whole)."""
+    shard, row = ds.locate(position)
+    with h5py.File(ds.shards[shard].path, "r") as f:
+        sample = {"input_ids": f["input_ids"][row].astype(np.int64),
+                  "token_type_ids": f["segment_ids"][row].astype(np.int64),
+                  "attention_mask": f["input_mask"][row].astype(np.int64),
+                  "next_sentence_labels": np.asarray(f["next_sentence_labels"][row], dtype=np.int64).reshape(())}
+        if ds.shards[shard].static_masks:
+            positions, ids = (f[key][row].astype(np.int64) for key in ("masked_lm_positions", "masked_lm_ids"))
+    if not ds.shards[shard].static_masks:
+        positions, ids = ds._mask(sample, shard, position)
+    return sample | {"masked_lm_positions": positions, "masked_lm_labels": np.where(ids == 0, IGNORE_INDEX, ids)}
+
+
+def _rewrite(src_dir: Path, dst_dir: Path, write, **file_kwargs) -> None:
+    """The training shards of src_dir (and its vocab.txt) under dst_dir, each dataset written by
+    write(file, key, data)."""
+    dst_dir.mkdir()
+    (dst_dir / "vocab.txt").write_bytes((src_dir / "vocab.txt").read_bytes())
+    for src in find_shards(src_dir, "training"):
+        with h5py.File(src, "r") as fin, h5py.File(dst_dir / src.name, "w", **file_kwargs) as fout:
+            for key in fin:
+                write(fout, key, fin[key][()])
+            fout.attrs.update(fin.attrs)
+
+
+FOREIGN_DTYPES = {"input_ids": ">i2", "input_mask": "<u2", "segment_ids": ">i8", "masked_lm_positions": ">u4",
+                  "masked_lm_ids": "<i2", "next_sentence_labels": ">i1"}
+
+
+def _mixed_layouts(fout: h5py.File, key: str, data: np.ndarray) -> None:
+    """Each layout a shard may have: contiguous (mapped), chunked uncompressed, compact, in an external
+    file, and contiguous but never written (no offset: all fill value, zeros)."""
+    if key == "input_ids":
+        fout[key] = data
+    elif key == "input_mask":
+        fout.create_dataset(key, data=data, chunks=(100, 128))
+    elif key == "next_sentence_labels":
+        create = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        create.set_layout(h5py.h5d.COMPACT)
+        space = h5py.h5s.create_simple(data.shape)
+        h5py.h5d.create(fout.id, key.encode(), h5py.h5t.py_create(data.dtype), space, dcpl=create).write(
+            h5py.h5s.ALL, h5py.h5s.ALL, np.ascontiguousarray(data))
+    elif key == "masked_lm_positions":
+        outside = Path(fout.filename).with_suffix(".positions")
+        fout.create_dataset(key, data=data, external=[(str(outside), 0, h5py.h5f.UNLIMITED)])
+    elif key == "segment_ids":
+        fout.create_dataset(key, shape=data.shape, dtype=data.dtype)  # all segment A
+    else:
+        fout[key] = data
+
+
+LAYOUTS = {
+    # name: (how each dataset is written, h5py.File arguments, the datasets read through a map of the file)
+    "ours, uncompressed": (lambda f, k, d: f.create_dataset(k, data=d), {}, "all"),
+    "gzip in h5py's automatic chunks (NVIDIA's)": (lambda f, k, d: f.create_dataset(k, data=d, compression="gzip"),
+                                                   {}, ()),
+    "big-endian and 16-bit integers": (lambda f, k, d: f.create_dataset(k, data=d.astype(FOREIGN_DTYPES[k])),
+                                       {}, "all"),
+    "after a 4 KiB user block": (lambda f, k, d: f.create_dataset(k, data=d), {"userblock_size": 4096}, "all"),
+    "mixed layouts": (_mixed_layouts, {}, ("input_ids", "masked_lm_ids")),
+}
+
+
+@pytest.mark.parametrize("masking", ["static", "dynamic"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_samples_are_the_rows_h5py_reads(phase1_shards, dynamic_shards, tmp_path, layout, masking):
+    """Rows come from a map of the file where a dataset lies there contiguously, from the dataset read whole
+    otherwise; either way a sample is what reading its row with h5py gives, in batches (__getitems__, as a
+    DataLoader asks) and alone, across a shard and an epoch boundary."""
+    write, file_kwargs, mapped = LAYOUTS[layout]
+    _rewrite(phase1_shards if masking == "static" else dynamic_shards, tmp_path / "shards", write, **file_kwargs)
+    ds = training_set(tmp_path / "shards")
+    n = len(ds)
+    boundary = next(p for p in range(1, n) if ds.locate(p)[0] != ds.locate(p - 1)[0])
+    rng = np.random.default_rng(0)
+    batches = [list(range(boundary - 30, boundary + 34)), list(range(n - 40, n + 24)),
+               sorted(rng.integers(0, 3 * n, 64).tolist())]
+    for batch in batches:
+        for position, sample in zip(batch, ds.__getitems__(batch), strict=True):
+            expected = _h5py_sample(ds, position)
+            assert list(sample) == list(expected)
+            for key, value in expected.items():
+                assert sample[key].dtype == np.int64 and sample[key].shape == value.shape, (layout, key)
+                assert np.array_equal(sample[key], value), (layout, position, key)
+    for position in rng.integers(0, 3 * n, 20).tolist():
+        sample, expected = ds[position], _h5py_sample(ds, position)
+        assert all(np.array_equal(sample[k], expected[k]) and sample[k].dtype == np.int64 for k in expected)
+    for arrays in ds._files.values():
+        assert {k for k, a in arrays.items() if _mapping(a)} == set(arrays if mapped == "all" else mapped) & set(arrays)
 
 
 def test_workers_prefetch_the_same_batches(phase1_shards):
@@ -382,6 +485,8 @@ def test_static_masks_outside_the_sequence_or_vocabulary_name_the_row(phase1_sha
         bad[1]  # other rows read
         with pytest.raises(DataConfigError, match=rf"wikicorpus_en_training_{shard}\.hdf5: row {row} {message}"):
             bad[0]
+        with pytest.raises(DataConfigError, match=rf"wikicorpus_en_training_{shard}\.hdf5: row {row} {message}"):
+            bad.__getitems__([2, 1, 0, 3])  # within a batch, as a DataLoader reads
 
 
 def test_static_and_dynamic_shards_are_not_mixed(phase1_shards, dynamic_shards, tmp_path):
@@ -429,7 +534,7 @@ def test_the_shards_case_is_read_and_shards_of_both_cases_are_not_mixed(phase1_s
 
 
 def test_open_files_are_not_reused_across_a_fork(phase1_shards, monkeypatch):
-    """A DataLoader worker forked after the main process read a sample opens its own HDF5 handles."""
+    """A DataLoader worker forked after the main process read a sample maps (or reads) the shard itself."""
     import training.loader
 
     ds = training_set(phase1_shards)
@@ -440,7 +545,9 @@ def test_open_files_are_not_reused_across_a_fork(phase1_shards, monkeypatch):
     after = ds[0]
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert list(ds._files) == list(parents) and all(ds._files[k] is not parents[k] for k in parents)
-    assert all(handle.id.valid for handle in parents.values())  # the parent's handles are left to the parent
+    for index, arrays in parents.items():  # a map of its own; the parent's are left to the parent, readable
+        assert _mapping(ds._files[index]["input_ids"]) is not _mapping(arrays["input_ids"])
+        assert np.array_equal(arrays["input_ids"][0], ds._files[index]["input_ids"][0])
 
 
 def test_missing_dataset_and_non_integer_dtype_are_clear(tmp_path):

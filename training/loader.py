@@ -5,8 +5,9 @@ whole run, across epochs) maps to epoch p // N and, within that epoch, to a shar
 shuffled per epoch) and a row (rows are shuffled per epoch and shard). Every micro step takes
 the next `micro_batch * world_size` positions; rank r gets the r-th block of `micro_batch`.
 So a run resumed at `consumed_samples` sees exactly the samples an uninterrupted run would
-have seen, on any number of ranks. Rows are read one at a time from files each DataLoader
-worker opens itself: no rank loads a whole shard.
+have seen, on any number of ranks. Each DataLoader worker opens the shards itself: an
+uncompressed one is memory-mapped (rows are read as they are indexed, no rank loads it whole), a
+compressed one is read whole and decompressed once.
 
 Shards are ours (data/prepare.py) or NVIDIA's / Habana's (same keys, any integer dtype, no
 file attributes). Shards with `masked_lm_positions` / `masked_lm_ids` use those static masks;
@@ -16,6 +17,8 @@ masking (BERT's rule, with the shards' `masked_lm_prob` and `whole_word_masking`
 
 from __future__ import annotations
 
+import bisect
+import mmap
 import os
 import re
 import signal
@@ -36,8 +39,7 @@ REQUIRED_KEYS = ("input_ids", "input_mask", "segment_ids", "next_sentence_labels
 MASK_KEYS = ("masked_lm_positions", "masked_lm_ids")
 BERT_MASKED_LM_PROB = 0.15  # dynamic masking of shards without our attributes (NVIDIA's, Habana's)
 SPLITS = ("training", "test")
-OPEN_FILES = 2  # HDF5 handles per process
-CHUNK_CACHE_SLOTS = 100_003  # at least; a prime above the dataset's chunk count, so that no two chunks share a slot
+OPEN_FILES = 2  # shards held open (mapped or read) per process
 
 
 class DataConfigError(ValueError):
@@ -215,17 +217,17 @@ class PretrainingDataset(Dataset):
         self.shuffle = shuffle
         self.sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
         self.epoch_size = int(self.sizes.sum())
-        self._order_cache: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._order_cache: dict[int, tuple[list[int], list[int]]] = {}
         self._rows_cache: dict[tuple[int, int], np.ndarray] = {}
-        self._files: OrderedDict[int, h5py.File] = OrderedDict()
-        self._datasets: dict[int, dict[str, h5py.Dataset]] = {}  # the open files' datasets, kept open with them
+        self._files: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()  # open shards' arrays, by shard
         self._files_pid = -1
 
     def __len__(self) -> int:
         return self.epoch_size
 
-    def _epoch_order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(shard order, cumulative end offsets in that order) for an epoch."""
+    def _epoch_order(self, epoch: int) -> tuple[list[int], list[int]]:
+        """(shard order, cumulative end offsets in that order) for an epoch, as lists: locate's scalar
+        lookups in them are several times faster than in arrays."""
         if epoch not in self._order_cache:
             if self.shuffle:
                 order = np.random.default_rng([self.seed, epoch]).permutation(len(self.shards))
@@ -233,7 +235,7 @@ class PretrainingDataset(Dataset):
                 order = np.arange(len(self.shards))
             if len(self._order_cache) > 2:
                 self._order_cache.clear()
-            self._order_cache[epoch] = (order, np.cumsum(self.sizes[order]))
+            self._order_cache[epoch] = (order.tolist(), np.cumsum(self.sizes[order]).tolist())
         return self._order_cache[epoch]
 
     def _row_order(self, epoch: int, shard: int) -> np.ndarray:
@@ -253,62 +255,83 @@ class PretrainingDataset(Dataset):
             raise IndexError(f"stream position must be >= 0, got {position}")
         epoch, within = divmod(int(position), self.epoch_size)
         order, ends = self._epoch_order(epoch)
-        k = int(np.searchsorted(ends, within, side="right"))
-        start = int(ends[k - 1]) if k else 0
-        shard = int(order[k])
+        k = bisect.bisect_right(ends, within)
+        start = ends[k - 1] if k else 0
+        shard = order[k]
         return shard, int(self._row_order(epoch, shard)[within - start])
 
-    def _shard_data(self, shard: int) -> dict[str, h5py.Dataset]:
-        """The shard's open datasets, at most OPEN_FILES files per process (the stream visits one shard
-        after another)."""
-        if self._files_pid != os.getpid():  # handles must not cross a fork into DataLoader workers
-            self._files, self._datasets, self._files_pid = OrderedDict(), {}, os.getpid()
-        if shard in self._files:
-            self._files.move_to_end(shard)
-        else:
+    def _shard_data(self, shard: int) -> dict[str, np.ndarray]:
+        """The shard's datasets as arrays (_read_shard), at most OPEN_FILES shards per process (the stream
+        visits one shard after another)."""
+        if self._files_pid != os.getpid():  # maps and arrays are opened anew in each DataLoader worker
+            self._files, self._files_pid = OrderedDict(), os.getpid()
+        data = self._files.get(shard)
+        if data is None:
             if len(self._files) >= OPEN_FILES:
-                old, handle = self._files.popitem(last=False)
-                del self._datasets[old]
-                handle.close()
-            f = h5py.File(self.shards[shard].path, "r")
+                self._files.popitem(last=False)  # its maps are unmapped when its last array goes
             keys = REQUIRED_KEYS + (MASK_KEYS if self.shards[shard].static_masks else ())
-            self._files[shard], self._datasets[shard] = f, {key: _open_cached(f, key) for key in keys}
-        return self._datasets[shard]
+            data = self._files[shard] = _read_shard(self.shards[shard].path, keys)
+        else:
+            self._files.move_to_end(shard)
+        return data
 
     def __getitem__(self, position: int) -> dict[str, np.ndarray]:
-        shard, row = self.locate(position)
-        data = self._shard_data(shard)
-        input_ids = data["input_ids"][row].astype(np.int64)
-        self._check_ids(shard, row, "token id", input_ids)
-        sample = {
-            "input_ids": input_ids,
-            "token_type_ids": data["segment_ids"][row].astype(np.int64),
-            "attention_mask": data["input_mask"][row].astype(np.int64),
-            "next_sentence_labels": np.asarray(data["next_sentence_labels"][row], dtype=np.int64).reshape(()),
-        }
-        if self.shards[shard].static_masks:
-            positions = data["masked_lm_positions"][row].astype(np.int64)
-            ids = data["masked_lm_ids"][row].astype(np.int64)
-            # Out of range, either one is an index error in the model (a device-side assert on a GPU).
-            if positions.min(initial=0) < 0 or positions.max(initial=0) >= len(input_ids):
-                raise DataConfigError(
-                    f"{self.shards[shard].path}: row {row} holds masked_lm_positions {int(positions.min())}..."
-                    f"{int(positions.max())}, outside its {len(input_ids)} positions; the shard is corrupt, recreate it")
-            self._check_ids(shard, row, "masked_lm_ids", ids)
-        else:
-            positions, ids = self._mask(sample, shard, position)
-        sample["masked_lm_positions"] = positions
-        sample["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
-        return sample
+        return self.__getitems__([position])[0]
 
-    def _check_ids(self, shard: int, row: int, what: str, ids: np.ndarray) -> None:
-        """Token ids outside the vocabulary are an index error in the model (a device-side assert on a GPU)."""
-        if ids.min(initial=0) < 0 or ids.max(initial=0) >= self.vocab_size:
-            bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
-            raise DataConfigError(
-                f"{self.shards[shard].path}: row {row} holds {what} {bad}, outside the model's vocab_size "
-                f"{self.vocab_size}; the shards were made with another vocabulary, set vocab_size in --config_file "
-                "to match it")
+    def __getitems__(self, positions: list[int]) -> list[dict[str, np.ndarray]]:
+        """The samples at these stream positions, as int64 arrays (a DataLoader asks for a batch's at
+        once). The rows a shard holds among them are read with one indexing per dataset and checked
+        together."""
+        located = [self.locate(p) for p in positions]
+        samples: list[dict[str, np.ndarray]] = [{} for _ in positions]
+        for shard in dict.fromkeys(s for s, _ in located):  # each shard once, in order
+            which = [i for i, (s, _) in enumerate(located) if s == shard]
+            rows = np.array([located[i][1] for i in which], dtype=np.int64)
+            block = self._read_rows(shard, rows)
+            static = self.shards[shard].static_masks
+            for j, i in enumerate(which):
+                sample = samples[i]
+                for key, values in block.items():
+                    sample[key] = values[j, ...]  # a 0-d array for next_sentence_labels
+                if not static:
+                    sample["masked_lm_positions"], ids = self._mask(sample, shard, positions[i])
+                    sample["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
+        return samples
+
+    def _read_rows(self, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows of a shard as a block per sample key (int64, first axis: rows), checked: an id outside
+        the vocabulary or a masked position outside the sequence is an index error in the model (a
+        device-side assert on a GPU), hence an error here that names the file and row."""
+        data = self._shard_data(shard)
+        # astype copies: no sample holds a view of a shard's map or array.
+        block = {"input_ids": data["input_ids"][rows].astype(np.int64),
+                 "token_type_ids": data["segment_ids"][rows].astype(np.int64),
+                 "attention_mask": data["input_mask"][rows].astype(np.int64),
+                 "next_sentence_labels": data["next_sentence_labels"][rows].astype(np.int64)}
+        seq = block["input_ids"].shape[1]
+        # Each bound is one comparison: a negative value viewed as unsigned is above any bound.
+        checks = [(block["input_ids"], self.vocab_size, "token id")]
+        if self.shards[shard].static_masks:
+            block["masked_lm_positions"] = data["masked_lm_positions"][rows].astype(np.int64)
+            ids = data["masked_lm_ids"][rows].astype(np.int64)
+            checks += [(block["masked_lm_positions"], seq, "masked_lm_positions"), (ids, self.vocab_size, "masked_lm_ids")]
+            block["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
+        if any(values.view(np.uint64).max(initial=0) >= bound for values, bound, _ in checks):
+            for j in range(len(rows)):  # the first bad row, as a row-by-row read would meet it
+                for values, bound, what in checks:
+                    if values[j].view(np.uint64).max(initial=0) >= bound:
+                        self._bad_row(shard, int(rows[j]), what, values[j], seq)
+        return block
+
+    def _bad_row(self, shard: int, row: int, what: str, values: np.ndarray, seq: int) -> None:
+        path = self.shards[shard].path
+        if what == "masked_lm_positions":
+            raise DataConfigError(f"{path}: row {row} holds masked_lm_positions {int(values.min())}...{int(values.max())}, "
+                                  f"outside its {seq} positions; the shard is corrupt, recreate it")
+        bad = int(values.min()) if values.min() < 0 else int(values.max())
+        raise DataConfigError(
+            f"{path}: row {row} holds {what} {bad}, outside the model's vocab_size {self.vocab_size}; the shards were "
+            "made with another vocabulary, set vocab_size in --config_file to match it")
 
     def _mask(self, sample: dict[str, np.ndarray], shard: int, position: int) -> tuple[np.ndarray, np.ndarray]:
         """Mask a sample as data.create masks static shards, seeded by the stream position so that a
@@ -324,28 +347,33 @@ class PretrainingDataset(Dataset):
         return positions[0].astype(np.int64), labels[0].astype(np.int64)
 
 
-def _open_cached(f: h5py.File, key: str) -> h5py.Dataset:
-    """A dataset whose chunk cache holds all of it, decompressed. The stream reads a shard's rows in
-    random order, so every chunk of a chunked (compressed) dataset is needed again and again: with a
-    smaller cache each row decompressed its chunks anew (NVIDIA's gzip shards, auto-chunked in column
-    strips of (7813, 4) rows x positions, read 34 rows/s), and HDF5 evicts a chunk whose hash slot
-    another takes, hence a slot per chunk. The cache fills as chunks are read, up to the dataset's
-    decompressed size (its chunks' size); contiguous (uncompressed) datasets have no chunks and use none."""
-    ds = f[key]
-    if ds.chunks is None:
-        return ds
-    chunks = int(np.prod([-(-n // c) for n, c in zip(ds.shape, ds.chunks)], dtype=np.int64))
-    chunk_bytes = int(np.prod(ds.chunks, dtype=np.int64)) * ds.dtype.itemsize  # edge chunks are whole in memory
-    del ds  # HDF5 hands an open dataset out again with the cache it has, whatever a new open asks for
-    access = h5py.h5p.create(h5py.h5p.DATASET_ACCESS)
-    access.set_chunk_cache(_prime_at_least(max(CHUNK_CACHE_SLOTS, 2 * chunks)), max(1, chunks * chunk_bytes), 0.75)
-    return h5py.Dataset(h5py.h5d.open(f.id, key.encode(), dapl=access))
-
-
-def _prime_at_least(n: int) -> int:
-    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
-        n += 1
-    return n
+def _read_shard(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """A shard's datasets as numpy arrays, 1-D next_sentence_labels. A dataset stored contiguously in the
+    file (uncompressed: h5py's default without compression) is a read-only map of its bytes there: a row
+    is read when indexed, through the page cache, which the processes reading the file share, and nothing
+    else of the shard is loaded. Any other dataset (chunked, most often compressed: NVIDIA's and Habana's
+    gzip shards) is read whole, each chunk decompressed once: rows come in random order, so every chunk
+    is needed again and again (read a row at a time, each row decompressed its chunks anew: 34 rows/s on
+    NVIDIA's layout). It costs the dataset's decompressed size in memory in each process that reads it,
+    as in NVIDIA's loader."""
+    arrays, mapped = {}, {}
+    with h5py.File(path, "r") as f:
+        for key in keys:  # one dataset open at a time: reading them whole with all open took 40 MB more
+            ds = f[key]
+            # Where the dataset's bytes start in the file, as one C-order array; HDF5 answers None for any
+            # other storage: chunked (and so filtered), compact, in external files, or never written.
+            offset = ds.id.get_offset()
+            if offset is None:
+                arrays[key] = ds[:]
+            else:
+                mapped[key] = (offset, ds.shape, ds.dtype)  # the dtype as stored, big-endian too
+    if mapped:
+        with open(path, "rb") as raw:
+            whole = mmap.mmap(raw.fileno(), 0, access=mmap.ACCESS_READ)
+        for key, (offset, shape, dtype) in mapped.items():
+            arrays[key] = np.ndarray(shape, dtype, buffer=whole, offset=offset)
+    arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
+    return arrays
 
 
 class RankSampler(Sampler[int]):
