@@ -1,8 +1,10 @@
-"""BERT for pretraining (MLM + NSP), post-LN (classic BERT) or pre-LN (Megatron-style).
+"""BERT for pretraining (MLM + NSP), post-LN (classic BERT), pre-LN (Megatron-style, `pre_layer_norm`) or
+Habana deepspeed-bert's pre-LN (`layer_norm_large_model`).
 
 Parameter names equal Hugging Face's: post-LN matches `transformers.BertForPreTraining`,
 pre-LN matches `transformers.MegatronBertForPreTraining`, so weights map one to one
-(`save_hf` / `load_hf` at the bottom of this file).
+(`save_hf` / `load_hf` at the bottom of this file). Habana's pre-LN block has post-LN BERT's parameters
+but no transformers counterpart, so it is not exported (`check_hf_exportable`).
 
 Two departures from the reference implementations, both for speed:
 - the MLM head gathers the masked positions first and only transforms and decodes those
@@ -47,14 +49,6 @@ class ConfigError(ValueError):
     """A model config that cannot build a model; the message names the file, field and fix."""
 
 
-# Fields of NVIDIA's and Habana's BERT configs (bert_configs/*.json, bert_1.5b_config.json) that are
-# spelled otherwise here, or that their code does not read from the JSON: what to write instead.
-_REFERENCE_FIELDS = {
-    "layer_norm_large_model": "Habana's pre-LN switch; write \"pre_layer_norm\": true for pre-LN blocks "
-                              "(Megatron-BERT's layout, as in configs/models/bert-1.5b.json; not their block, which keeps the "
-                              "embeddings out of the residual stream, so their weights do not load into it), or "
-                              "remove it if false",
-}
 # Fields of a Hugging Face BERT config.json that are not ours: named as such rather than with a guess at a
 # misspelt field of ours ("position_embedding_type": did you mean "max_position_embeddings"?).
 _HF_ONLY_FIELDS = frozenset({"architectures", "model_type", "transformers_version", "position_embedding_type",
@@ -63,11 +57,18 @@ _HF_ONLY_FIELDS = frozenset({"architectures", "model_type", "transformers_versio
 _MISSING_FIELD_HINTS = {
     "layer_norm_eps": "\"layer_norm_eps\": 1e-12 (BERT's; NVIDIA's and Habana's code fix it, their JSONs omit it)",
 }
+# What each of the two pre-LN switches builds, for the error when both are set.
+_PRE_LN_LAYOUTS = ("pre_layer_norm is Megatron-BERT's pre-LN block (the raw embeddings start the residual stream, a "
+                   "LayerNorm before each sublayer and a final one; exported as transformers' MegatronBert); "
+                   "layer_norm_large_model is Habana deepspeed-bert's (their bert_1.5b_config.json: normalized "
+                   "embeddings outside the residual stream, a LayerNorm of the stream after each sublayer; "
+                   "post-LN parameter names)")
 
 
 @dataclass
 class BertConfig:
-    """Model shape. Field names are Hugging Face's BertConfig names; the last three are ours."""
+    """Model shape. Field names are Hugging Face's BertConfig names, but for the last four: three of ours and
+    Habana deepspeed-bert's layer_norm_large_model."""
 
     vocab_size: int
     hidden_size: int
@@ -84,6 +85,8 @@ class BertConfig:
     pre_layer_norm: bool = False  # pre-LN (Megatron) blocks: stable at 48+ layers
     next_sentence_prediction: bool = True  # False builds no pooler and no NSP head
     pad_vocab_size_multiple: int = 8
+    # Habana deepspeed-bert's pre-LN block (their flag, their meaning): see BertLayer.forward_split_residual.
+    layer_norm_large_model: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -110,6 +113,9 @@ class BertConfig:
         for name in ("hidden_dropout_prob", "attention_probs_dropout_prob"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 raise ConfigError(f"{source}: field '{name}' must be in [0, 1), got {getattr(self, name)}")
+        if self.pre_layer_norm and self.layer_norm_large_model:
+            raise ConfigError(f"{source}: fields 'pre_layer_norm' and 'layer_norm_large_model' are both true, but they "
+                              f"are two different blocks: {_PRE_LN_LAYOUTS}; set one of them to false")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -123,15 +129,13 @@ class BertConfig:
     @classmethod
     def from_dict(cls, values: dict, source: str = "config") -> BertConfig:
         names = [f.name for f in dataclasses.fields(cls)]
-        problems = []  # all of them at once: a reference config has a field to rename and one to add
-        reference = [k for k in values if k in _REFERENCE_FIELDS]
-        problems += [f"field '{k}' is {_REFERENCE_FIELDS[k]}" for k in reference]
+        problems = []  # all of them at once: a config may have a field to remove and one to add
         hf_only = [k for k in values if k in _HF_ONLY_FIELDS]
         if hf_only:
             problems.append(f"Hugging Face field(s) {', '.join(hf_only)}: for a Hugging Face config.json, keep only "
                             "the known fields (listed at the end; this model is a bidirectional BERT with absolute "
                             "positions), or start phase 2 from that model with --init_checkpoint <its directory>")
-        unknown = [k for k in values if k not in names and k not in reference and k not in _HF_ONLY_FIELDS]
+        unknown = [k for k in values if k not in names and k not in _HF_ONLY_FIELDS]
         if unknown:
             hints = {k: difflib.get_close_matches(k, names, n=1) for k in unknown}
             hint = "; ".join(f"'{k}'" + (f" (did you mean '{v[0]}'?)" if v else "") for k, v in hints.items())
@@ -177,7 +181,8 @@ class BertConfig:
 @dataclass
 class ActivationCheckpointing:
     """Recompute encoder activations in backward (torch.utils.checkpoint, non-reentrant). `interval`
-    layers form one checkpointed segment, whose input alone is kept."""
+    layers form one checkpointed segment, whose input alone is kept (with layer_norm_large_model, its two
+    inputs: the layer input and the residual stream)."""
 
     enabled: bool = False
     interval: int = 1
@@ -313,28 +318,49 @@ class BertLayer(nn.Module):
         normed = x if self.ln is None else self.ln(x)
         return self.output(self.intermediate(normed), x)
 
+    def forward_split_residual(self, x: torch.Tensor, r: torch.Tensor, attn_mask: torch.Tensor | None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Habana deepspeed-bert's pre-LN block (layer_norm_large_model), in post-LN BERT's modules: the
+        sublayers read `x`, their outputs are added to the residual stream `r`, and each LayerNorm normalizes
+        `r` into the next `x`."""
+        attn, out = self.attention.output, self.output
+        r = r + attn.dropout(attn.dense(self.attention.self(x, attn_mask)))
+        x = attn.LayerNorm(r)
+        r = r + out.dropout(out.dense(self.intermediate(x)))
+        return out.LayerNorm(r), r
+
 
 class BertEncoder(nn.Module):
     def __init__(self, config: BertConfig, checkpointing: ActivationCheckpointing):
         super().__init__()
         self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
         self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_layer_norm else None
+        self.split_residual = config.layer_norm_large_model
         self.checkpointing = checkpointing
 
     def _run_layers(self, start: int, end: int):
-        def run(x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        def run(x: torch.Tensor, r: torch.Tensor | None, attn_mask: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
             for layer in self.layer[start:end]:
-                x = layer(x, attn_mask)
-            return x
+                if r is None:
+                    x = layer(x, attn_mask)
+                else:
+                    x, r = layer.forward_split_residual(x, r, attn_mask)
+            return x, r
         return run
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        # Habana's block keeps the (normalized) embeddings out of the residual stream, which starts at zero.
+        # zeros_like, not their integer 0: the stream then has the embeddings' dtype (fp32 under autocast) from
+        # layer 0 on, as in the other layouts.
+        r = torch.zeros_like(x) if self.split_residual else None
         ckpt = self.checkpointing
         if not (ckpt.enabled and self.training and torch.is_grad_enabled()):
-            x = self._run_layers(0, len(self.layer))(x, attn_mask)
+            x, r = self._run_layers(0, len(self.layer))(x, r, attn_mask)
         else:
             for start in range(0, len(self.layer), ckpt.interval):
-                x = torch_checkpoint(self._run_layers(start, start + ckpt.interval), x, attn_mask, use_reentrant=False)
+                x, r = torch_checkpoint(self._run_layers(start, start + ckpt.interval), x, r, attn_mask,
+                                        use_reentrant=False)
         return x if self.ln is None else self.ln(x)
 
 
@@ -467,10 +493,21 @@ class BertForPreTraining(nn.Module):
 # ----------------------------------------------------------------------------- Hugging Face interop
 
 
+def check_hf_exportable(config: BertConfig, source: str = "the model config") -> None:
+    """transformers has no model computing Habana's pre-LN block: refused rather than exported as a BertModel
+    (post-LN) or a MegatronBert (Megatron's pre-LN), which would load the weights and compute something else."""
+    if config.layer_norm_large_model:
+        raise ConfigError(f"{source}: field 'layer_norm_large_model' is true (Habana deepspeed-bert's pre-LN block), "
+                          "which no transformers model computes: BertModel is post-LN and MegatronBert adds the raw "
+                          "embeddings to the residual stream, so a Hugging Face export or import of this model would "
+                          "compute another function of the same weights")
+
+
 def _hf_classes(config: BertConfig):
     """The transformers classes our config maps to: (config class, model class, model_type)."""
     import transformers
 
+    check_hf_exportable(config)
     if config.pre_layer_norm:
         cfg_cls, model_type = transformers.MegatronBertConfig, "megatron-bert"
         model_cls = (transformers.MegatronBertForPreTraining if config.next_sentence_prediction

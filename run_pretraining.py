@@ -391,6 +391,8 @@ def run_identity(args: argparse.Namespace, train_set, sizes: BatchSizes, config:
 
 # Recorded since 2026-11-24: checkpoints saved before lack them, and their resumes are not checked for them.
 _RECORDED_LATER = {"max_predictions_per_seq"}
+# Model config fields added later, with the value a record saved before them means (the model it trained).
+_MODEL_FIELDS_ADDED_LATER = {"layer_norm_large_model": False}
 
 
 def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path) -> None:
@@ -417,8 +419,9 @@ def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path
         raise RunConfigError(f"{tag_dir} was trained in {then}; this DeepSpeed JSON trains in {this}, whose optimizer "
                              f"partitions are laid out otherwise. Resume with a {then} DeepSpeed JSON (bf16.enabled "
                              f"{str(saved['bf16']).lower()}), {new_phase}")
-    if saved["model"] != now["model"]:
-        differ = config_differences(saved["model"], now["model"], sorted(set(saved["model"]) | set(now["model"])))
+    then_model = _MODEL_FIELDS_ADDED_LATER | saved["model"]
+    if then_model != now["model"]:
+        differ = config_differences(then_model, now["model"], sorted(set(then_model) | set(now["model"])))
         raise RunConfigError(f"{tag_dir} was trained with another model config ({'; '.join(differ)}). Resume with "
                              f"the run's config ({tag_dir.parent.parent / 'model_config.json'}), {new_phase}")
     old, new = saved["training_shards"], now["training_shards"]

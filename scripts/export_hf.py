@@ -37,6 +37,7 @@ from modeling import (
     BertForPreTraining,
     ConfigError,
     check_export_dir,
+    check_hf_exportable,
     check_vocab_size,
     save_hf,
     vocab_lower_cases,
@@ -202,8 +203,16 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         raise ExportError(f"{vocab_file}: no vocab.txt; pass the vocab the shards were made with (--vocab_file)")
     try:
         config = BertConfig.from_json_file(config_file)
+    except ConfigError as e:
+        raise ExportError(str(e)) from e
+    try:
+        check_hf_exportable(config, str(config_file))
+    except ConfigError as e:
+        raise ExportError(f"{e}. Nothing was exported; the checkpoint remains usable with this project (resume "
+                          "its run, or start phase 2 from it with --phase2 --init_checkpoint)") from e
+    try:
         check_vocab_size(vocab_file, config)  # before the weights are read: minutes for a large model
-    except (ConfigError, ValueError) as e:
+    except ValueError as e:
         raise ExportError(str(e)) from e
     lower, why = tokenizer_case(loc.run_dir if loc is not None else None, vocab_file, lower_case)
     model = BertForPreTraining(config)

@@ -739,6 +739,37 @@ def test_init_weights_from_a_run_of_another_model_name_the_fields(tmp_path):
                                 "3 in --config_file); pass that run's model config as --config_file")
 
 
+def test_a_phase1_model_config_saved_before_layer_norm_large_model_existed_is_accepted(tmp_path):
+    """A model_config.json without the field (written before it existed) is the post-LN model it trained."""
+    import modeling
+    from tests.test_modeling import small_config
+
+    _save(tmp_path / "checkpoints", 10)
+    old = {k: v for k, v in small_config().to_dict().items() if k != "layer_norm_large_model"}
+    (tmp_path / "model_config.json").write_text(json.dumps(old))
+    weights._check_phase1_config(tmp_path / "model_config.json", modeling.BertForPreTraining(small_config()))
+    with pytest.raises(CheckpointError) as error:
+        weights.load_initial_weights(modeling.BertForPreTraining(small_config(layer_norm_large_model=True)), tmp_path)
+    assert str(error.value) == (f"{tmp_path / 'model_config.json'}: the phase-1 run trained another model than "
+                                "--config_file (layer_norm_large_model False there, True in --config_file); pass that "
+                                "run's model config as --config_file")
+
+
+def test_a_hugging_face_directory_is_refused_for_layer_norm_large_model(tmp_path):
+    """Its tensors would load (post-LN names) into another function: refused, naming the field and why."""
+    import modeling
+    from tests.test_modeling import small_config
+
+    modeling.save_hf(modeling.BertForPreTraining(small_config()), tmp_path / "hf")
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"--init_checkpoint {tmp_path / 'hf'} is a Hugging Face model directory, but --config_file: field "
+            "'layer_norm_large_model' is true (Habana deepspeed-bert's pre-LN block), which no transformers model "
+            "computes: ") + r".*another function of the same weights\. Start this model from a run of ours"):
+        weights.load_initial_weights(modeling.BertForPreTraining(small_config(layer_norm_large_model=True)),
+                                     tmp_path / "hf")
+    weights.load_initial_weights(modeling.BertForPreTraining(small_config()), tmp_path / "hf")
+
+
 def test_export_checks_every_files_crc_not_only_its_size(tmp_path):
     from scripts.export_hf import ExportError, check_complete, locate
 

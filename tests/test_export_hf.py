@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from modeling import BertConfig, BertForPreTraining
+from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
 from scripts.export_hf import ExportError, export, locate, read_weights, tokenizer_case
 from tests.conftest import free_port
 from tests.test_launch import shared_two_node_run
@@ -250,6 +251,31 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     with pytest.raises(ExportError, match=r"no 'latest' file, so no checkpoint was completed there \(the run "
                                           r"saved none yet\)"):
         export(fresh, tmp_path / "hf")
+
+
+def test_a_layer_norm_large_model_run_is_refused_before_its_weights_are_read(tmp_path: Path):
+    """transformers has no model computing Habana's pre-LN block: no export that computes something else."""
+    from tests.test_modeling import small_config
+
+    run = tmp_path / "run"
+    tag_dir = run / "checkpoints" / "step00000002"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "run_state.json").write_text("not read")  # reading the checkpoint would fail on it
+    (tag_dir.parent / "latest").write_text("step00000002\n")
+    small_config(layer_norm_large_model=True).to_json_file(run / "model_config.json")
+    (run / "vocab.txt").write_text("".join(f"t{i}\n" for i in range(1001)))
+    with pytest.raises(ExportError, match=re.escape(
+            f"{run / 'model_config.json'}: field 'layer_norm_large_model' is true (Habana deepspeed-bert's pre-LN "
+            "block), which no transformers model computes: BertModel is post-LN and MegatronBert adds the raw "
+            "embeddings to the residual stream, so a Hugging Face export or import of this model would compute "
+            "another function of the same weights. Nothing was exported; the checkpoint remains usable with this "
+            "project (resume its run, or start phase 2 from it with --phase2 --init_checkpoint)")):
+        export(run, tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+    # The library call refuses too, rather than writing a MegatronBert or BertModel.
+    with pytest.raises(ConfigError, match="^the model config: field 'layer_norm_large_model' is true"):
+        save_hf(BertForPreTraining(small_config(layer_norm_large_model=True)), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
 
 
 def test_an_export_to_a_full_disk_says_so_keeps_the_earlier_export_and_leaves_no_staging(zero_run: Path,

@@ -20,9 +20,10 @@ import pytest
 import torch
 from conftest import ROOT, free_port
 
+from modeling import BertForPreTraining
 from tests.test_reference_checkpoint import state_equal, their_state_dict, tiny_model
 from training.checkpoint import MODEL_STATES, CheckpointError
-from training.habana_deepspeed import FIX, PRE_LN
+from training.habana_deepspeed import FIX
 from training.weights import load_initial_weights
 
 _SAVE = r"""
@@ -33,6 +34,7 @@ from torch import nn
 from deepspeed.utils import safe_set_full_fp32_param
 
 theirs = torch.load(sys.argv[1])
+theirs_pre_ln = torch.load(sys.argv[3])
 deepspeed.init_distributed(dist_backend="gloo")
 
 
@@ -62,6 +64,7 @@ folders = {"zero": (base, theirs), "bf16_optimizer": (base | {"data_types": {"gr
 renamed = dict(theirs)
 renamed["bert.encoder.layer.0.attention.self.qkv.weight"] = renamed.pop("bert.encoder.layer.0.attention.self.query.weight")
 folders["renamed"] = (base, renamed)
+folders["pre_ln"] = (base, theirs_pre_ln)
 for folder, (config, weights) in folders.items():
     model = module_with(weights)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters()), config=config)
@@ -72,20 +75,35 @@ for folder, (config, weights) in folders.items():
 """
 
 
+def pre_ln_source() -> BertForPreTraining:  # noqa: N802 (a constant model, built afresh)
+    """Their pre-LN model (layer_norm_large_model), its LayerNorms random too: their 1 and 0 init would make the
+    weights of post-LN and pre-LN folders alike in those tensors."""
+    model = tiny_model(3, layer_norm_large_model=True)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "LayerNorm" in name:
+                param.add_(torch.randn(param.shape, generator=g) * 0.1)
+    return model
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> Path:
-    """Folders `zero`, `bf16_optimizer` (tiny_model(1), DeepSpeed's two optimizers for their config) and
-    `renamed` (one tensor under another name), each with `latest` naming the tag 7038."""
+    """Folders `zero`, `bf16_optimizer` (tiny_model(1), DeepSpeed's two optimizers for their config),
+    `renamed` (one tensor under another name) and `pre_ln` (pre_ln_source()), each with `latest` naming the tag 7038."""
     out = tmp_path_factory.mktemp("habana")
     torch.save(their_state_dict(tiny_model(1)), out / "theirs.pt")
+    torch.save(their_state_dict(pre_ln_source()), out / "theirs_pre_ln.pt")
     env = os.environ | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-c", _SAVE, str(out / "theirs.pt"), str(out)], env=env, cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", _SAVE, str(out / "theirs.pt"), str(out), str(out / "theirs_pre_ln.pt")],
+                          env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    wrappers = dict(line.split() for line in done.stdout.splitlines() if line.startswith(("zero ", "bf16_", "ren")))
+    wrappers = dict(line.split() for line in done.stdout.splitlines()
+                    if line.startswith(("zero ", "bf16_", "ren", "pre_ln ")))
     assert wrappers == {"zero": "DeepSpeedZeroOptimizer", "bf16_optimizer": "BF16_Optimizer",
-                        "renamed": "DeepSpeedZeroOptimizer"}
+                        "renamed": "DeepSpeedZeroOptimizer", "pre_ln": "DeepSpeedZeroOptimizer"}
     return out
 
 
@@ -110,6 +128,24 @@ def test_their_folder_loads_its_fp32_master_weights(folders, folder):
         assert load_initial_weights(model, named).startswith(f"{tag} (Habana deepspeed-bert DeepSpeed checkpoint, "
                                                              "fp32 master weights")
         state_equal(model, source)
+
+
+def test_their_pre_ln_folder_loads_into_layer_norm_large_model(folders):
+    """Their pre-LN model has post-LN BERT's tensor names: with layer_norm_large_model it loads, equal to the
+    fp32 masters (not the bf16 module weights beside them), and computes as the model it was saved from."""
+    root = folders / "pre_ln"
+    source = pre_ln_source()
+    module = torch.load(root / "7038" / MODEL_STATES, weights_only=False)["module"]
+    ln = module["bert.encoder.layer.0.attention.output.LayerNorm.weight"]
+    assert ln.dtype == torch.bfloat16
+    assert not torch.equal(ln.float(), source.bert.encoder.layer[0].attention.output.LayerNorm.weight)
+    model = tiny_model(2, layer_norm_large_model=True)
+    assert load_initial_weights(model, root).startswith(f"{root / '7038'} (Habana deepspeed-bert DeepSpeed "
+                                                        "checkpoint, fp32 master weights merged")
+    state_equal(model, source)
+    ids = torch.randint(5, 30522, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(ids).mlm_logits, source.eval()(ids).mlm_logits)
 
 
 def test_without_partitions_the_bf16_module_weights_are_taken(folders, tmp_path):
@@ -141,9 +177,11 @@ def test_another_config_is_refused_naming_the_shapes_and_the_fix(folders, tmp_pa
             "(512, 128) there, (256, 128) in --config_file; ")) as error:
         load_initial_weights(tiny_model(2, intermediate_size=256), folders / "zero")
     assert str(error.value).endswith(FIX)
-    # Their pre-LN model has these very tensors: refused for its reason, before anything is read.
-    with pytest.raises(CheckpointError, match=re.escape(f"{tag}: --config_file is pre-LN (pre_layer_norm true), but "
-                                                        f"{PRE_LN}")):
+    # Megatron's pre-LN is not theirs: refused for its reason, before anything is read.
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"{tag}: --config_file is Megatron-BERT's pre-LN block (pre_layer_norm true), which is not theirs; for "
+            "their pre-LN model (layer_norm_large_model true in their config) write \"layer_norm_large_model\": "
+            "true and \"pre_layer_norm\": false, as in configs/models/bert-1.5b-deepspeed-bert.json")):
         load_initial_weights(tiny_model(2, pre_layer_norm=True), folders / "zero")
     # The shards' vocabulary must be the one --config_file gives their rows.
     vocab = tmp_path / "vocab.txt"

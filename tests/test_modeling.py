@@ -320,8 +320,11 @@ def _loss_and_grads(config, checkpointing, batch, seed=7):
     return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def assert_checkpointing_matches(interval: int, pre_ln: bool) -> None:
-    config = small_config(pre_layer_norm=pre_ln)
+LAYOUTS = {"post-ln": {}, "pre-ln-megatron": {"pre_layer_norm": True}, "pre-ln-habana": {"layer_norm_large_model": True}}
+
+
+def assert_checkpointing_matches(interval: int, layout: str) -> None:
+    config = small_config(**LAYOUTS[layout])
     batch = make_batch(config)
     loss_ref, grads_ref = _loss_and_grads(config, ActivationCheckpointing(enabled=False), batch)
     loss, grads = _loss_and_grads(config, ActivationCheckpointing(enabled=True, interval=interval), batch)
@@ -331,9 +334,129 @@ def assert_checkpointing_matches(interval: int, pre_ln: bool) -> None:
         torch.testing.assert_close(grads[name], grads_ref[name], atol=1e-7, rtol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("interval,pre_ln", [(1, False), (2, True), (3, False)])
-def test_torch_activation_checkpointing_gives_identical_loss_and_gradients(interval, pre_ln):
-    assert_checkpointing_matches(interval, pre_ln)
+@pytest.mark.parametrize("interval,layout", [(1, "post-ln"), (2, "pre-ln-megatron"), (3, "post-ln"),
+                                             (1, "pre-ln-habana"), (2, "pre-ln-habana")])
+def test_torch_activation_checkpointing_gives_identical_loss_and_gradients(interval, layout):
+    assert_checkpointing_matches(interval, layout)
+
+
+def _habana_reference(state: dict[str, torch.Tensor], config: BertConfig, input_ids: torch.Tensor,
+                      token_type_ids: torch.Tensor, attention_mask: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Habana deepspeed-bert's forward with layer_norm_large_model true (Model-References
+    PyTorch/nlp/DeepSpeedExamples/deepspeed-bert/modeling.py: BertEmbeddings, BertSelfOutput, BertOutput,
+    BertEncoder), in eval mode, from plain torch ops on our state dict: (MLM logits at every position, NSP logits)."""
+    def w(name: str) -> torch.Tensor:
+        return state[name]
+
+    def linear(x: torch.Tensor, prefix: str) -> torch.Tensor:
+        return x @ w(prefix + ".weight").T + w(prefix + ".bias")
+
+    def layer_norm(x: torch.Tensor, prefix: str) -> torch.Tensor:  # their BertLayerNorm, written out
+        u = x.mean(-1, keepdim=True)
+        var = ((x - u) ** 2).mean(-1, keepdim=True)
+        return (x - u) / torch.sqrt(var + config.layer_norm_eps) * w(prefix + ".weight") + w(prefix + ".bias")
+
+    def gelu(x: torch.Tensor) -> torch.Tensor:
+        return x * 0.5 * (1.0 + torch.erf(x / 2 ** 0.5))
+
+    b, s = input_ids.shape
+    n, d = config.num_attention_heads, config.head_dim
+    e = "bert.embeddings."
+    x = w(e + "word_embeddings.weight")[input_ids] + w(e + "position_embeddings.weight")[torch.arange(s)] \
+        + w(e + "token_type_embeddings.weight")[token_type_ids]
+    x = layer_norm(x, e + "LayerNorm")
+    additive_mask = (1.0 - attention_mask[:, None, None, :].float()) * -10000.0
+    r = 0  # their layer_norm_input: the embeddings never enter the residual stream
+    for i in range(config.num_hidden_layers):
+        p = f"bert.encoder.layer.{i}."
+        q, k, v = (linear(x, p + f"attention.self.{m}").reshape(b, s, n, d).permute(0, 2, 1, 3)
+                   for m in ("query", "key", "value"))
+        probs = torch.softmax(q @ k.transpose(-1, -2) / d ** 0.5 + additive_mask, dim=-1)
+        context = (probs @ v).permute(0, 2, 1, 3).reshape(b, s, n * d)
+        r = linear(context, p + "attention.output.dense") + r
+        x = layer_norm(r, p + "attention.output.LayerNorm")
+        r = linear(gelu(linear(x, p + "intermediate.dense")), p + "output.dense") + r
+        x = layer_norm(r, p + "output.LayerNorm")
+    t = layer_norm(gelu(linear(x, "cls.predictions.transform.dense")), "cls.predictions.transform.LayerNorm")
+    mlm = t @ w(e + "word_embeddings.weight").T + w("cls.predictions.bias")
+    nsp = linear(torch.tanh(linear(x[:, 0], "bert.pooler.dense")), "cls.seq_relationship")
+    return mlm[..., : config.vocab_size], nsp
+
+
+def _random_weights(model: BertForPreTraining, seed: int) -> None:
+    """Every parameter random (LayerNorms and biases too, which the init sets to 1 and 0): a block that skips or
+    swaps one of them cannot agree with the reference by accident."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 1.0 if name.endswith(("LayerNorm.weight", "ln.weight")) else 0.0
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2 + scale)
+
+
+def test_habana_pre_ln_block_matches_their_forward_reimplemented_from_their_code():
+    """Logits and the gradients of every parameter, against the reference on the same (random) values."""
+    config = small_config(layer_norm_large_model=True, layer_norm_eps=1e-5)
+    model = BertForPreTraining(config).eval()
+    _random_weights(model, seed=3)
+    input_ids, token_type_ids, attention_mask, *_ = make_batch(config)
+    state = {k: v.detach().clone().requires_grad_() for k, v in model.state_dict().items()}
+    out = model(input_ids, token_type_ids, attention_mask)
+    mlm, nsp = _habana_reference(state, config, input_ids, token_type_ids, attention_mask)
+    torch.testing.assert_close(out.mlm_logits, mlm, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.nsp_logits, nsp, atol=1e-5, rtol=1e-5)
+    assert mlm.abs().max() > 1.0  # not a comparison of two near-zero outputs
+    g = torch.Generator().manual_seed(5)
+    probe_mlm, probe_nsp = torch.randn(mlm.shape, generator=g), torch.randn(nsp.shape, generator=g)
+    ((out.mlm_logits * probe_mlm).sum() + (out.nsp_logits * probe_nsp).sum()).backward()
+    ((mlm * probe_mlm).sum() + (nsp * probe_nsp).sum()).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, state[name].grad, atol=1e-3, rtol=1e-3, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_the_three_layouts_compute_different_functions_of_shared_tensors():
+    """Habana's and Megatron's pre-LN blocks and post-LN, on the same values for the tensors they share: any
+    silent fallback of one layout to another changes the logits."""
+    habana = BertForPreTraining(small_config(layer_norm_large_model=True))
+    _random_weights(habana, seed=3)
+    shared = habana.state_dict()
+    batch = make_batch(habana.config)
+    logits = {}
+    for layout, switch in LAYOUTS.items():
+        model = BertForPreTraining(small_config(**switch)).eval()
+        _random_weights(model, seed=4)  # Megatron's own LayerNorms
+        model.load_state_dict({k: v for k, v in shared.items() if k in model.state_dict()}, strict=False)
+        with torch.no_grad():
+            logits[layout] = model(*batch[:3]).mlm_logits
+    assert not torch.allclose(logits["pre-ln-habana"], logits["post-ln"], atol=1e-2)
+    assert not torch.allclose(logits["pre-ln-habana"], logits["pre-ln-megatron"], atol=1e-2)
+
+
+def test_habana_pre_ln_has_post_ln_parameters():
+    shapes = {layout: {k: v.shape for k, v in BertForPreTraining(small_config(**switch)).named_parameters()}
+              for layout, switch in LAYOUTS.items()}
+    assert shapes["pre-ln-habana"] == shapes["post-ln"]
+    assert shapes["pre-ln-habana"].keys() != shapes["pre-ln-megatron"].keys()
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_bf16_autocast_keeps_the_residual_stream_in_fp32_in_every_layout(layout):
+    """Under autocast the residual stream, which the encoder's last LayerNorm normalizes, is fp32 (post-LN:
+    a LayerNorm output plus a bf16 sublayer; Megatron: from the embeddings; Habana: r, from a zero tensor of the
+    embeddings' dtype); a bf16 model keeps it in bf16."""
+    config = small_config(**LAYOUTS[layout])
+    model = BertForPreTraining(config).eval()
+    encoder = model.bert.encoder
+    last_ln = encoder.ln if config.pre_layer_norm else encoder.layer[-1].output.LayerNorm
+    seen: list[torch.dtype] = []
+    hook = last_ln.register_forward_hook(lambda _m, inputs, _out: seen.append(inputs[0].dtype))
+    batch = make_batch(config)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(*batch[:3])
+    with torch.no_grad():
+        model.to(torch.bfloat16)(*batch[:3])
+    hook.remove()
+    assert seen == [torch.float32, torch.bfloat16]
 
 
 def test_activation_checkpointing_lowers_peak_memory():
@@ -459,7 +582,7 @@ def test_bad_configs_give_clear_errors(tmp_path, changes, message):
 
 
 # NVIDIA DeepLearningExamples' bert_configs/large.json and Habana's scripts/bert_1.5b_config.json, as
-# they are: BERT's field names, no layer_norm_eps (their code fixes 1e-12), Habana's pre-LN switch.
+# they are: BERT's field names, no layer_norm_eps (their code fixes 1e-12), Habana's pre-LN switch (ours too).
 NVIDIA_LARGE = {"attention_probs_dropout_prob": 0.1, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
                 "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 4096,
                 "max_position_embeddings": 512, "num_attention_heads": 16, "num_hidden_layers": 24,
@@ -470,23 +593,31 @@ HABANA_1_5B = {"hidden_size": 1600, "hidden_act": "gelu", "initializer_range": 0
                "attention_probs_dropout_prob": 0.1, "layer_norm_large_model": True}
 
 
-def test_reference_configs_are_refused_with_the_fields_to_write(tmp_path):
-    """Not "did you mean 'layer_norm_eps'?" for Habana's pre-LN switch, and the value of the field
-    their JSONs omit; with what the message says written, they load as the shipped configs."""
+def test_reference_configs_are_refused_with_the_field_to_add_and_then_load_as_the_shipped_configs(tmp_path):
+    """The value of the field their JSONs omit; with it written, they load as the shipped configs: Habana's
+    layer_norm_large_model is our field of the same name and meaning."""
     nvidia, habana = tmp_path / "large.json", tmp_path / "bert_1.5b_config.json"
     nvidia.write_text(json.dumps(NVIDIA_LARGE))
     habana.write_text(json.dumps(HABANA_1_5B))
-    eps = r"missing field\(s\) layer_norm_eps; add them to the JSON, e.g. \"layer_norm_eps\": 1e-12 \(BERT's"
-    with pytest.raises(ConfigError, match=f"^{re.escape(str(nvidia))}: {eps}"):
-        BertConfig.from_json_file(nvidia)
-    with pytest.raises(ConfigError, match=f"^{re.escape(str(habana))}: field 'layer_norm_large_model' is Habana's "
-                                          r"pre-LN switch; write \"pre_layer_norm\": true .*; " + eps):
-        BertConfig.from_json_file(habana)
+    eps = ("missing field(s) layer_norm_eps; add them to the JSON, e.g. \"layer_norm_eps\": 1e-12 (BERT's; NVIDIA's "
+           "and Habana's code fix it, their JSONs omit it)")
+    for path in (nvidia, habana):
+        with pytest.raises(ConfigError, match=f"^{re.escape(f'{path}: {eps}')}$"):
+            BertConfig.from_json_file(path)
     fixed = BertConfig.from_dict(NVIDIA_LARGE | {"layer_norm_eps": 1e-12})
     assert fixed == BertConfig.from_json_file(MODEL_CONFIGS / "bert-large.json")
-    habana_fixed = {k: v for k, v in HABANA_1_5B.items() if k != "layer_norm_large_model"}
-    fixed = BertConfig.from_dict(habana_fixed | {"layer_norm_eps": 1e-12, "pre_layer_norm": True})
-    assert fixed == BertConfig.from_json_file(MODEL_CONFIGS / "bert-1.5b.json")
+    fixed = BertConfig.from_dict(HABANA_1_5B | {"layer_norm_eps": 1e-12})
+    assert fixed.layer_norm_large_model and not fixed.pre_layer_norm
+    assert fixed == BertConfig.from_json_file(MODEL_CONFIGS / "bert-1.5b-deepspeed-bert.json")
+
+
+def test_both_pre_ln_switches_are_refused_naming_each_block():
+    with pytest.raises(ConfigError, match=r"^cfg.json: fields 'pre_layer_norm' and 'layer_norm_large_model' are both "
+                                          r"true, but they are two different blocks: pre_layer_norm is Megatron-BERT's "
+                                          r".*layer_norm_large_model is Habana deepspeed-bert's .*; set one of them "
+                                          r"to false$"):
+        BertConfig.from_dict(small_config().to_dict() | {"pre_layer_norm": True, "layer_norm_large_model": True},
+                             source="cfg.json")
 
 
 def test_unreadable_config_files(tmp_path):

@@ -390,6 +390,44 @@ def test_checkpoint_segments_round_up():
     assert saved[5] - saved[24] == (5 - 1) * 8 * 128 * 1024 * 2
 
 
+def test_layer_norm_large_model_segments_keep_two_inputs_and_the_same_flops():
+    """Habana's pre-LN block: a checkpointed segment keeps the layer input and the residual stream; without
+    checkpointing it saves what post-LN saves, and its FLOPs and parameters are post-LN's."""
+    post = _config("bert-large")
+    habana = dataclasses.replace(post, layer_norm_large_model=True)
+    gaudi = planner.get_device("gaudi")
+
+    def saved(config, checkpointing, interval=1):
+        return planner.activation_bytes(config, 8, 128, 20, "bf16", gaudi, checkpointing, interval).saved
+
+    assert saved(habana, False) == saved(post, False)
+    for interval in (1, 5):
+        segments = -(-24 // interval)
+        assert saved(habana, True, interval) - saved(post, True, interval) == segments * 8 * 128 * 1024 * 2
+    assert planner.training_flops_per_sequence(habana, 128, 20, recompute=True) == \
+        planner.training_flops_per_sequence(post, 128, 20, recompute=True)
+    assert planner.parameter_count_formula(habana) == planner.parameter_count_formula(post) \
+        == planner.count_parameters_exact(habana)
+
+
+def test_layer_norm_large_model_checkpointing_keeps_what_the_planner_says():
+    """Measured: with checkpointing, the forward's peak is above post-LN's by one residual stream per segment
+    (tokens x hidden, fp32), as activation_bytes counts."""
+    post = dataclasses.replace(_config("bert-tiny"), num_hidden_layers=4, hidden_dropout_prob=0.0,
+                               attention_probs_dropout_prob=0.0)
+    batch, seq = 4, 64
+    data = _batch(post, batch, seq, 10)
+    kept = {}
+    for config in (post, dataclasses.replace(post, layer_norm_large_model=True)):
+        torch.manual_seed(0)
+        model = BertForPreTraining(config, ActivationCheckpointing(enabled=True, interval=2)).train()
+        kept[config.layer_norm_large_model] = planner.profile_peak_bytes(lambda m=model: m(**data))
+    planned = {flag: planner.activation_bytes(dataclasses.replace(post, layer_norm_large_model=flag), batch, seq, 10,
+                                              "fp32", CPU, True, 2).saved for flag in (False, True)}
+    assert planned[True] - planned[False] == 2 * batch * seq * post.hidden_size * 4
+    assert kept[True] - kept[False] == pytest.approx(planned[True] - planned[False], rel=0.05), kept
+
+
 def test_zero2_partitions_the_later_layers_gradients_and_holds_a_reduce_bucket():
     config = _config("bert-large")
     kwargs = dict(device=planner.get_device("gaudi2"), zero_stage=2, micro_batch=8, seq_len=512,

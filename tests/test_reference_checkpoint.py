@@ -167,6 +167,11 @@ def test_another_config_is_refused_naming_the_tensors(tmp_path):
                                               r"bert.encoder.layer.0.attention.ln.bias, .*; unused "
                                               r"bert.embeddings.LayerNorm.bias, "):
         load_initial_weights(tiny_model(2, pre_layer_norm=True), path)
+    # Habana deepspeed-bert's pre-LN block has these very names: refused for its reason, not loaded.
+    with pytest.raises(CheckpointError, match=r"ckpt_7038.pt: --config_file has layer_norm_large_model true \(Habana "
+                                              r"deepspeed-bert's pre-LN block\), but a ckpt_<step>.pt holds a post-LN "
+                                              r"BERT; pass the --config_file matching their bert_config.json"):
+        load_initial_weights(tiny_model(2, layer_norm_large_model=True), path)
     with pytest.raises(CheckpointError, match=r"its tensors are not this model's: unused bert.pooler.dense.bias, "
                                               r"bert.pooler.dense.weight, cls.seq_relationship.bias, "
                                               r"cls.seq_relationship.weight \(4\); pass"):

@@ -317,6 +317,20 @@ def test_checkpoints_saved_before_the_masking_budget_was_recorded_still_resume()
         check_resume_identity(Path("out/checkpoints/step00000008"), before, _identity(optimizer="adamw"), Path("in"))
 
 
+def test_checkpoints_saved_before_layer_norm_large_model_existed_still_resume():
+    """Their record's model lacks layer_norm_large_model: it means false, the model they trained."""
+    from modeling import BertConfig
+
+    model = {k: v for k, v in BertConfig.from_dict(TINY_MODEL).to_dict().items() if k != "initializer_range"}
+    assert model["layer_norm_large_model"] is False
+    before = _identity() | {"model": {k: v for k, v in model.items() if k != "layer_norm_large_model"}}
+    check_resume_identity(Path("out/checkpoints/step00000008"), before, _identity() | {"model": model}, Path("in"))
+    habana = _identity() | {"model": model | {"layer_norm_large_model": True}}
+    with pytest.raises(RunConfigError, match=r"step00000008 was trained with another model config "
+                                             r"\(layer_norm_large_model False there, True in --config_file\)"):
+        check_resume_identity(Path("out/checkpoints/step00000008"), before, habana, Path("in"))
+
+
 def test_deepspeed_flag_is_required(capsys):
     with pytest.raises(SystemExit):
         parse_args(REQUIRED[1:])

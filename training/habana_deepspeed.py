@@ -10,12 +10,13 @@ stage 1), `<tag>/bf16_zero_pp_rank_<r>_mp_rank_00_optim_states.pt` holding the f
 `<tag>/state_<rank>` files and, once their phase 2 has started there, `<tag>_phase2_adjusted` copies.
 
 Their parameter names and vocabulary padding are those of their ckpt_<step>.pt (training/reference_checkpoint.py):
-Hugging Face's except `dense_act`, the tied `cls.predictions.decoder.weight`, 30522 -> 30528 rows. Only their
-post-LN model loads: their pre-LN switch (`layer_norm_large_model`, true in their bert_1.5b_config.json) keeps the
-same tensors but computes another function than any config of ours. It normalizes the embeddings and keeps them out
-of the residual stream (layer 0's residual starts at zero), and each LayerNorm normalizes the residual stream after
-a sublayer is added, so the last layer's output LayerNorm is the final one; our pre-LN blocks (Megatron-BERT's) add
-the raw embeddings to the residual stream. Their tensors cannot tell the two apart: --config_file says which.
+Hugging Face's except `dense_act`, the tied `cls.predictions.decoder.weight`, 30522 -> 30528 rows. Their pre-LN
+switch (`layer_norm_large_model`, true in their bert_1.5b_config.json) keeps the same tensors but computes another
+function: it normalizes the embeddings and keeps them out of the residual stream, and each LayerNorm normalizes the
+residual stream after a sublayer is added. Our config field of the same name builds that block
+(modeling.BertLayer.forward_split_residual); our `pre_layer_norm` is Megatron-BERT's pre-LN, which adds the raw
+embeddings to the residual stream and has other tensors. Their tensors cannot tell their two layouts apart:
+--config_file says which.
 """
 
 from __future__ import annotations
@@ -28,11 +29,9 @@ from modeling import BertConfig, BertForPreTraining
 from training.checkpoint import LATEST, MODEL_STATES, RUN_STATE, CheckpointError
 from training.reference_checkpoint import load_their_weights, our_names, their_parameters
 
-FIX = ("pass a --config_file describing their model: post-LN with the NSP head (pre_layer_norm false, "
-       "next_sentence_prediction true) and their config's sizes")
-PRE_LN = ("their pre-LN model (layer_norm_large_model true, as in their bert_1.5b_config.json) keeps the embeddings "
-          "out of the residual stream, which no config of ours computes, so its weights cannot start a run here; "
-          "only their post-LN model (layer_norm_large_model false) loads, with a post-LN --config_file")
+FIX = ("pass a --config_file describing their model: their config's sizes, the NSP head "
+       "(next_sentence_prediction true) and their layer_norm_large_model (true for their pre-LN models, as in their "
+       "bert_1.5b_config.json; false or absent for post-LN)")
 
 
 def deepspeed_tag(init: Path) -> tuple[Path, str] | None:
@@ -67,10 +66,13 @@ def deepspeed_tag(init: Path) -> tuple[Path, str] | None:
 
 
 def check_config(tag_dir: Path, config: BertConfig) -> None:
-    """Before anything is read: a pre-LN --config_file is refused for its reason (the strict load would only
-    name the tensors)."""
+    """Before anything is read: a Megatron pre-LN --config_file is refused for its reason (the strict load would
+    only name the tensors)."""
     if config.pre_layer_norm:
-        raise CheckpointError(f"{tag_dir}: --config_file is pre-LN (pre_layer_norm true), but {PRE_LN}")
+        raise CheckpointError(f"{tag_dir}: --config_file is Megatron-BERT's pre-LN block (pre_layer_norm true), which "
+                              "is not theirs; for their pre-LN model (layer_norm_large_model true in their config) "
+                              "write \"layer_norm_large_model\": true and \"pre_layer_norm\": false, as in "
+                              "configs/models/bert-1.5b-deepspeed-bert.json")
 
 
 def load_deepspeed_reference(model: BertForPreTraining, tag_dir: Path, weights: dict[str, torch.Tensor],

@@ -253,8 +253,9 @@ def activation_bytes(
     [tokens, intermediate] tensors (GELU input and output); LayerNorm mean/rstd. "Composed" attention
     keeps q, k, v, the probabilities, the dropout mask and the dropped probabilities
     (3 x [batch, heads, seq, seq]); "fused" keeps the output and a [batch, heads, seq] fp32 log-sum-exp.
-    With checkpointing, each segment of `checkpoint_interval` layers keeps only its input, and one
-    segment is recomputed at a time during backward.
+    With checkpointing, each segment of `checkpoint_interval` layers keeps only its input (two with
+    layer_norm_large_model: the layer input and the residual stream), and one segment is recomputed at a time
+    during backward. Habana's pre-LN block (layer_norm_large_model) saves as much as post-LN without checkpointing.
     """
     e = 2 if precision == "bf16" else 4
     m = device.mask_bytes or e
@@ -282,7 +283,9 @@ def activation_bytes(
     pooler = 2 * b * h * e if config.next_sentence_prediction else 0
 
     if checkpoint_activations:
-        encoder = math.ceil(L / checkpoint_interval) * tokens * h * e
+        # layer_norm_large_model: a segment's inputs are the layer input and the residual stream.
+        inputs = 2 if config.layer_norm_large_model else 1
+        encoder = math.ceil(L / checkpoint_interval) * inputs * tokens * h * e
         recompute = min(checkpoint_interval, L) * layer
     else:
         encoder = L * layer
@@ -388,6 +391,12 @@ def profile_peak_bytes(fn) -> int:
         current += nbytes
         peak = max(peak, current)
     return peak
+
+
+def _layout(config: BertConfig) -> str:
+    if config.layer_norm_large_model:
+        return "pre-LN, Habana deepspeed-bert's"
+    return "pre-LN" if config.pre_layer_norm else "post-LN"
 
 
 # ----------------------------------------------------------------------------- FLOPs and time
@@ -528,7 +537,7 @@ def report(args: argparse.Namespace) -> str:
     bf16_optimizer = uses_bf16_optimizer(args.precision, args.zero_stage)
     lines = [
         f"model        {args.config_file}  ({config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-        f"{'pre' if config.pre_layer_norm else 'post'}-LN)",
+        f"{_layout(config)})",
         f"parameters   {parameters:,} (closed form: {parameter_count_formula(config):,})",
         f"setup        {args.devices} x {device.name}, ZeRO-{args.zero_stage}, {args.precision}, micro batch "
         f"{args.micro_batch}, seq {args.seq_len}, {max_predictions} predictions, checkpointing {ckpt}",

@@ -60,6 +60,10 @@ def load_reference_checkpoint(model: BertForPreTraining, path: Path, chosen: str
     """Fill `model` from `path` (a ckpt_<step>.pt) strictly: every parameter of ours from one tensor of
     theirs, every tensor of theirs used. `vocab_tokens`: the size of the shards' vocab.txt, which their
     padded vocabulary must cover. Returns the description for run_info.json."""
+    if model.config.layer_norm_large_model:
+        # Their tensors have the names of Habana's pre-LN block too: the strict load would not notice.
+        raise CheckpointError(f"{path}: --config_file has layer_norm_large_model true (Habana deepspeed-bert's pre-LN "
+                              f"block), but a ckpt_<step>.pt holds a post-LN BERT; {FIX}")
     state = _read(path)
     weights, source = _our_names(path, state)
     load_their_weights(model, path, weights, FIX, vocab_tokens)

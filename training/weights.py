@@ -16,7 +16,14 @@ from pathlib import Path
 
 import torch
 
-from modeling import BertConfig, BertForPreTraining, ConfigError, config_differences, load_hf
+from modeling import (
+    BertConfig,
+    BertForPreTraining,
+    ConfigError,
+    check_hf_exportable,
+    config_differences,
+    load_hf,
+)
 from training.checkpoint import (
     LOAD_ERRORS,
     MODEL_STATES,
@@ -148,7 +155,7 @@ _SUPPORTED = ("point it at the --output_dir of a finished phase-1 run, a Hugging
 # Fields that make two BERTs the same function of their weights (dropout and init do not).
 _ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pre_layer_norm",
-                 "next_sentence_prediction")
+                 "next_sentence_prediction", "layer_norm_large_model")
 
 
 def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: Path | None = None,
@@ -276,6 +283,12 @@ def _load_hf(model: BertForPreTraining, hf_dir: Path) -> str:
     from safetensors import SafetensorError
 
     config_file = hf_dir / "config.json"
+    try:
+        check_hf_exportable(model.config, "--config_file")
+    except ConfigError as e:
+        raise CheckpointError(f"--init_checkpoint {hf_dir} is a Hugging Face model directory, but {e}. Start this "
+                              "model from a run of ours or a checkpoint folder of Habana's deepspeed-bert, or start "
+                              "from this directory with its own architecture (layer_norm_large_model false)") from e
     try:
         source = load_hf(hf_dir, model.config.pad_vocab_size_multiple)
     except (ConfigError, OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
