@@ -240,16 +240,24 @@ def test_a_checkpoints_directory_of_ours_is_not_taken_for_theirs(tmp_path):
 
 
 @pytest.mark.slow
-def test_phase2_runs_from_their_folder(folders, phase1_shards, tmp_path):
-    from tests.test_train_run import base_args, ds_config, ok, run
+def test_phase2_runs_from_their_pre_ln_folder(folders, phase1_shards, tmp_path):
+    """Their BERT-1.5B/5B layout end to end: layer_norm_large_model under DeepSpeed, bf16 with ZeRO-1 and
+    checkpointed encoder layers, from the fp32 masters of their folder (the post-LN folders load alike above)."""
+    from tests.test_train_run import base_args, ds_config, ok, records, run
 
     out = tmp_path / "phase2"
-    ds = ds_config(tmp_path / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
-    ok(run(1, base_args(phase1_shards, out, ROOT / "configs" / "models" / "bert-tiny.json", ds, 2,
-                        num_eval_samples=0, phase2=True, init_checkpoint=folders / "zero")))
+    config = tmp_path / "tiny-habana-pre-ln.json"
+    config.write_text(json.dumps(json.loads((ROOT / "configs" / "models" / "bert-tiny.json").read_text())
+                                 | {"layer_norm_large_model": True}))
+    ds = ds_config(tmp_path / "ds.json", bf16=True, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=1)
+    ok(run(1, base_args(phase1_shards, out, config, ds, 2, num_eval_samples=0, phase2=True,
+                        init_checkpoint=folders / "pre_ln", checkpoint_activations=True)))
     info = json.loads((out / "run_info.json").read_text())
-    tag = folders / "zero" / "7038"
+    tag = folders / "pre_ln" / "7038"
     assert info["init_checkpoint"] == (f"{tag} (Habana deepspeed-bert DeepSpeed checkpoint, fp32 master weights "
                                        f"merged from 1 ZeRO partition(s) (bf16 optimizer) of {tag}; tag 7038 named "
-                                       f"by {folders / 'zero' / 'latest'})")
+                                       f"by {folders / 'pre_ln' / 'latest'})")
     assert info["start_step"] == 0
+    assert json.loads((out / "model_config.json").read_text())["layer_norm_large_model"] is True
+    steps = records(out)
+    assert sorted(steps) == [1, 2] and all(0 < steps[k]["loss"] < 20 for k in steps)
