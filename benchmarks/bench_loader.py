@@ -1,6 +1,7 @@
 """Reading a shard for training: our loader against NVIDIA's, on a shard in NVIDIA's layout.
 
     .venv/bin/python benchmarks/bench_loader.py [--rows 200000] [--batches 300] [--work_dir DIR]
+    .venv/bin/python benchmarks/bench_loader.py --paced [--rows 50000] [--shards 4] [--rate 3000]
 
 Writes one synthetic seq-128 shard of `--rows` rows (random ids, 20 static masks, NVIDIA's keys and
 dtypes) twice: gzip with h5py's automatic chunks, as NVIDIA's and Habana's `create_pretraining_data.py`
@@ -16,6 +17,13 @@ and the peak memory for each (ours / nvidia: ratios of time and of memory, below
 Peak RSS counts the pages of a memory-mapped file the process touched, which are the page cache's,
 shared by every process that maps the file; so the last column is the process's own memory at the end
 (Linux's RssAnon: what it allocated, the shard's arrays among it).
+
+--paced: the stall at shard switches. Writes `--shards` gzip shards of `--rows` rows and has our loader
+(0 workers) feed a consumer that spends 64 / `--rate` seconds on each batch of 64 (a model taking
+`--rate` samples/s), through every shard into the first batch of the next epoch, once without reading the
+next shard ahead and once with it. Prints the wait for the first batch (the first shard's read, in both),
+the worst and the total wait over the batches that enter another shard, and the worst wait of any other
+batch.
 """
 
 from __future__ import annotations
@@ -117,6 +125,53 @@ def run_case(reader: str, shard: Path, batches: int) -> dict:
             "anon_rss_mb": anonymous_rss_mb()}
 
 
+def run_paced(root: Path, rate: float, read_ahead: bool) -> dict:
+    """Waits for batches (seconds) of a consumer taking `rate` samples/s, by kind of batch."""
+    from training.loader import RankSampler, make_loader, open_split
+
+    ds = open_split(root, "training", SEQ, PREDS, VOCAB, seed=1, shuffle=True)
+    ds.read_ahead = read_ahead
+    loader = iter(make_loader(ds, RankSampler(0, BATCH, 0, 1), BATCH, 0))
+    starts = set(np.cumsum(ds.sizes)[:-1].tolist() + [len(ds)])  # the stream positions where a shard begins
+    first, switches, others = 0.0, [], [0.0]
+    for index in range(-(-len(ds) // BATCH) + 1):
+        t = time.perf_counter()
+        next(loader)
+        wait = time.perf_counter() - t
+        span = range(index * BATCH, (index + 1) * BATCH)
+        if index == 0:
+            first = wait
+        elif any(p in starts for p in span[1:]) or span.start in starts:
+            switches.append(wait)
+        else:
+            others.append(wait)
+        time.sleep(BATCH / rate)
+    return {"first": first, "switches": switches, "others_max": max(others)}
+
+
+def paced(a: argparse.Namespace) -> None:
+    with tempfile.TemporaryDirectory(dir=a.work_dir) as tmp:
+        root = Path(tmp)
+        (root / "training").mkdir()
+        t = time.perf_counter()
+        write_shard(root / "training" / "shard_training_0.hdf5", a.rows, "gzip")
+        for i in range(1, a.shards):
+            (root / "training" / f"shard_training_{i}.hdf5").write_bytes((root / "training" / "shard_training_0.hdf5").read_bytes())
+        print(f"wrote {a.shards} gzip shards of {a.rows:,} rows, {time.perf_counter() - t:.0f} s", flush=True)
+        print(f"\nconsumer: {a.rate:,.0f} samples/s in batches of {BATCH}, 0 workers, {a.shards * a.rows:,} samples and "
+              "one batch more\n")
+        print("| next shard | first batch (s) | shard switches | worst switch wait (s) | total switch wait (s) | "
+              "worst other wait (s) |\n|---|---|---|---|---|---|")
+        for ahead in (False, True):
+            out = subprocess.run([sys.executable, __file__, "--rate", str(a.rate), "--_paced", str(root), str(int(ahead))],
+                                 capture_output=True, text=True)
+            if out.returncode:
+                sys.exit(f"the paced consumer failed:\n{out.stderr}")
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"| {'read ahead' if ahead else 'read when entered'} | {r['first']:.3f} | {len(r['switches'])} | "
+                  f"{max(r['switches']):.3f} | {sum(r['switches']):.3f} | {r['others_max']:.3f} |", flush=True)
+
+
 def anonymous_rss_mb() -> float:
     with open("/proc/self/status") as status:
         return next(int(line.split()[1]) for line in status if line.startswith("RssAnon:")) / 1024
@@ -124,14 +179,27 @@ def anonymous_rss_mb() -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=200_000, help="rows of the synthetic shard")
+    p.add_argument("--rows", type=int, default=None, help="rows of the synthetic shard (default 200,000; "
+                   "50,000 with --paced)")
     p.add_argument("--batches", type=int, default=300, help="batches of 64 each reader takes")
     p.add_argument("--work_dir", type=Path, default=None, help="where the shards go (default: a temporary dir)")
+    p.add_argument("--paced", action="store_true", help="the stall at shard switches, with and without read-ahead")
+    p.add_argument("--shards", type=int, default=4, help="--paced: gzip shards of --rows rows each")
+    p.add_argument("--rate", type=float, default=3000.0, help="--paced: samples/s the consumer takes")
     p.add_argument("--_case", nargs=2, metavar=("READER", "SHARD"), help=argparse.SUPPRESS)
+    p.add_argument("--_paced", nargs=2, metavar=("ROOT", "AHEAD"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a._paced:
+        print(json.dumps(run_paced(Path(a._paced[0]), a.rate, bool(int(a._paced[1])))))
+        return
+    if a.paced:
+        a.rows = a.rows or 50_000
+        paced(a)
+        return
     if a._case:
         print(json.dumps(run_case(a._case[0], Path(a._case[1]), a.batches)))
         return
+    a.rows = a.rows or 200_000
     with tempfile.TemporaryDirectory(dir=a.work_dir) as tmp:
         shards = {}
         for name, compression in (("gzip", "gzip"), ("uncompressed", None)):

@@ -21,6 +21,7 @@ from data.create import CreateConfig, create
 from data.shard import ShardConfig, shard
 from modeling import IGNORE_INDEX
 from training.loader import (
+    OPEN_FILES,
     DataConfigError,
     RankSampler,
     find_shards,
@@ -234,7 +235,73 @@ def test_at_most_two_shards_are_open_per_process(phase1_shards, tmp_path):
         ds[position]
         seen.add(ds.locate(position)[0])
         assert len(ds._files) <= 2
+        assert ds._ahead is None  # a mapped shard reads nothing ahead
     assert len(seen) == 4
+
+
+def _gzip_shards(phase1_shards: Path, dst: Path, copies: int) -> Path:
+    """phase1_shards' training shards, `copies` times each, as gzip datasets (NVIDIA's layout)."""
+    dst.mkdir()
+    for i, src in enumerate(find_shards(phase1_shards, "training") * copies):
+        with h5py.File(src, "r") as fin, h5py.File(dst / f"x_training_{i}.hdf5", "w") as fout:
+            for key in fin:
+                fout.create_dataset(key, data=fin[key][()], compression="gzip")
+            fout.attrs.update(fin.attrs)
+    return dst
+
+
+def test_the_next_compressed_shard_is_read_ahead_within_the_bound(phase1_shards, tmp_path):
+    """When the stream opens a compressed shard, the shard it enters next (in this epoch's order or the
+    next epoch's) is read in the background; the switch takes those arrays instead of reading the shard."""
+    ds = training_set(_gzip_shards(phase1_shards, tmp_path / "gz", copies=2))
+    starts = [p for p in range(1, 3 * len(ds)) if ds.locate(p)[0] != ds.locate(p - 1)[0]]
+    ds[0]
+    pending = ds._ahead
+    assert pending is not None and pending.shard == ds.locate(starts[0])[0] != ds.locate(0)[0]
+    pending.wait()  # not asked for by any position yet, but read
+    with h5py.File(ds.shards[pending.shard].path, "r") as f:
+        assert np.array_equal(pending._data["input_ids"], f["input_ids"][()])
+    taken = 0
+    for start in starts:
+        shard, pending = ds.locate(start)[0], ds._ahead
+        if shard in ds._files:  # an epoch ending with the shard the next begins with
+            assert pending is None
+        else:
+            assert pending is not None and pending.shard == shard
+            taken += 1
+        batch = list(range(start - 3, start + 3))
+        for position, sample in zip(batch, ds.__getitems__(batch), strict=True):
+            expected = _h5py_sample(ds, position)
+            assert all(np.array_equal(sample[k], expected[k]) for k in expected)
+        if pending is not None:
+            assert ds._files[shard] is pending.result()
+        assert len(ds._files) + (ds._ahead is not None) <= OPEN_FILES
+    # 12 shard visits in 3 epochs (orders 0123, 2013, 3102): no switch where epoch 2 begins with the shard
+    # epoch 1 ends with, and two switches (3 to 2, 3 to 1) re-enter the shard they left, still held.
+    assert (len(starts), taken) == (10, 8)
+
+
+def test_a_corrupt_next_shard_fails_when_the_stream_enters_it(phase1_shards, tmp_path):
+    """A read ahead that fails raises nothing until its shard is used, then the synchronous read's error."""
+    root = _gzip_shards(phase1_shards, tmp_path / "gz", copies=1)
+    ds, synchronous = training_set(root), training_set(root)
+    synchronous.read_ahead = False
+    boundary = int(ds.sizes[ds.locate(0)[0]])  # epoch 0 begins with the whole of one shard
+    path = Path(ds.shards[ds.locate(boundary)[0]].path)
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+    first = list(range(boundary))
+    for a, b in zip(ds.__getitems__(first), synchronous.__getitems__(first), strict=True):
+        assert all(np.array_equal(a[k], b[k]) for k in a)
+    ds._ahead.wait()
+    assert isinstance(ds._ahead._error, OSError)
+    with pytest.raises(OSError) as expected:
+        synchronous[boundary]
+    assert "truncated file" in str(expected.value)
+    for _ in range(2):  # the read ahead's error, then the synchronous read's
+        with pytest.raises(OSError) as raised:
+            ds[boundary]
+        assert type(raised.value) is type(expected.value) and str(raised.value) == str(expected.value)
+    assert np.array_equal(ds[boundary - 1]["input_ids"], synchronous[boundary - 1]["input_ids"])
 
 
 def test_compressed_shards_read_the_same_samples(phase1_shards, tmp_path):
@@ -266,22 +333,23 @@ def test_compressed_shards_decompress_each_chunk_once(phase1_shards, tmp_path, m
     count = 300
     first = [p for p in range(len(plain)) if plain.locate(p)[0] == plain.locate(0)[0]][:count]
     expected = [plain[p] for p in first]
-    real_file, read = h5py.File, [0]
+    real_file, read = h5py.File, {}  # bytes read, by file
 
     class CountingFile(io.FileIO):
         def readinto(self, buffer) -> int:
             n = super().readinto(buffer)
-            read[0] += n
+            read[self.name] = read.get(self.name, 0) + n
             return n
 
     monkeypatch.setattr(h5py, "File", lambda path, *args, **kwargs: real_file(CountingFile(path, "rb"), *args, **kwargs))
     for position, a in zip(first, expected, strict=True):
         b = packed[position]
         assert all(np.array_equal(a[k], b[k]) for k in a)
-    shard = packed.shards[packed.locate(0)[0]]
-    size = Path(shard.path).stat().st_size
-    assert len(first) == count < shard.num_samples
-    assert read[0] <= size, f"read {read[0]:,} bytes of a {size:,}-byte shard for {count} rows"
+    packed._ahead.wait()  # the other shard, read ahead: once too
+    assert len(first) == count < packed.shards[packed.locate(0)[0]].num_samples
+    assert sorted(read) == sorted(s.path for s in packed.shards)
+    for path, n in read.items():
+        assert n <= Path(path).stat().st_size, f"read {n:,} bytes of {path} for {count} rows"
 
 
 def _mapping(array: np.ndarray) -> mmap.mmap | None:
@@ -392,6 +460,21 @@ def test_workers_prefetch_the_same_batches(phase1_shards):
     for a, b in zip(serial, parallel, strict=True):
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert serial[0]["input_ids"].shape == (4, 128) and serial[0]["input_ids"].dtype == torch.int64
+
+
+def test_workers_reading_ahead_give_the_same_batches(phase1_shards, tmp_path):
+    """Across a switch between compressed shards: the main process reading ahead (a thread running when the
+    workers fork), forked workers reading ahead, and uncompressed shards read as they are entered, alike."""
+    ds = training_set(_gzip_shards(phase1_shards, tmp_path / "gz", copies=1))
+    boundary = int(ds.sizes[ds.locate(0)[0]])
+    batches = {}
+    for name, dataset, workers in (("main", ds, 0), ("workers", ds, 2), ("mapped", training_set(phase1_shards), 0)):
+        loader = make_loader(dataset, RankSampler(boundary - 24, 4, 1, 2), 4, num_workers=workers)
+        batches[name] = list(itertools.islice(loader, 6))
+    assert batches["main"][2]["input_ids"].shape == (4, 128)
+    for name in ("workers", "mapped"):
+        for a, b in zip(batches["main"], batches[name], strict=True):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name
 
 
 def test_sequence_length_mismatch_names_file_and_flag(phase1_shards):

@@ -7,7 +7,8 @@ the next `micro_batch * world_size` positions; rank r gets the r-th block of `mi
 So a run resumed at `consumed_samples` sees exactly the samples an uninterrupted run would
 have seen, on any number of ranks. Each DataLoader worker opens the shards itself: an
 uncompressed one is memory-mapped (rows are read as they are indexed, no rank loads it whole), a
-compressed one is read whole and decompressed once.
+compressed one is read whole and decompressed once, and the stream's next shard is read in a background
+thread meanwhile, so that the stream finds it ready.
 
 Shards are ours (data/prepare.py) or NVIDIA's / Habana's (same keys, any integer dtype, no
 file attributes). Shards with `masked_lm_positions` / `masked_lm_ids` use those static masks;
@@ -22,6 +23,7 @@ import mmap
 import os
 import re
 import signal
+import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -39,7 +41,7 @@ REQUIRED_KEYS = ("input_ids", "input_mask", "segment_ids", "next_sentence_labels
 MASK_KEYS = ("masked_lm_positions", "masked_lm_ids")
 BERT_MASKED_LM_PROB = 0.15  # dynamic masking of shards without our attributes (NVIDIA's, Habana's)
 SPLITS = ("training", "test")
-OPEN_FILES = 2  # shards held open (mapped or read) per process
+OPEN_FILES = 2  # shards held open (mapped or read) per process, the one being read ahead among them
 
 
 class DataConfigError(ValueError):
@@ -203,7 +205,7 @@ class PretrainingDataset(Dataset):
     """Map-style dataset indexed by stream position (any non-negative integer, across epochs)."""
 
     def __init__(self, shards: list[ShardInfo], seed: int, max_predictions: int, vocab_size: int,
-                 vocab: MaskingVocab | None, shuffle: bool = True):
+                 vocab: MaskingVocab | None, shuffle: bool = True, read_ahead: bool = True):
         if not shards:
             raise DataConfigError("no shards given")
         if not shards[0].static_masks and vocab is None:
@@ -215,11 +217,13 @@ class PretrainingDataset(Dataset):
         self.vocab_size = vocab_size
         self.vocab = vocab
         self.shuffle = shuffle
+        self.read_ahead = read_ahead  # benchmarks/bench_loader.py --paced compares without it
         self.sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
         self.epoch_size = int(self.sizes.sum())
         self._order_cache: dict[int, tuple[list[int], list[int]]] = {}
         self._rows_cache: dict[tuple[int, int], np.ndarray] = {}
         self._files: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()  # open shards' arrays, by shard
+        self._ahead: _ReadAhead | None = None  # the stream's next shard, being read by a thread of this process
         self._files_pid = -1
 
     def __len__(self) -> int:
@@ -260,20 +264,49 @@ class PretrainingDataset(Dataset):
         shard = order[k]
         return shard, int(self._row_order(epoch, shard)[within - start])
 
-    def _shard_data(self, shard: int) -> dict[str, np.ndarray]:
-        """The shard's datasets as arrays (_read_shard), at most OPEN_FILES shards per process (the stream
-        visits one shard after another)."""
-        if self._files_pid != os.getpid():  # maps and arrays are opened anew in each DataLoader worker
-            self._files, self._files_pid = OrderedDict(), os.getpid()
+    def _next_shard(self, position: int) -> int:
+        """The shard the stream enters after the one holding this position (the next epoch's first after
+        the epoch's last)."""
+        epoch, within = divmod(int(position), self.epoch_size)
+        _, ends = self._epoch_order(epoch)
+        return self.locate(epoch * self.epoch_size + ends[bisect.bisect_right(ends, within)])[0]
+
+    def _shard_data(self, shard: int, position: int) -> dict[str, np.ndarray]:
+        """The shard's datasets as arrays (_read_shard), for a stream position in it. At most OPEN_FILES
+        shards per process, held or being read (the stream visits one shard after another): in a shard
+        with a dataset read whole, the stream's next shard, unless held, is read in a background thread
+        (h5py releases the GIL while it reads), so it is ready when the stream gets there; the least
+        recently used shard is dropped to make room for it. The thread starts in the process that uses
+        the shard, never before a DataLoader worker forks; a failed read ahead raises its error when the
+        shard is used."""
+        if self._files_pid != os.getpid():  # maps, arrays and threads are the process's own
+            self._files, self._ahead, self._files_pid = OrderedDict(), None, os.getpid()
         data = self._files.get(shard)
-        if data is None:
-            if len(self._files) >= OPEN_FILES:
-                self._files.popitem(last=False)  # its maps are unmapped when its last array goes
-            keys = REQUIRED_KEYS + (MASK_KEYS if self.shards[shard].static_masks else ())
-            data = self._files[shard] = _read_shard(self.shards[shard].path, keys)
-        else:
+        if data is not None:
             self._files.move_to_end(shard)
+        else:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and ahead.shard != shard:
+                ahead.wait()  # the stream jumped: the read is dropped when it ends, within the bound
+                ahead = None
+            while len(self._files) >= OPEN_FILES:
+                self._files.popitem(last=False)  # its maps are unmapped when its last array goes
+            if ahead is not None:
+                data = ahead.result()
+            else:
+                data = _read_shard(self.shards[shard].path, self._keys(shard))
+            self._files[shard] = data
+        # Also on re-entering a shard still held (an epoch that begins with the shard the last one ended with).
+        if self.read_ahead and self._ahead is None and not all(_maps_a_file(a) for a in data.values()):
+            following = self._next_shard(position)
+            if following not in self._files:
+                while len(self._files) >= OPEN_FILES:
+                    self._files.popitem(last=False)
+                self._ahead = _ReadAhead(following, self.shards[following].path, self._keys(following))
         return data
+
+    def _keys(self, shard: int) -> tuple[str, ...]:
+        return REQUIRED_KEYS + (MASK_KEYS if self.shards[shard].static_masks else ())
 
     def __getitem__(self, position: int) -> dict[str, np.ndarray]:
         return self.__getitems__([position])[0]
@@ -287,7 +320,7 @@ class PretrainingDataset(Dataset):
         for shard in dict.fromkeys(s for s, _ in located):  # each shard once, in order
             which = [i for i, (s, _) in enumerate(located) if s == shard]
             rows = np.array([located[i][1] for i in which], dtype=np.int64)
-            block = self._read_rows(shard, rows)
+            block = self._read_rows(shard, rows, positions[which[0]])
             static = self.shards[shard].static_masks
             for j, i in enumerate(which):
                 sample = samples[i]
@@ -298,11 +331,12 @@ class PretrainingDataset(Dataset):
                     sample["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
         return samples
 
-    def _read_rows(self, shard: int, rows: np.ndarray) -> dict[str, np.ndarray]:
+    def _read_rows(self, shard: int, rows: np.ndarray, position: int) -> dict[str, np.ndarray]:
         """The rows of a shard as a block per sample key (int64, first axis: rows), checked: an id outside
         the vocabulary or a masked position outside the sequence is an index error in the model (a
-        device-side assert on a GPU), hence an error here that names the file and row."""
-        data = self._shard_data(shard)
+        device-side assert on a GPU), hence an error here that names the file and row. position: one of the
+        rows' stream positions."""
+        data = self._shard_data(shard, position)
         # astype copies: no sample holds a view of a shard's map or array.
         block = {"input_ids": data["input_ids"][rows].astype(np.int64),
                  "token_type_ids": data["segment_ids"][rows].astype(np.int64),
@@ -374,6 +408,41 @@ def _read_shard(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
             arrays[key] = np.ndarray(shape, dtype, buffer=whole, offset=offset)
     arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
     return arrays
+
+
+def _maps_a_file(array: np.ndarray) -> bool:
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return isinstance(array, mmap.mmap)
+
+
+class _ReadAhead:
+    """_read_shard of one shard in a thread of its own, started now. Not a daemon: the interpreter joins it at
+    exit, which waits for one shard's read at most."""
+
+    def __init__(self, shard: int, path: str, keys: tuple[str, ...]):
+        self.shard = shard
+        self._data: dict[str, np.ndarray] | None = None
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._read, args=(path, keys), name=f"read-ahead {path}")
+        self._thread.start()
+
+    def _read(self, path: str, keys: tuple[str, ...]) -> None:
+        try:
+            self._data = _read_shard(path, keys)
+        except Exception as e:  # noqa: BLE001 (any error: kept, raised by result() where the shard is used)
+            self._error = e
+
+    def wait(self) -> None:
+        self._thread.join()
+
+    def result(self) -> dict[str, np.ndarray]:
+        """The shard's arrays, or the read's error, raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._data is not None
+        return self._data
 
 
 class RankSampler(Sampler[int]):
