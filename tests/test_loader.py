@@ -293,12 +293,13 @@ def test_a_corrupt_next_shard_fails_when_the_stream_enters_it(phase1_shards, tmp
     for a, b in zip(ds.__getitems__(first), synchronous.__getitems__(first), strict=True):
         assert all(np.array_equal(a[k], b[k]) for k in a)
     ds._ahead.wait()
-    assert isinstance(ds._ahead._error, OSError)
-    with pytest.raises(OSError) as expected:
+    assert isinstance(ds._ahead._error, DataConfigError)
+    with pytest.raises(DataConfigError) as expected:
         synchronous[boundary]
-    assert "truncated file" in str(expected.value)
+    assert str(expected.value).startswith(f"{path}: cannot read the shard (")
+    assert "truncated file" in str(expected.value) and str(expected.value).endswith("restore it, then resume the run")
     for _ in range(2):  # the read ahead's error, then the synchronous read's
-        with pytest.raises(OSError) as raised:
+        with pytest.raises(DataConfigError) as raised:
             ds[boundary]
         assert type(raised.value) is type(expected.value) and str(raised.value) == str(expected.value)
     assert np.array_equal(ds[boundary - 1]["input_ids"], synchronous[boundary - 1]["input_ids"])

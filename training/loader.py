@@ -389,7 +389,16 @@ def _read_shard(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
     gzip shards) is read whole, each chunk decompressed once: rows come in random order, so every chunk
     is needed again and again (read a row at a time, each row decompressed its chunks anew: 34 rows/s on
     NVIDIA's layout). It costs the dataset's decompressed size in memory in each process that reads it,
-    as in NVIDIA's loader."""
+    as in NVIDIA's loader. A file that cannot be read is an error naming it (the shards were readable
+    when the run inspected them)."""
+    try:
+        return _shard_arrays(path, keys)
+    except OSError as e:
+        raise DataConfigError(f"{path}: cannot read the shard ({e}); it was readable when the run started, so it "
+                              "was changed or damaged since: restore it, then resume the run") from e
+
+
+def _shard_arrays(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
     arrays, mapped = {}, {}
     with h5py.File(path, "r") as f:
         for key in keys:  # one dataset open at a time: reading them whole with all open took 40 MB more
