@@ -141,7 +141,7 @@ def run_paced(root: Path, rate: float, read_ahead: bool) -> dict:
         span = range(index * BATCH, (index + 1) * BATCH)
         if index == 0:
             first = wait
-        elif any(p in starts for p in span[1:]) or span.start in starts:
+        elif any(p in starts for p in span):
             switches.append(wait)
         else:
             others.append(wait)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import io
 import itertools
-import mmap
 import os
 import re
 import subprocess
@@ -24,6 +23,7 @@ from training.loader import (
     OPEN_FILES,
     DataConfigError,
     RankSampler,
+    file_map,
     find_shards,
     inspect_shard,
     make_loader,
@@ -353,13 +353,6 @@ def test_compressed_shards_decompress_each_chunk_once(phase1_shards, tmp_path, m
         assert n <= Path(path).stat().st_size, f"read {n:,} bytes of {path} for {count} rows"
 
 
-def _mapping(array: np.ndarray) -> mmap.mmap | None:
-    """The file map an array views, if it views one."""
-    while isinstance(array, np.ndarray):
-        array = array.base
-    return array if isinstance(array, mmap.mmap) else None
-
-
 def _h5py_sample(ds, position: int) -> dict[str, np.ndarray]:
     """A sample as a straightforward h5py read of its row gives it (the loader's output before rows were
     memory-mapped or read whole)."""
@@ -451,7 +444,7 @@ def test_samples_are_the_rows_h5py_reads(phase1_shards, dynamic_shards, tmp_path
         sample, expected = ds[position], _h5py_sample(ds, position)
         assert all(np.array_equal(sample[k], expected[k]) and sample[k].dtype == np.int64 for k in expected)
     for arrays in ds._files.values():
-        assert {k for k, a in arrays.items() if _mapping(a)} == set(arrays if mapped == "all" else mapped) & set(arrays)
+        assert {k for k, a in arrays.items() if file_map(a)} == set(arrays if mapped == "all" else mapped) & set(arrays)
 
 
 def test_workers_prefetch_the_same_batches(phase1_shards):
@@ -630,7 +623,7 @@ def test_open_files_are_not_reused_across_a_fork(phase1_shards, monkeypatch):
     assert all(np.array_equal(before[k], after[k]) for k in before)
     assert list(ds._files) == list(parents) and all(ds._files[k] is not parents[k] for k in parents)
     for index, arrays in parents.items():  # a map of its own; the parent's are left to the parent, readable
-        assert _mapping(ds._files[index]["input_ids"]) is not _mapping(arrays["input_ids"])
+        assert file_map(ds._files[index]["input_ids"]) is not file_map(arrays["input_ids"])
         assert np.array_equal(arrays["input_ids"][0], ds._files[index]["input_ids"][0])
 
 

@@ -289,21 +289,25 @@ class PretrainingDataset(Dataset):
             if ahead is not None and ahead.shard != shard:
                 ahead.wait()  # the stream jumped: the read is dropped when it ends, within the bound
                 ahead = None
-            while len(self._files) >= OPEN_FILES:
-                self._files.popitem(last=False)  # its maps are unmapped when its last array goes
+            self._make_room()
             if ahead is not None:
                 data = ahead.result()
             else:
                 data = _read_shard(self.shards[shard].path, self._keys(shard))
             self._files[shard] = data
         # Also on re-entering a shard still held (an epoch that begins with the shard the last one ended with).
-        if self.read_ahead and self._ahead is None and not all(_maps_a_file(a) for a in data.values()):
+        if self.read_ahead and self._ahead is None and any(file_map(a) is None for a in data.values()):
             following = self._next_shard(position)
             if following not in self._files:
-                while len(self._files) >= OPEN_FILES:
-                    self._files.popitem(last=False)
+                self._make_room()
                 self._ahead = _ReadAhead(following, self.shards[following].path, self._keys(following))
         return data
+
+    def _make_room(self) -> None:
+        """Drop least recently used shards until one more fits in OPEN_FILES (a shard's maps are unmapped
+        when its last array goes)."""
+        while len(self._files) >= OPEN_FILES:
+            self._files.popitem(last=False)
 
     def _keys(self, shard: int) -> tuple[str, ...]:
         return REQUIRED_KEYS + (MASK_KEYS if self.shards[shard].static_masks else ())
@@ -419,10 +423,11 @@ def _shard_arrays(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
     return arrays
 
 
-def _maps_a_file(array: np.ndarray) -> bool:
+def file_map(array: np.ndarray) -> mmap.mmap | None:
+    """The file map an array views (_read_shard's memory-mapped datasets), if it views one."""
     while isinstance(array, np.ndarray):
         array = array.base
-    return isinstance(array, mmap.mmap)
+    return array if isinstance(array, mmap.mmap) else None
 
 
 class _ReadAhead:
