@@ -51,6 +51,7 @@ from training.loader import (
     RankSampler,
     make_loader,
     open_split,
+    raised_message,
     tokenization_case,
 )
 from training.metrics import MetricsWriter, Throughput, peak_tflops
@@ -951,8 +952,8 @@ def main(argv: list[str] | None = None) -> int:
         # had already closed its connections once aborted at exit ("terminate called without an
         # active exception") after a finished run.
         dist.barrier()
-    except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+    except USER_ERRORS as e:  # a shard's from a DataLoader worker too, whose traceback torch adds to it
+        print(f"error: {raised_message(e)}", file=sys.stderr)
         return 1
     except OSError as e:  # metrics, run_info.json, starts.jsonl: rank 0's files (checkpoints: CheckpointError)
         print(f"{disk_error(e, output_dir)} (from its last checkpoint)", file=sys.stderr)

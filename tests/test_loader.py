@@ -28,6 +28,7 @@ from training.loader import (
     inspect_shard,
     make_loader,
     open_split,
+    raised_message,
     tokenization_case,
 )
 
@@ -540,6 +541,28 @@ def test_vocab_size_mismatch_is_caught_in_reference_shards_without_attributes(ph
                                               rf"{largest}"):
         ds[position]
     assert training_set(tmp_path, vocab_size=largest + 1)[position]["input_ids"].max() == largest
+
+
+def test_a_shard_error_in_a_dataloader_worker_keeps_its_message(phase1_shards, tmp_path):
+    """torch raises a worker's error again in the main process with a message of its own (the worker's
+    traceback); the run prints the message the error was raised with, as with 0 workers."""
+    src = find_shards(phase1_shards, "training")[0]
+    _to_reference_format(src, tmp_path / "ref_training_0.hdf5")
+    errors = {}
+    for workers in (0, 2):
+        with pytest.raises(DataConfigError) as caught:
+            for _ in make_loader(training_set(tmp_path, vocab_size=2000), RankSampler(0, 4, 0, 1), 4, workers):
+                pass
+        # Only the messages are kept: the error's traceback holds the loader, whose workers stop when it goes
+        # (held to the end, they are left to the interpreter's exit, which they outlive: _worker_init).
+        errors[workers] = (str(caught.value), raised_message(caught.value))
+        del caught
+    assert errors[2][0].startswith("Caught DataConfigError in DataLoader worker process ")
+    assert "Traceback (most recent call last)" in errors[2][0]
+    assert re.fullmatch(r"\S+ref_training_0\.hdf5: row \d+ holds token id \d+, outside the model's vocab_size 2000; "
+                        r"the shards were made with another vocabulary, set vocab_size in --config_file to match it",
+                        errors[0][1])
+    assert errors[2][1] == errors[0][1] == errors[0][0]
 
 
 def test_static_masks_outside_the_sequence_or_vocabulary_name_the_row(phase1_shards, tmp_path):

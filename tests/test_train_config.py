@@ -8,6 +8,7 @@ import json
 import re
 from pathlib import Path
 
+import h5py
 import pytest
 import torch
 
@@ -408,6 +409,38 @@ def test_a_full_disk_under_rank_0s_files_is_one_line_naming_the_path(tmp_path, m
             "--max_steps", "10"]
     assert run_pretraining.main(argv) == 1
     assert capsys.readouterr().err.strip() == line.format(out=out)
+
+
+def test_a_shard_error_from_a_dataloader_worker_is_one_line(phase1_shards, tmp_path, monkeypatch, capsys):
+    """torch raises a worker's error again with the worker's traceback as its message; the run prints the
+    error's own message, as with 0 workers."""
+    import run_pretraining
+    from training.loader import RankSampler, make_loader, open_split
+
+    shards = tmp_path / "reference"  # without our attributes: the vocabulary is checked as rows are read
+    shards.mkdir()
+    with (h5py.File(sorted((phase1_shards / "hdf5" / "training").glob("*.hdf5"))[0]) as fin,
+          h5py.File(shards / "ref_training_0.hdf5", "w") as fout):
+        for key in fin:
+            fout[key] = fin[key][()]
+        largest = int(fin["input_ids"][()].max())
+
+    def train(args):
+        dataset = open_split(shards, "training", 128, 20, largest, seed=1, shuffle=True)
+        for _ in make_loader(dataset, RankSampler(0, 8, 0, 1), 8, args.num_workers):
+            pass
+
+    monkeypatch.setattr(run_pretraining, "train", train)
+    lines = []
+    for workers in ("0", "2"):
+        argv = ["--deepspeed", "--input_dir", str(shards), "--output_dir", str(tmp_path / workers),
+                "--config_file", "m.json", "--max_steps", "10", "--num_workers", workers]
+        assert run_pretraining.main(argv) == 1
+        lines.append(capsys.readouterr().err)
+    assert re.fullmatch(r"error: \S+\.hdf5: row \d+ holds token id \d+, outside the model's vocab_size \d+; the "
+                        r"shards were made with another vocabulary, set vocab_size in --config_file to match it\n",
+                        lines[0])
+    assert lines[1] == lines[0]
 
 
 def test_an_oserror_that_is_not_the_disks_state_keeps_its_traceback(tmp_path, monkeypatch):

@@ -498,6 +498,16 @@ def make_loader(dataset: PretrainingDataset, sampler: RankSampler, micro_batch: 
                       pin_memory=pin_memory)
 
 
+def raised_message(error: Exception) -> str:
+    """The message an error was raised with. torch raises an error from a DataLoader worker again in the
+    main process, of the same type, with a message of its own: "Caught DataConfigError in DataLoader worker
+    process 0.", then the worker's traceback, which ends with the error's type and message."""
+    text, name = str(error), type(error).__name__
+    if not text.startswith(f"Caught {name} in DataLoader worker process"):
+        return text
+    return text.rpartition(f"{name}: ")[2].rstrip("\n")
+
+
 def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions: int, vocab_size: int,
                seed: int, shuffle: bool) -> PretrainingDataset | None:
     """The dataset of one split ("training" or "test"), or None when the directory has no such shards."""
