@@ -25,10 +25,11 @@ but the last uncompressed) and has our loader, through `make_loader` with `--wor
 model taking `--rate` samples/s), through every shard into the first batch of the next epoch, once without
 reading the next shard ahead and once with it. Prints the wait for the first batch (the first shard's read,
 in both; with workers, their start too), the worst and the total wait over the batches that enter another
-shard, the worst wait of any other batch, the total wait after the first batch, and each switch's wait in the
-stream's order, with the storage of the shards it leaves and enters. With workers, batches go to the workers
-in turn, so each worker reads every shard; a worker's stall at a switch may show in a later batch than the
-one entering the shard (the others' prefetched batches come first), hence the total.
+shard, the worst wait of any other batch, the waits over 10 ms after the first batch (stalls: a batch's own
+reading and collating takes 1-3 ms), and each switch's wait in the stream's order, with the storage of the
+shards it leaves and enters. With workers, batches go to the workers in turn, so each worker reads every shard;
+a worker's stall at a switch may show in a later batch than the one entering the shard (the other worker's
+prefetched batches come first), hence the stalls' count and total.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import h5py
 import numpy as np
 
 SEQ, PREDS, BATCH, VOCAB = 128, 20, 64, 30522
+STALL = 0.010  # --paced: a wait longer than this is a stall (seconds)
 KEYS = {"input_ids": (np.int32, SEQ), "input_mask": (np.int8, SEQ), "segment_ids": (np.int8, SEQ),
         "masked_lm_positions": (np.int32, PREDS), "masked_lm_ids": (np.int32, PREDS),
         "next_sentence_labels": (np.int8, None)}
@@ -156,7 +158,8 @@ def run_paced(root: Path, rate: float, read_ahead: bool, workers: int) -> dict:
         else:
             others.append(wait)
         time.sleep(BATCH / rate)
-    return {"first": first, "switches": switches, "others_max": max(others), "others_total": sum(others)}
+    stalls = [wait for wait in [w for w, _, _ in switches] + others if wait > STALL]
+    return {"first": first, "switches": switches, "others_max": max(others), "stalls": stalls}
 
 
 def write_paced_shards(training: Path, kinds: list[str], rows: int) -> None:
@@ -185,7 +188,8 @@ def paced(a: argparse.Namespace) -> None:
         print(f"\nconsumer: {a.rate:,.0f} samples/s in batches of {BATCH}, {a.workers} DataLoader workers, "
               f"{a.shards * a.rows:,} samples and one batch more\n")
         print("| shards | workers | next shard | first batch (s) | shard switches | worst switch wait (s) | "
-              "total switch wait (s) | worst other wait (s) | total wait after the first batch (s) | "
+              f"total switch wait (s) | worst other wait (s) | waits over {STALL * 1000:.0f} ms after the first batch: "
+              "count, total (s) | "
               "each switch: from > to wait (s) |\n|---|---|---|---|---|---|---|---|---|---|")
         short = {"gzip": "gz", "uncompressed": "u"}
         for ahead in (False, True):
@@ -199,7 +203,7 @@ def paced(a: argparse.Namespace) -> None:
                              for wait, left, entered in r["switches"])
             print(f"| {stored} | {a.workers} | {'read ahead' if ahead else 'read when entered'} | {r['first']:.3f} | "
                   f"{len(waits)} | {max(waits, default=0.0):.3f} | {sum(waits):.3f} | {r['others_max']:.3f} | "
-                  f"{sum(waits) + r['others_total']:.3f} | {each} |", flush=True)
+                  f"{len(r['stalls'])}, {sum(r['stalls']):.3f} | {each} |", flush=True)
 
 
 def anonymous_rss_mb() -> float:
