@@ -7,8 +7,8 @@ the next `micro_batch * world_size` positions; rank r gets the r-th block of `mi
 So a run resumed at `consumed_samples` sees exactly the samples an uninterrupted run would
 have seen, on any number of ranks. Each DataLoader worker opens the shards itself: an
 uncompressed one is memory-mapped (rows are read as they are indexed, no rank loads it whole), a
-compressed one is read whole and decompressed once. A shard of the second kind that the stream enters next is
-read in a background thread while the stream reads the one before it, so that the stream finds it ready.
+compressed one is read whole and decompressed once; while the stream reads a shard, the next one, if
+read whole, is read in a background thread, so that the stream finds it ready.
 
 Shards are ours (data/prepare.py) or NVIDIA's / Habana's (same keys, any integer dtype, no
 file attributes). Shards with `masked_lm_positions` / `masked_lm_ids` use those static masks;
