@@ -28,8 +28,8 @@ in both; with workers, their start too), the worst and the total wait over the b
 shard, the worst wait of any other batch, the waits over 10 ms after the first batch (stalls: a batch's own
 reading and collating takes 1-3 ms), and each switch's wait in the stream's order, with the storage of the
 shards it leaves and enters. With workers, batches go to the workers in turn, so each worker reads every shard;
-a worker's stall at a switch may show in a later batch than the one entering the shard (the other worker's
-prefetched batches come first), hence the stalls' count and total.
+the workers' reads take the CPU from each other and from the consumer's process, so a stall may show in
+batches before or after the one entering the shard, hence the stalls' count and total.
 """
 
 from __future__ import annotations
