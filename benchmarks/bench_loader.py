@@ -1,7 +1,8 @@
 """Reading a shard for training: our loader against NVIDIA's, on a shard in NVIDIA's layout.
 
     .venv/bin/python benchmarks/bench_loader.py [--rows 200000] [--batches 300] [--work_dir DIR]
-    .venv/bin/python benchmarks/bench_loader.py --paced [--rows 50000] [--shards 4] [--rate 3000]
+    .venv/bin/python benchmarks/bench_loader.py --paced [--rows 50000] [--shards 4] [--rate 3000] [--workers 0]
+        [--mixed]
 
 Writes one synthetic seq-128 shard of `--rows` rows (random ids, 20 static masks, NVIDIA's keys and
 dtypes) twice: gzip with h5py's automatic chunks, as NVIDIA's and Habana's `create_pretraining_data.py`
@@ -18,12 +19,17 @@ Peak RSS counts the pages of a memory-mapped file the process touched, which are
 shared by every process that maps the file; so the last column is the process's own memory at the end
 (Linux's RssAnon: what it allocated, the shard's arrays among it).
 
---paced: the stall at shard switches. Writes `--shards` gzip shards of `--rows` rows and has our loader
-(0 workers) feed a consumer that spends 64 / `--rate` seconds on each batch of 64 (a model taking
-`--rate` samples/s), through every shard into the first batch of the next epoch, once without reading the
-next shard ahead and once with it. Prints the wait for the first batch (the first shard's read, in both),
-the worst and the total wait over the batches that enter another shard, and the worst wait of any other
-batch.
+--paced: the stall at shard switches. Writes `--shards` gzip shards of `--rows` rows (with `--mixed`, all
+but the last uncompressed) and has our loader, through `make_loader` with `--workers` DataLoader workers
+(prefetch_factor 4, as training), feed a consumer that spends 64 / `--rate` seconds on each batch of 64 (a
+model taking `--rate` samples/s), through every shard into the first batch of the next epoch, once without
+reading the next shard ahead and once with it. Prints the wait for the first batch (the first shard's read,
+in both; with workers, their start too), the worst and the total wait over the batches that enter another
+shard, the worst wait of any other batch, the waits over 10 ms after the first batch (stalls: a batch's own
+reading and collating takes 1-3 ms), and each switch's wait in the stream's order, with the storage of the
+shards it leaves and enters. With workers, batches go to the workers in turn, so each worker reads every shard;
+the workers' reads take the CPU from each other and from the consumer's process, so a stall may show in
+batches before or after the one entering the shard, hence the stalls' count and total.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import h5py
 import numpy as np
 
 SEQ, PREDS, BATCH, VOCAB = 128, 20, 64, 30522
+STALL = 0.010  # --paced: a wait longer than this is a stall (seconds)
 KEYS = {"input_ids": (np.int32, SEQ), "input_mask": (np.int8, SEQ), "segment_ids": (np.int8, SEQ),
         "masked_lm_positions": (np.int32, PREDS), "masked_lm_ids": (np.int32, PREDS),
         "next_sentence_labels": (np.int8, None)}
@@ -125,51 +132,78 @@ def run_case(reader: str, shard: Path, batches: int) -> dict:
             "anon_rss_mb": anonymous_rss_mb()}
 
 
-def run_paced(root: Path, rate: float, read_ahead: bool) -> dict:
-    """Waits for batches (seconds) of a consumer taking `rate` samples/s, by kind of batch."""
+def run_paced(root: Path, rate: float, read_ahead: bool, workers: int) -> dict:
+    """Waits for batches (seconds) of a consumer taking `rate` samples/s, by kind of batch; a switch's wait
+    with the paths of the shards it leaves and enters."""
     from training.loader import RankSampler, make_loader, open_split
 
     ds = open_split(root, "training", SEQ, PREDS, VOCAB, seed=1, shuffle=True)
     ds.read_ahead = read_ahead
-    loader = iter(make_loader(ds, RankSampler(0, BATCH, 0, 1), BATCH, 0))
-    starts = set(np.cumsum(ds.sizes)[:-1].tolist() + [len(ds)])  # the stream positions where a shard begins
+    loader = iter(make_loader(ds, RankSampler(0, BATCH, 0, 1), BATCH, workers))
+    # The stream positions where a shard begins (paced() writes shards of equal size).
+    starts = set(np.cumsum(ds.sizes)[:-1].tolist() + [len(ds)])
     first, switches, others = 0.0, [], [0.0]
     for index in range(-(-len(ds) // BATCH) + 1):
         t = time.perf_counter()
         next(loader)
         wait = time.perf_counter() - t
-        span = range(index * BATCH, (index + 1) * BATCH)
+        # An epoch that begins with the shard the last one ended with has no switch there.
+        entered = [(ds.locate(p - 1)[0], ds.locate(p)[0]) for p in range(index * BATCH, (index + 1) * BATCH)
+                   if p in starts and ds.locate(p - 1)[0] != ds.locate(p)[0]]
         if index == 0:
             first = wait
-        elif any(p in starts for p in span):
-            switches.append(wait)
+        elif entered:
+            left, shard = entered[0]
+            switches.append((wait, ds.shards[left].path, ds.shards[shard].path))
         else:
             others.append(wait)
         time.sleep(BATCH / rate)
-    return {"first": first, "switches": switches, "others_max": max(others)}
+    stalls = [wait for wait in [w for w, _, _ in switches] + others if wait > STALL]
+    return {"first": first, "switches": switches, "others_max": max(others), "stalls": stalls}
+
+
+def write_paced_shards(training: Path, kinds: list[str], rows: int) -> None:
+    """shard_training_{i:03d}.hdf5 stored as kinds[i] says ("gzip" or "uncompressed"): one written per kind,
+    the others copies of it."""
+    written: dict[str, Path] = {}
+    for i, kind in enumerate(kinds):
+        path = training / f"shard_training_{i:03d}.hdf5"
+        if kind in written:
+            path.write_bytes(written[kind].read_bytes())
+        else:
+            write_shard(path, rows, "gzip" if kind == "gzip" else None)
+            written[kind] = path
 
 
 def paced(a: argparse.Namespace) -> None:
+    kinds = ["uncompressed"] * (a.shards - 1) + ["gzip"] if a.mixed else ["gzip"] * a.shards
     with tempfile.TemporaryDirectory(dir=a.work_dir) as tmp:
         root = Path(tmp)
         (root / "training").mkdir()
         t = time.perf_counter()
-        write_shard(root / "training" / "shard_training_0.hdf5", a.rows, "gzip")
-        for i in range(1, a.shards):
-            (root / "training" / f"shard_training_{i}.hdf5").write_bytes((root / "training" / "shard_training_0.hdf5").read_bytes())
-        print(f"wrote {a.shards} gzip shards of {a.rows:,} rows, {time.perf_counter() - t:.0f} s", flush=True)
-        print(f"\nconsumer: {a.rate:,.0f} samples/s in batches of {BATCH}, 0 workers, {a.shards * a.rows:,} samples and "
-              "one batch more\n")
-        print("| next shard | first batch (s) | shard switches | worst switch wait (s) | total switch wait (s) | "
-              "worst other wait (s) |\n|---|---|---|---|---|---|")
+        write_paced_shards(root / "training", kinds, a.rows)
+        kind_of = {str(root / "training" / f"shard_training_{i:03d}.hdf5"): kind for i, kind in enumerate(kinds)}
+        stored = f"{a.shards - 1} uncompressed and 1 gzip" if a.mixed else f"{a.shards} gzip"
+        print(f"wrote {stored} shards of {a.rows:,} rows, {time.perf_counter() - t:.0f} s", flush=True)
+        print(f"\nconsumer: {a.rate:,.0f} samples/s in batches of {BATCH}, {a.workers} DataLoader workers, "
+              f"{a.shards * a.rows:,} samples and one batch more\n")
+        print("| shards | workers | next shard | first batch (s) | shard switches | worst switch wait (s) | "
+              f"total switch wait (s) | worst other wait (s) | waits over {STALL * 1000:.0f} ms after the first batch: "
+              "count, total (s) | "
+              "each switch: from > to wait (s) |\n|---|---|---|---|---|---|---|---|---|---|")
+        short = {"gzip": "gz", "uncompressed": "u"}
         for ahead in (False, True):
-            out = subprocess.run([sys.executable, __file__, "--rate", str(a.rate), "--_paced", str(root), str(int(ahead))],
-                                 capture_output=True, text=True)
+            out = subprocess.run([sys.executable, __file__, "--rate", str(a.rate), "--workers", str(a.workers),
+                                  "--_paced", str(root), str(int(ahead))], capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"the paced consumer failed:\n{out.stderr}")
             r = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"| {'read ahead' if ahead else 'read when entered'} | {r['first']:.3f} | {len(r['switches'])} | "
-                  f"{max(r['switches']):.3f} | {sum(r['switches']):.3f} | {r['others_max']:.3f} |", flush=True)
+            waits = [wait for wait, _, _ in r["switches"]]
+            each = ", ".join(f"{short[kind_of[left]]}>{short[kind_of[entered]]} {wait:.3f}"
+                             for wait, left, entered in r["switches"])
+            print(f"| {stored} | {a.workers} | {'read ahead' if ahead else 'read when entered'} | {r['first']:.3f} | "
+                  f"{len(waits)} | {max(waits, default=0.0):.3f} | {sum(waits):.3f} | {r['others_max']:.3f} | "
+                  f"{len(r['stalls'])}, {sum(r['stalls']):.3f} | {each} |", flush=True)
 
 
 def anonymous_rss_mb() -> float:
@@ -186,11 +220,13 @@ def main() -> None:
     p.add_argument("--paced", action="store_true", help="the stall at shard switches, with and without read-ahead")
     p.add_argument("--shards", type=int, default=4, help="--paced: gzip shards of --rows rows each")
     p.add_argument("--rate", type=float, default=3000.0, help="--paced: samples/s the consumer takes")
+    p.add_argument("--workers", type=int, default=0, help="--paced: DataLoader workers (make_loader's num_workers)")
+    p.add_argument("--mixed", action="store_true", help="--paced: all shards but the last uncompressed")
     p.add_argument("--_case", nargs=2, metavar=("READER", "SHARD"), help=argparse.SUPPRESS)
     p.add_argument("--_paced", nargs=2, metavar=("ROOT", "AHEAD"), help=argparse.SUPPRESS)
     a = p.parse_args()
     if a._paced:
-        print(json.dumps(run_paced(Path(a._paced[0]), a.rate, bool(int(a._paced[1])))))
+        print(json.dumps(run_paced(Path(a._paced[0]), a.rate, bool(int(a._paced[1])), a.workers)))
         return
     if a.paced:
         a.rows = a.rows or 50_000

@@ -242,11 +242,18 @@ def test_at_most_two_shards_are_open_per_process(phase1_shards, tmp_path):
 
 def _gzip_shards(phase1_shards: Path, dst: Path, copies: int) -> Path:
     """phase1_shards' training shards, `copies` times each, as gzip datasets (NVIDIA's layout)."""
+    return _stored_shards(phase1_shards, dst, ["gzip"] * 2 * copies)
+
+
+def _stored_shards(phase1_shards: Path, dst: Path, compressions: list[str | None]) -> Path:
+    """x_training_{i}.hdf5 under dst: phase1_shards' training shards in turn, the i-th file's datasets stored
+    with compressions[i] (None: uncompressed, as ours)."""
     dst.mkdir()
-    for i, src in enumerate(find_shards(phase1_shards, "training") * copies):
-        with h5py.File(src, "r") as fin, h5py.File(dst / f"x_training_{i}.hdf5", "w") as fout:
+    sources = find_shards(phase1_shards, "training")
+    for i, compression in enumerate(compressions):
+        with h5py.File(sources[i % len(sources)], "r") as fin, h5py.File(dst / f"x_training_{i}.hdf5", "w") as fout:
             for key in fin:
-                fout.create_dataset(key, data=fin[key][()], compression="gzip")
+                fout.create_dataset(key, data=fin[key][()], compression=compression)
             fout.attrs.update(fin.attrs)
     return dst
 
@@ -280,6 +287,55 @@ def test_the_next_compressed_shard_is_read_ahead_within_the_bound(phase1_shards,
     # 12 shard visits in 3 epochs (orders 0123, 2013, 3102): no switch where epoch 2 begins with the shard
     # epoch 1 ends with, and two switches (3 to 2, 3 to 1) re-enter the shard they left, still held.
     assert (len(starts), taken) == (10, 8)
+
+
+def test_the_next_shard_is_read_ahead_when_it_is_read_whole_whatever_the_current_one(phase1_shards, tmp_path):
+    """The read ahead follows the next shard's storage, not the current one's: from a mapped shard into a gzip
+    one (only a shard read whole read ahead before, so the switch into gzip stalled), and never into a mapped
+    one (a thread that would only map it), from a gzip shard neither."""
+    ds = training_set(_stored_shards(phase1_shards, tmp_path / "mixed", [None, None, "gzip", None]))
+    assert [s.read_whole for s in ds.shards] == [False, False, True, False]
+    starts = [0] + [p for p in range(1, 3 * len(ds)) if ds.locate(p)[0] != ds.locate(p - 1)[0]]
+    visits = [(ds.locate(start)[0], start) for start in starts]
+    # Epochs 0-2 visit 0 1 2 3 | 2 0 1 3 | 3 1 0 2 (the last shard of one epoch is the first of the next: one visit).
+    assert [entered for entered, _ in visits] == [0, 1, 2, 3, 2, 0, 1, 3, 1, 0, 2]
+    ahead = []
+    for entered, start in visits:
+        pending, batch = ds._ahead, list(range(start, start + 3))
+        for position, sample in zip(batch, ds.__getitems__(batch), strict=True):
+            expected = _h5py_sample(ds, position)
+            assert all(np.array_equal(sample[k], expected[k]) for k in expected)
+        if pending is not None:  # the switch took the arrays read ahead
+            assert pending.shard == entered and ds._files[entered] is pending.result()
+        ahead.append(None if ds._ahead is None else (entered, ds._ahead.shard))
+        assert len(ds._files) + (ds._ahead is not None) <= OPEN_FILES
+    # Shard 2 begins epoch 1 while still held from epoch 0's end: nothing to read ahead in shard 3.
+    assert ahead == [None, (1, 2), None, None, None, None, None, None, None, (0, 2), None]
+
+
+def test_a_stream_with_an_end_reads_no_shard_ahead_past_it(phase1_shards, tmp_path):
+    """Evaluation reads positions [0, --num_eval_samples): a shard that begins at the end or after is not
+    read ahead (it never would be used); one that begins before it is."""
+    root = _gzip_shards(phase1_shards, tmp_path / "gz", copies=1)
+
+    def evaluation_set(stream_end: int | None):
+        return open_split(root, "training", 128, 20, VOCAB, seed=1, shuffle=False, stream_end=stream_end)
+
+    boundary = int(evaluation_set(None).sizes[0])  # not shuffled: shard 0, then shard 1
+    for stream_end in (boundary, boundary - 5):
+        ds = evaluation_set(stream_end)
+        for start in range(0, stream_end, 8):
+            ds.__getitems__(list(range(start, min(start + 8, stream_end))))
+            assert ds._ahead is None, stream_end
+        assert list(ds._files) == [0]
+    for stream_end in (boundary + 1, None):
+        ds = evaluation_set(stream_end)
+        ds[0]
+        pending = ds._ahead
+        assert pending is not None and pending.shard == 1, stream_end
+        assert np.array_equal(ds[boundary]["input_ids"], _h5py_sample(ds, boundary)["input_ids"])
+        assert ds._files[1] is pending.result()
+        assert list(ds._files) == [0, 1] and ds._ahead is None  # the next epoch begins with shard 0, held
 
 
 def test_a_corrupt_next_shard_fails_when_the_stream_enters_it(phase1_shards, tmp_path):
@@ -446,6 +502,7 @@ def test_samples_are_the_rows_h5py_reads(phase1_shards, dynamic_shards, tmp_path
         assert all(np.array_equal(sample[k], expected[k]) and sample[k].dtype == np.int64 for k in expected)
     for arrays in ds._files.values():
         assert {k for k, a in arrays.items() if file_map(a)} == set(arrays if mapped == "all" else mapped) & set(arrays)
+    assert [s.read_whole for s in ds.shards] == [mapped != "all"] * len(ds.shards)  # as inspect_shard found them
 
 
 def test_workers_prefetch_the_same_batches(phase1_shards):

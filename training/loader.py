@@ -7,8 +7,8 @@ the next `micro_batch * world_size` positions; rank r gets the r-th block of `mi
 So a run resumed at `consumed_samples` sees exactly the samples an uninterrupted run would
 have seen, on any number of ranks. Each DataLoader worker opens the shards itself: an
 uncompressed one is memory-mapped (rows are read as they are indexed, no rank loads it whole), a
-compressed one is read whole and decompressed once, and the stream's next shard is read in a background
-thread meanwhile, so that the stream finds it ready.
+compressed one is read whole and decompressed once; while the stream reads a shard, the next one, if
+read whole, is read in a background thread, so that the stream finds it ready.
 
 Shards are ours (data/prepare.py) or NVIDIA's / Habana's (same keys, any integer dtype, no
 file attributes). Shards with `masked_lm_positions` / `masked_lm_ids` use those static masks;
@@ -57,6 +57,9 @@ class ShardInfo:
     masked_lm_prob: float = BERT_MASKED_LM_PROB
     whole_word_masking: bool = False
     lower_case: bool | None = None  # whether the text was lower-cased; None: the shard does not say
+    # Whether the loader reads a dataset of the shard whole (_read_shard), not through a map of the file: the
+    # stream reads such a shard ahead. False in a ShardInfo made by hand, not by inspect_shard: none read ahead.
+    read_whole: bool = False
 
 
 def find_shards(input_dir: Path, split: str) -> list[Path]:
@@ -105,8 +108,9 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
             raise DataConfigError(f"{path}: has '{present[0]}' but not its partner; static masks need both "
                                   f"{' and '.join(MASK_KEYS)}")
         static = len(present) == 2
+        keys = REQUIRED_KEYS + tuple(present)  # those the loader reads
         n = f["input_ids"].shape[0]
-        for key in REQUIRED_KEYS + tuple(present):
+        for key in keys:
             ds = f[key]
             if not np.issubdtype(ds.dtype, np.integer):
                 raise DataConfigError(f"{path}: dataset '{key}' has dtype {ds.dtype}; expected an integer dtype")
@@ -131,6 +135,7 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
                         f"{path}: '{key}' holds {f[key].shape[1]} predictions per sequence but "
                         f"--max_predictions_per_seq is {max_predictions}; pass --max_predictions_per_seq "
                         f"{f[key].shape[1]}")
+        read_whole = any(contiguous_offset(f[key]) is None for key in keys)
         attrs = dict(f.attrs)
     _check_attrs(path, attrs, static, max_seq_length, max_predictions, vocab_size)
     prob = float(attrs.get("masked_lm_prob", BERT_MASKED_LM_PROB))
@@ -138,7 +143,7 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
         raise DataConfigError(f"{path}: attribute masked_lm_prob={prob} is outside (0, 1); recreate the shards")
     return ShardInfo(path=str(path), num_samples=int(n), static_masks=static, masked_lm_prob=prob,
                      whole_word_masking=bool(attrs.get("whole_word_masking", 0)),
-                     lower_case=bool(attrs["lower_case"]) if "lower_case" in attrs else None)
+                     lower_case=bool(attrs["lower_case"]) if "lower_case" in attrs else None, read_whole=read_whole)
 
 
 def _check_attrs(path: Path, attrs: dict, static: bool, seq: int, preds: int, vocab_size: int) -> None:
@@ -205,7 +210,8 @@ class PretrainingDataset(Dataset):
     """Map-style dataset indexed by stream position (any non-negative integer, across epochs)."""
 
     def __init__(self, shards: list[ShardInfo], seed: int, max_predictions: int, vocab_size: int,
-                 vocab: MaskingVocab | None, shuffle: bool = True, read_ahead: bool = True):
+                 vocab: MaskingVocab | None, shuffle: bool = True, read_ahead: bool = True,
+                 stream_end: int | None = None):
         if not shards:
             raise DataConfigError("no shards given")
         if not shards[0].static_masks and vocab is None:
@@ -218,6 +224,8 @@ class PretrainingDataset(Dataset):
         self.vocab = vocab
         self.shuffle = shuffle
         self.read_ahead = read_ahead  # benchmarks/bench_loader.py --paced compares without it
+        # The position the stream stops before (evaluation's): no shard that begins there or later is read ahead.
+        self.stream_end = stream_end
         self.sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
         self.epoch_size = int(self.sizes.sum())
         self._order_cache: dict[int, tuple[list[int], list[int]]] = {}
@@ -264,21 +272,24 @@ class PretrainingDataset(Dataset):
         shard = order[k]
         return shard, int(self._row_order(epoch, shard)[within - start])
 
-    def _next_shard(self, position: int) -> int:
-        """The shard the stream enters after the one holding this position (the next epoch's first after
-        the epoch's last)."""
+    def _next_visit(self, position: int) -> tuple[int, int]:
+        """(the position where the stream leaves the shard holding this position, the shard it enters there:
+        the next in this epoch's order, or the next epoch's first after the epoch's last)."""
         epoch, within = divmod(int(position), self.epoch_size)
-        _, ends = self._epoch_order(epoch)
-        return self.locate(epoch * self.epoch_size + ends[bisect.bisect_right(ends, within)])[0]
+        order, ends = self._epoch_order(epoch)
+        k = bisect.bisect_right(ends, within)
+        if k + 1 < len(order):
+            return epoch * self.epoch_size + ends[k], order[k + 1]
+        return (epoch + 1) * self.epoch_size, self._epoch_order(epoch + 1)[0][0]
 
     def _shard_data(self, shard: int, position: int) -> dict[str, np.ndarray]:
         """The shard's datasets as arrays (_read_shard), for a stream position in it. At most OPEN_FILES
-        shards per process, held or being read (the stream visits one shard after another): in a shard
-        with a dataset read whole, the stream's next shard, unless held, is read in a background thread
-        (h5py releases the GIL while it reads), so it is ready when the stream gets there; the least
-        recently used shard is dropped to make room for it. The thread starts in the process that uses
-        the shard, never before a DataLoader worker forks; a failed read ahead raises its error when the
-        shard is used."""
+        shards per process, held or being read (the stream visits one shard after another): when the
+        stream's next shard has a dataset read whole (ShardInfo.read_whole), is not held and begins before
+        stream_end, it is read in a background thread (h5py releases the GIL while it reads), whatever the
+        current shard's storage, so it is ready when the stream gets there; the least recently used shard
+        is dropped to make room for it. The thread starts in the process that uses the shard, never before
+        a DataLoader worker forks; a failed read ahead raises its error when the shard is used."""
         if self._files_pid != os.getpid():  # maps, arrays and threads are the process's own
             self._files, self._ahead, self._files_pid = OrderedDict(), None, os.getpid()
         data = self._files.get(shard)
@@ -295,13 +306,20 @@ class PretrainingDataset(Dataset):
             else:
                 data = _read_shard(self.shards[shard].path, self._keys(shard))
             self._files[shard] = data
-        # Also on re-entering a shard still held (an epoch that begins with the shard the last one ended with).
-        if self.read_ahead and self._ahead is None and any(file_map(a) is None for a in data.values()):
-            following = self._next_shard(position)
-            if following not in self._files:
-                self._make_room()
-                self._ahead = _ReadAhead(following, self.shards[following].path, self._keys(following))
+        # Checked on every batch (a few list lookups): also on re-entering a shard still held (an epoch that
+        # begins with the shard the last one ended with) and after a jump dropped a read ahead.
+        if self.read_ahead and self._ahead is None:
+            self._start_read_ahead(position)
         return data
+
+    def _start_read_ahead(self, position: int) -> None:
+        """Start reading the shard the stream enters after this position's, if it is read whole, not held,
+        and the stream reaches it."""
+        begins, following = self._next_visit(position)
+        if (self.shards[following].read_whole and following not in self._files
+                and (self.stream_end is None or begins < self.stream_end)):
+            self._make_room()
+            self._ahead = _ReadAhead(following, self.shards[following].path, self._keys(following))
 
     def _make_room(self) -> None:
         """Drop least recently used shards until one more fits in OPEN_FILES (a shard's maps are unmapped
@@ -407,9 +425,7 @@ def _shard_arrays(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
     with h5py.File(path, "r") as f:
         for key in keys:  # one dataset open at a time: reading them whole with all open took 40 MB more
             ds = f[key]
-            # Where the dataset's bytes start in the file, as one C-order array; HDF5 answers None for any
-            # other storage: chunked (and so filtered), compact, in external files, or never written.
-            offset = ds.id.get_offset()
+            offset = contiguous_offset(ds)
             if offset is None:
                 arrays[key] = ds[:]
             else:
@@ -421,6 +437,13 @@ def _shard_arrays(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
             arrays[key] = np.ndarray(shape, dtype, buffer=whole, offset=offset)
     arrays["next_sentence_labels"] = arrays["next_sentence_labels"].reshape(-1)
     return arrays
+
+
+def contiguous_offset(ds: h5py.Dataset) -> int | None:
+    """Where the dataset's bytes start in the file, as one C-order array: _read_shard maps it there. HDF5
+    answers None for any other storage (chunked, and so filtered; compact; in external files; never
+    written), which _read_shard reads whole."""
+    return ds.id.get_offset()
 
 
 def file_map(array: np.ndarray) -> mmap.mmap | None:
@@ -509,8 +532,9 @@ def raised_message(error: Exception) -> str:
 
 
 def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions: int, vocab_size: int,
-               seed: int, shuffle: bool) -> PretrainingDataset | None:
-    """The dataset of one split ("training" or "test"), or None when the directory has no such shards."""
+               seed: int, shuffle: bool, stream_end: int | None = None) -> PretrainingDataset | None:
+    """The dataset of one split ("training" or "test"), or None when the directory has no such shards.
+    stream_end: the position the stream stops before, if it stops (evaluation reads [0, stream_end))."""
     paths = find_shards(input_dir, split)
     if not paths:
         return None
@@ -526,4 +550,4 @@ def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions
         except PipelineError as e:
             raise DataConfigError(str(e)) from e
     return PretrainingDataset(shards, seed=seed, max_predictions=max_predictions, vocab_size=vocab_size,
-                              vocab=masking_vocab, shuffle=shuffle)
+                              vocab=masking_vocab, shuffle=shuffle, stream_end=stream_end)
