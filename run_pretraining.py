@@ -48,6 +48,7 @@ from training.checkpoint import CheckpointError
 from training.loader import (
     TOKENIZATION,
     DataConfigError,
+    PretrainingDataset,
     RankSampler,
     make_loader,
     open_split,
@@ -737,6 +738,27 @@ def start_lines(info: dict, args: argparse.Namespace, train_set, eval_set) -> li
 # ----------------------------------------------------------------------------- the run
 
 
+def open_data(args: argparse.Namespace, vocab_size: int) -> tuple[PretrainingDataset, PretrainingDataset | None]:
+    """The training set and, when the run evaluates, the test set of --input_dir."""
+    train_set = open_split(args.input_dir, "training", args.max_seq_length, args.max_predictions_per_seq,
+                           vocab_size, args.seed, shuffle=True)
+    if train_set is None:
+        raise DataConfigError(f"--input_dir {args.input_dir}: no training shards found under it (.hdf5 files in a "
+                              "training/ directory or named like wikicorpus_en_training_0.hdf5)")
+    eval_set = None
+    if args.num_eval_samples:
+        # Each evaluation reads positions [0, --num_eval_samples) (`evaluate`): no shard past them is read ahead.
+        eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,
+                              vocab_size, args.seed, shuffle=False, stream_end=args.num_eval_samples)
+    if args.num_eval_samples and eval_set is None:
+        when = f"every {args.eval_freq} steps" if args.eval_freq else "at the end of the run"
+        raise DataConfigError(f"--num_eval_samples {args.num_eval_samples} evaluates {when}, but there are no test "
+                              f"shards under --input_dir {args.input_dir} (.hdf5 files in a test/ directory or "
+                              "named like wikicorpus_en_test_0.hdf5); add them, or pass --num_eval_samples 0 "
+                              "to train without evaluation")
+    return train_set, eval_set
+
+
 def train(args: argparse.Namespace) -> dict:
     """One phase of pretraining. Returns a summary (also written to <output_dir>/run_info.json)."""
     acc = accel.setup(args.local_rank)
@@ -748,22 +770,7 @@ def train(args: argparse.Namespace) -> dict:
     if args.max_seq_length > config.max_position_embeddings:
         raise RunConfigError(f"--max_seq_length {args.max_seq_length} exceeds max_position_embeddings "
                              f"{config.max_position_embeddings} of {args.config_file}")
-    train_set = open_split(args.input_dir, "training", args.max_seq_length, args.max_predictions_per_seq,
-                           config.vocab_size, args.seed, shuffle=True)
-    if train_set is None:
-        raise DataConfigError(f"--input_dir {args.input_dir}: no training shards found under it (.hdf5 files in a "
-                              "training/ directory or named like wikicorpus_en_training_0.hdf5)")
-    eval_set = None
-    if args.num_eval_samples:
-        # Each evaluation reads positions [0, --num_eval_samples) (`evaluate`): no shard past them is read ahead.
-        eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,
-                              config.vocab_size, args.seed, shuffle=False, stream_end=args.num_eval_samples)
-    if args.num_eval_samples and eval_set is None:
-        when = f"every {args.eval_freq} steps" if args.eval_freq else "at the end of the run"
-        raise DataConfigError(f"--num_eval_samples {args.num_eval_samples} evaluates {when}, but there are no test "
-                              f"shards under --input_dir {args.input_dir} (.hdf5 files in a test/ directory or "
-                              "named like wikicorpus_en_test_0.hdf5); add them, or pass --num_eval_samples 0 "
-                              "to train without evaluation")
+    train_set, eval_set = open_data(args, config.vocab_size)
     lower_case = tokenization_case(train_set, eval_set)
     identity = run_identity(args, train_set, sizes, config, bool(ds_config.get("bf16", {}).get("enabled")))
 

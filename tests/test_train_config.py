@@ -20,6 +20,7 @@ from run_pretraining import (
     RunConfigError,
     check_resume_identity,
     load_ds_config,
+    open_data,
     parse_args,
     resolve_batch_sizes,
     shard_dirs,
@@ -441,6 +442,17 @@ def test_a_shard_error_from_a_dataloader_worker_is_one_line(phase1_shards, tmp_p
                         r"shards were made with another vocabulary, set vocab_size in --config_file to match it\n",
                         lines[0])
     assert lines[1] == lines[0]
+
+
+def test_the_evaluation_set_ends_where_each_evaluation_stops_reading(phase1_shards, tmp_path):
+    """The test set's stream ends at --num_eval_samples, so no shard past the evaluated positions is read
+    ahead (training.loader); the training stream never ends."""
+    argv = ["--deepspeed", "--input_dir", str(phase1_shards), "--output_dir", str(tmp_path), "--config_file", "m.json",
+            "--max_steps", "10", "--num_eval_samples", "48"]
+    train_set, eval_set = open_data(parse_args(argv), 30522)
+    assert (train_set.stream_end, eval_set.stream_end) == (None, 48)
+    assert [Path(s.path).parent.name for s in train_set.shards + eval_set.shards] == ["training", "training", "test"]
+    assert open_data(parse_args([*argv, "--num_eval_samples", "0"]), 30522)[1] is None
 
 
 def test_an_oserror_that_is_not_the_disks_state_keeps_its_traceback(tmp_path, monkeypatch):
