@@ -747,9 +747,10 @@ def open_data(args: argparse.Namespace, vocab_size: int) -> tuple[PretrainingDat
                               "training/ directory or named like wikicorpus_en_training_0.hdf5)")
     eval_set = None
     if args.num_eval_samples:
-        # Each evaluation reads positions [0, --num_eval_samples) (`evaluate`): no shard past them is read ahead.
+        # Each evaluation reads the first --num_eval_samples positions, the test set once at most (`evaluate`):
+        # no shard past them is read ahead.
         eval_set = open_split(args.input_dir, "test", args.max_seq_length, args.max_predictions_per_seq,
-                              vocab_size, args.seed, shuffle=False, stream_end=args.num_eval_samples)
+                              vocab_size, args.seed, shuffle=False, eval_samples=args.num_eval_samples)
     if args.num_eval_samples and eval_set is None:
         when = f"every {args.eval_freq} steps" if args.eval_freq else "at the end of the run"
         raise DataConfigError(f"--num_eval_samples {args.num_eval_samples} evaluates {when}, but there are no test "

@@ -319,7 +319,7 @@ def test_a_stream_with_an_end_reads_no_shard_ahead_past_it(phase1_shards, tmp_pa
     root = _gzip_shards(phase1_shards, tmp_path / "gz", copies=1)
 
     def evaluation_set(stream_end: int | None):
-        return open_split(root, "training", 128, 20, VOCAB, seed=1, shuffle=False, stream_end=stream_end)
+        return open_split(root, "training", 128, 20, VOCAB, seed=1, shuffle=False, eval_samples=stream_end)
 
     boundary = int(evaluation_set(None).sizes[0])  # not shuffled: shard 0, then shard 1
     for stream_end in (boundary, boundary - 5):
@@ -336,6 +336,23 @@ def test_a_stream_with_an_end_reads_no_shard_ahead_past_it(phase1_shards, tmp_pa
         assert np.array_equal(ds[boundary]["input_ids"], _h5py_sample(ds, boundary)["input_ids"])
         assert ds._files[1] is pending.result()
         assert list(ds._files) == [0, 1] and ds._ahead is None  # the next epoch begins with shard 0, held
+
+
+def test_an_evaluation_past_the_test_set_reads_no_shard_of_a_next_epoch_ahead(phase1_shards, tmp_path):
+    """--num_eval_samples above the test set's size evaluates the test set once (run_pretraining.evaluate):
+    the stream ends with the epoch, so its last shard reads no shard of the next epoch ahead."""
+    root = _gzip_shards(phase1_shards, tmp_path / "gz", copies=2)  # 4 shards: the first is not held at the last
+
+    def last_shard_ahead(eval_samples: int | None) -> int | None:
+        ds = open_split(root, "training", 128, 20, VOCAB, seed=1, shuffle=False, eval_samples=eval_samples)
+        last = len(ds) - int(ds.sizes[-1])
+        ds[last]
+        return None if ds._ahead is None else ds._ahead.shard
+
+    ds = open_split(root, "training", 128, 20, VOCAB, seed=1, shuffle=False, eval_samples=10**9)
+    assert ds.stream_end == len(ds)
+    assert last_shard_ahead(10**9) is None
+    assert last_shard_ahead(None) == 0  # a training stream goes on into the next epoch
 
 
 def test_a_corrupt_next_shard_fails_when_the_stream_enters_it(phase1_shards, tmp_path):

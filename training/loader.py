@@ -532,9 +532,10 @@ def raised_message(error: Exception) -> str:
 
 
 def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions: int, vocab_size: int,
-               seed: int, shuffle: bool, stream_end: int | None = None) -> PretrainingDataset | None:
+               seed: int, shuffle: bool, eval_samples: int | None = None) -> PretrainingDataset | None:
     """The dataset of one split ("training" or "test"), or None when the directory has no such shards.
-    stream_end: the position the stream stops before, if it stops (evaluation reads [0, stream_end))."""
+    eval_samples: the stream stops after its first eval_samples positions, one epoch at most (evaluation
+    reads those): its stream_end."""
     paths = find_shards(input_dir, split)
     if not paths:
         return None
@@ -549,5 +550,6 @@ def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions
             masking_vocab = MaskingVocab.from_file(vocab)
         except PipelineError as e:
             raise DataConfigError(str(e)) from e
+    stream_end = None if eval_samples is None else min(eval_samples, sum(s.num_samples for s in shards))
     return PretrainingDataset(shards, seed=seed, max_predictions=max_predictions, vocab_size=vocab_size,
                               vocab=masking_vocab, shuffle=shuffle, stream_end=stream_end)
