@@ -19,6 +19,7 @@ import torch
 from data.create import CreateConfig, create
 from data.shard import ShardConfig, shard
 from modeling import IGNORE_INDEX
+from tests.conftest import drain, no_workers_left
 from training.loader import (
     OPEN_FILES,
     DataConfigError,
@@ -625,12 +626,9 @@ def test_a_shard_error_in_a_dataloader_worker_keeps_its_message(phase1_shards, t
     errors = {}
     for workers in (0, 2):
         with pytest.raises(DataConfigError) as caught:
-            for _ in make_loader(training_set(tmp_path, vocab_size=2000), RankSampler(0, 4, 0, 1), 4, workers):
-                pass
-        # Only the messages are kept: the error's traceback holds the loader, whose workers stop when it goes
-        # (held to the end, they are left to the interpreter's exit, which they outlive: _worker_init).
+            drain(make_loader(training_set(tmp_path, vocab_size=2000), RankSampler(0, 4, 0, 1), 4, workers))
         errors[workers] = (str(caught.value), raised_message(caught.value))
-        del caught
+        no_workers_left()
     assert errors[2][0].startswith("Caught DataConfigError in DataLoader worker process ")
     assert "Traceback (most recent call last)" in errors[2][0]
     assert re.fullmatch(r"\S+ref_training_0\.hdf5: row \d+ holds token id \d+, outside the model's vocab_size 2000; "

@@ -27,6 +27,7 @@ from run_pretraining import (
     start_lines,
     write_run_files,
 )
+from tests.conftest import drain, no_workers_left
 from training.loader import ShardInfo
 
 
@@ -428,8 +429,7 @@ def test_a_shard_error_from_a_dataloader_worker_is_one_line(phase1_shards, tmp_p
 
     def train(args):
         dataset = open_split(shards, "training", 128, 20, largest, seed=1, shuffle=True)
-        for _ in make_loader(dataset, RankSampler(0, 8, 0, 1), 8, args.num_workers):
-            pass
+        drain(make_loader(dataset, RankSampler(0, 8, 0, 1), 8, args.num_workers))
 
     monkeypatch.setattr(run_pretraining, "train", train)
     lines = []
@@ -438,6 +438,7 @@ def test_a_shard_error_from_a_dataloader_worker_is_one_line(phase1_shards, tmp_p
                 "--config_file", "m.json", "--max_steps", "10", "--num_workers", workers]
         assert run_pretraining.main(argv) == 1
         lines.append(capsys.readouterr().err)
+        no_workers_left()
     assert re.fullmatch(r"error: \S+\.hdf5: row \d+ holds token id \d+, outside the model's vocab_size \d+; the "
                         r"shards were made with another vocabulary, set vocab_size in --config_file to match it\n",
                         lines[0])
