@@ -603,10 +603,11 @@ def eval_record(sums: torch.Tensor, nsp: bool) -> dict:
     return {"loss": loss, **record, "samples": int(n), "masked_tokens": int(masked)}
 
 
-def evaluate(engine, dataset, args, sizes: BatchSizes, acc: accel.Accelerator) -> dict:
-    """Losses and accuracies over the first --num_eval_samples test samples (all ranks): `eval_record`."""
-    limit = min(args.num_eval_samples, len(dataset))
-    sampler = RankSampler(0, sizes.micro_batch, dist.get_rank(), dist.get_world_size(), limit=limit)
+def evaluate(engine, dataset: PretrainingDataset, sizes: BatchSizes, acc: accel.Accelerator) -> dict:
+    """Losses and accuracies over the first --num_eval_samples test samples, the test set at most: the
+    positions before the set's stream_end (open_data). All ranks; `eval_record`."""
+    assert dataset.stream_end is not None
+    sampler = RankSampler(0, sizes.micro_batch, dist.get_rank(), dist.get_world_size(), limit=dataset.stream_end)
     nsp = engine.module.config.next_sentence_prediction
     sums = torch.zeros(6, dtype=torch.float64)
     engine.eval()
@@ -908,7 +909,7 @@ def train(args: argparse.Namespace) -> dict:
                 # Evaluation and checkpoints stay out of the throughput window: it measures training.
                 if eval_set is not None and args.eval_freq and step % args.eval_freq == 0 and step < args.max_steps:
                     with meter.excluded():
-                        writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
+                        writer.log({"step": step, **evaluate(engine, eval_set, sizes, acc)}, prefix="eval")
                 if step % args.num_steps_per_checkpoint == 0 or step == args.max_steps:
                     with meter.excluded():
                         checkpoint.save(engine, ckpt_dir, step, consumed, args.seed, guard.counts(), identity,
@@ -932,7 +933,7 @@ def train(args: argparse.Namespace) -> dict:
                        else f"--steps_this_run {args.steps_this_run} done")
                 writer.note(f"{why} at step {step} of {args.max_steps}: {saved}", file=sys.stderr)
             elif eval_set is not None and (step > start_step or final_evaluation_missing(writer, step)):
-                writer.log({"step": step, **evaluate(engine, eval_set, args, sizes, acc)}, prefix="eval")
+                writer.log({"step": step, **evaluate(engine, eval_set, sizes, acc)}, prefix="eval")
         finally:
             writer.close()
         return {**info, "rank": rank, "final_step": step, "stopped_by_signal": stopped, "paused": paused,

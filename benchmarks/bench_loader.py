@@ -218,7 +218,8 @@ def main() -> None:
     p.add_argument("--batches", type=int, default=300, help="batches of 64 each reader takes")
     p.add_argument("--work_dir", type=Path, default=None, help="where the shards go (default: a temporary dir)")
     p.add_argument("--paced", action="store_true", help="the stall at shard switches, with and without read-ahead")
-    p.add_argument("--shards", type=int, default=4, help="--paced: gzip shards of --rows rows each")
+    p.add_argument("--shards", type=int, default=4, help="--paced: shards of --rows rows each (gzip; with --mixed, "
+                   "all but the last uncompressed)")
     p.add_argument("--rate", type=float, default=3000.0, help="--paced: samples/s the consumer takes")
     p.add_argument("--workers", type=int, default=0, help="--paced: DataLoader workers (make_loader's num_workers)")
     p.add_argument("--mixed", action="store_true", help="--paced: all shards but the last uncompressed")

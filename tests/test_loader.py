@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import itertools
+import mmap
 import os
 import re
 import subprocess
@@ -24,7 +25,6 @@ from training.loader import (
     OPEN_FILES,
     DataConfigError,
     RankSampler,
-    file_map,
     find_shards,
     inspect_shard,
     make_loader,
@@ -40,6 +40,13 @@ def training_set(shards: Path, seed: int = 1, **kwargs):
     values = {"max_seq_length": 128, "max_predictions": 20, "vocab_size": VOCAB} | kwargs
     return open_split(shards, "training", values["max_seq_length"], values["max_predictions"], values["vocab_size"],
                       seed=seed, shuffle=True)
+
+
+def file_map(array: np.ndarray) -> mmap.mmap | None:
+    """The file map an array views (the loader's memory-mapped datasets), if it views one."""
+    while isinstance(array, np.ndarray):
+        array = array.base
+    return array if isinstance(array, mmap.mmap) else None
 
 
 def positions(sampler: RankSampler, count: int) -> list[int]:

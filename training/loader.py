@@ -223,7 +223,9 @@ class PretrainingDataset(Dataset):
         self.vocab_size = vocab_size
         self.vocab = vocab
         self.shuffle = shuffle
-        self.read_ahead = read_ahead  # benchmarks/bench_loader.py --paced compares without it
+        # Off where no shard is read whole (nothing to read ahead, no per-batch look-up of the next shard);
+        # benchmarks/bench_loader.py --paced compares without it.
+        self.read_ahead = read_ahead and any(s.read_whole for s in shards)
         # The position the stream stops before (evaluation's): no shard that begins there or later is read ahead.
         self.stream_end = stream_end
         self.sizes = np.array([s.num_samples for s in shards], dtype=np.int64)
@@ -444,13 +446,6 @@ def contiguous_offset(ds: h5py.Dataset) -> int | None:
     answers None for any other storage (chunked, and so filtered; compact; in external files; never
     written), which _read_shard reads whole."""
     return ds.id.get_offset()
-
-
-def file_map(array: np.ndarray) -> mmap.mmap | None:
-    """The file map an array views (_read_shard's memory-mapped datasets), if it views one."""
-    while isinstance(array, np.ndarray):
-        array = array.base
-    return array if isinstance(array, mmap.mmap) else None
 
 
 class _ReadAhead:
