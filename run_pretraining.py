@@ -50,6 +50,7 @@ from training.loader import (
     DataConfigError,
     PretrainingDataset,
     RankSampler,
+    batches_of,
     make_loader,
     open_split,
     raised_message,
@@ -866,7 +867,7 @@ def train(args: argparse.Namespace) -> dict:
 
         loader = make_loader(train_set, RankSampler(consumed, sizes.micro_batch, rank, world), sizes.micro_batch,
                              args.num_workers, pin_memory=acc.name == "cuda")
-        batches = iter(loader)
+        batches = batches_of(loader)
         engine.train()
         try:
             while step < args.max_steps:

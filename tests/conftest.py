@@ -260,16 +260,11 @@ def wiki_mirror(sample_dump, multistream_sample):
 
 
 def drain(loader) -> None:
-    """Iterate a DataLoader to its end; a worker's error is raised again with this frame's traceback only.
-    torch raises it from a frame that holds it: a reference cycle through its traceback, which keeps the
-    loader alive until the cycle collector frees it. That closes the loader's queues before the loader stops
-    its workers, so they never get the word to stop, and pytest hung at exit waiting for them (they ignore
-    SIGTERM: training.loader._worker_init; run_pretraining.script exits past them)."""
-    try:
-        for _ in loader:
-            pass
-    except Exception as e:  # noqa: BLE001 (any error: the same one, without torch's frames)
-        raise e.with_traceback(None)  # noqa: B904 (the same error, not a new one)
+    """Iterate a DataLoader to its end, as training does (training.loader.batches_of)."""
+    from training.loader import batches_of
+
+    for _ in batches_of(loader):
+        pass
 
 
 def no_workers_left() -> None:

@@ -876,3 +876,34 @@ def test_steps_with_nonfinite_gradients_in_a_row_stop_the_run(phase1_shards, tmp
     assert ("error: 3 optimizer steps in a row had non-finite gradients after step 0 (3 in total); DeepSpeed "
             "skipped their updates and the run has diverged") in result.stderr
     assert records(out) == {} and not (out / "checkpoints").exists()
+
+
+IN_PROCESS_MAIN = "import sys, run_pretraining; sys.exit(run_pretraining.main(sys.argv[1:]))"
+
+
+@pytest.mark.slow
+def test_a_program_calling_main_itself_exits_after_a_dataloader_workers_error(phase1_shards, tmp_path):
+    """The command exits past its DataLoader workers (run_pretraining.script); a program of the user's own that
+    calls main() did not: after a shard error from a worker, main returned 1 and the interpreter then waited
+    at exit for workers that were never told to stop (they ignore SIGTERM). torch raises a worker's error from
+    a frame that holds it, so the loader lived in a reference cycle until the cycle collector closed its
+    queues first (training.loader.batches_of)."""
+    shards = tmp_path / "reference"  # without our attributes: the vocabulary is checked as rows are read
+    shards.mkdir()
+    for src in sorted((phase1_shards / "hdf5").rglob("*.hdf5")):
+        to_reference_format(src, shards / src.name)
+    model = write_json(tmp_path / "small_vocab.json", TINY | {"vocab_size": 2000})
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=4, train_micro_batch_size_per_gpu=4,
+                   gradient_accumulation_steps=1)
+    args = with_flag(base_args(shards, tmp_path / "out", model, ds, 4), "--num_workers", "2")
+    cmd, env = command(1, args)
+    proc = subprocess.Popen([sys.executable, "-c", IN_PROCESS_MAIN, *args], env=env, cwd=ROOT, text=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the workers too: they ignore SIGTERM
+        pytest.fail(f"the process did not exit in 120 s; its stderr ends:\n{proc.communicate()[1][-3000:]}")
+    assert proc.returncode == 1, err[-3000:]
+    assert re.search(r"^error: \S+\.hdf5: row \d+ holds token id \d+, outside the model's vocab_size 2000; ", err,
+                     re.MULTILINE), err[-3000:]

@@ -24,6 +24,7 @@ import os
 import re
 import signal
 import threading
+import traceback
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -514,6 +515,22 @@ def make_loader(dataset: PretrainingDataset, sampler: RankSampler, micro_batch: 
     return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, num_workers=num_workers,
                       prefetch_factor=4 if num_workers else None, worker_init_fn=_worker_init if num_workers else None,
                       pin_memory=pin_memory)
+
+
+def batches_of(loader: DataLoader) -> Iterator[dict]:
+    """The loader's batches. A DataLoader worker's error is raised with the locals of torch's frames in its
+    traceback cleared. torch raises it from a frame that holds it: a reference cycle through the traceback,
+    which kept the loader's iterator alive until the cycle collector freed it. The collector closes the
+    iterator's queues before the iterator tells its workers to stop, so they never stop, and as they ignore
+    SIGTERM (_worker_init) the interpreter waited for them at exit for good. Cleared, the iterator goes at
+    once and stops its workers, even while the caller keeps the error. With no workers, nothing is cleared:
+    the frames are the dataset's own, worth keeping for a debugger."""
+    try:
+        yield from loader
+    except Exception as e:
+        if loader.num_workers:
+            traceback.clear_frames(e.__traceback__)
+        raise
 
 
 def raised_message(error: Exception) -> str:
