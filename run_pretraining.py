@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -535,19 +536,72 @@ class StepResult:
     totals: torch.Tensor  # [loss, mlm_loss, nsp_loss, mlm_accuracy] summed over micro batches and ranks
 
 
-def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, guard: NonFiniteGuard,
+class MicroBatches:
+    """This rank's micro batches, each read one micro step ahead of its use, so that the micro step's all-reduce
+    carries whether every rank has its next one. A shard error on one rank (a bad row only its batch holds)
+    then stops every rank with that error where the batch is taken. Raised on that rank alone, it left the
+    others waiting in their next collective until the transport saw the peer gone, or for the process group's
+    timeout. A batch read ahead past the run's last step is never taken: its error fails nothing."""
+
+    def __init__(self, batches: Iterator[dict], device: torch.device):
+        self._batches, self._device = batches, device
+        self._next: dict | None = None
+        self._error: str | None = None
+        self._first = True  # the run's first batch: read by take, before any all-reduce
+        self._any_failed = False
+
+    def _read(self) -> None:
+        try:
+            self._next, self._error = next(self._batches), None
+        except DataConfigError as e:
+            self._next, self._error = None, raised_message(e)
+
+    def read_ahead(self) -> float:
+        """Read the next batch; 1.0 for the micro step's all-reduce if that failed, else 0.0."""
+        self._read()
+        return 1.0 if self._error else 0.0
+
+    def shared(self, any_failed: bool) -> None:
+        """What the all-reduce said: whether any rank failed to read its batch ahead."""
+        self._any_failed = any_failed
+
+    def take(self) -> dict:
+        """The batch read ahead. Collective for the run's first batch, and where a rank failed to read its
+        batch: every rank then raises the first such rank's error."""
+        if self._first:
+            self._first = False
+            self._read()
+            failed = torch.tensor([1.0 if self._error else 0.0], device=self._device)
+            dist.all_reduce(failed)
+            self._any_failed = failed.item() > 0
+        if self._any_failed:
+            raise_shard_error(self._error)
+        batch, self._next = self._next, None
+        return batch
+
+
+def raise_shard_error(error: str | None) -> NoReturn:
+    """Collective, once an all-reduce has said that a rank could not read its batch: every rank raises the
+    error of the first such rank (`error`: this rank's, None if it read its own)."""
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    raise DataConfigError(next(e for e in errors if e))
+
+
+def train_step(engine, batches: MicroBatches, consumed: int, sizes: BatchSizes, seed: int, guard: NonFiniteGuard,
                stop: StopRequest, acc: accel.Accelerator, step: int) -> StepResult:
     """One optimizer step: `grad_accum` accepted micro batches, then DeepSpeed's update.
 
-    One all-reduce per micro batch carries a non-finite flag, the stop request and the four
-    metrics. A micro batch that is non-finite on any rank is dropped on every rank before backward.
-    DeepSpeed itself skips the update when the gradients' global norm is non-finite (every rank sees
-    the same all-reduced norm): weights, optimizer state and lr schedule stay as they were."""
+    One all-reduce per micro batch carries a non-finite flag, the stop request, whether a rank failed
+    to read its next micro batch (MicroBatches) and the four metrics. A micro batch that is non-finite
+    on any rank is dropped on every rank before backward. DeepSpeed itself skips the update when the
+    gradients' global norm is non-finite (every rank sees the same all-reduced norm): weights, optimizer
+    state and lr schedule stay as they were."""
     rank, world = dist.get_rank(), dist.get_world_size()
     totals = torch.zeros(4, dtype=torch.float64)
     accepted, stopped = 0, False
     while accepted < sizes.grad_accum and not stopped:
-        batch = next(batches)
+        batch = batches.take()
         acc.manual_seed(micro_step_seed(seed, consumed, rank))
         consumed += sizes.micro_batch * world
         out = engine(**_model_inputs(batch, acc.device, engine.module.config.next_sentence_prediction))
@@ -556,10 +610,12 @@ def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, gua
         # float32 on the wire (HPUs have no float64); one device-to-host copy per micro batch
         flags = torch.cat([(~finite).float().reshape(1),
                            torch.tensor([1.0 if stop.signal else 0.0], device=metrics.device),
+                           torch.tensor([batches.read_ahead()], device=metrics.device),
                            torch.where(finite, metrics, torch.zeros_like(metrics))])
         dist.all_reduce(flags)
         flags = flags.cpu().double()
         stopped = flags[1].item() > 0
+        batches.shared(flags[2].item() > 0)
         if flags[0].item() > 0:
             guard.batch_loss(False, step)
             continue
@@ -568,7 +624,7 @@ def train_step(engine, batches, consumed: int, sizes: BatchSizes, seed: int, gua
         acc.mark_step()
         engine.step()  # DeepSpeed applies the update at the accumulation boundary
         acc.mark_step()
-        totals += flags[2:]
+        totals += flags[3:]
         accepted += 1
     complete = accepted == sizes.grad_accum
     return StepResult(complete, complete and engine.was_step_applied(), stopped, consumed, totals)
@@ -611,17 +667,24 @@ def evaluate(engine, dataset: PretrainingDataset, sizes: BatchSizes, acc: accel.
     sampler = RankSampler(0, sizes.micro_batch, dist.get_rank(), dist.get_world_size(), limit=dataset.stream_end)
     nsp = engine.module.config.next_sentence_prediction
     sums = torch.zeros(6, dtype=torch.float64)
+    error = None  # a shard error stops this rank's reading; the all-reduce tells the others (MicroBatches)
     engine.eval()
     with torch.no_grad():
-        for batch in make_loader(dataset, sampler, sizes.micro_batch, num_workers=0):
-            inputs = _model_inputs(batch, acc.device, nsp)
-            sums += eval_sums(engine(**inputs), inputs)
-            acc.mark_step()
+        try:
+            for batch in make_loader(dataset, sampler, sizes.micro_batch, num_workers=0):
+                inputs = _model_inputs(batch, acc.device, nsp)
+                sums += eval_sums(engine(**inputs), inputs)
+                acc.mark_step()
+        except DataConfigError as e:
+            error = str(e)
     engine.train()
     # float32 on the wire: HPUs have no float64 (the counts stay exact below 2^24)
-    sums = sums.float().to(acc.device)
+    sums = torch.cat([sums, torch.tensor([1.0 if error else 0.0], dtype=torch.float64)]).float().to(acc.device)
     dist.all_reduce(sums)
-    return eval_record(sums.cpu().double(), nsp)
+    sums = sums.cpu().double()
+    if sums[6].item() > 0:
+        raise_shard_error(error)
+    return eval_record(sums[:6], nsp)
 
 
 RUN_LOCK = ".run.lock"
@@ -867,7 +930,7 @@ def train(args: argparse.Namespace) -> dict:
 
         loader = make_loader(train_set, RankSampler(consumed, sizes.micro_batch, rank, world), sizes.micro_batch,
                              args.num_workers, pin_memory=acc.name == "cuda")
-        batches = batches_of(loader)
+        batches = MicroBatches(batches_of(loader), acc.device)
         engine.train()
         try:
             while step < args.max_steps:

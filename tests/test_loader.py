@@ -627,7 +627,8 @@ def test_vocab_size_mismatch_is_caught_in_reference_shards_without_attributes(ph
 
 def test_a_shard_error_in_a_dataloader_worker_keeps_its_message(phase1_shards, tmp_path):
     """torch raises a worker's error again in the main process with a message of its own (the worker's
-    traceback); the run prints the message the error was raised with, as with 0 workers."""
+    traceback); the run prints the message the error was raised with, as with 0 workers. The workers have
+    stopped while the error is still held (training.loader.batches_of)."""
     src = find_shards(phase1_shards, "training")[0]
     _to_reference_format(src, tmp_path / "ref_training_0.hdf5")
     errors = {}

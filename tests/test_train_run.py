@@ -896,7 +896,7 @@ def test_a_program_calling_main_itself_exits_after_a_dataloader_workers_error(ph
     ds = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=4, train_micro_batch_size_per_gpu=4,
                    gradient_accumulation_steps=1)
     args = with_flag(base_args(shards, tmp_path / "out", model, ds, 4), "--num_workers", "2")
-    cmd, env = command(1, args)
+    _, env = command(1, args)
     proc = subprocess.Popen([sys.executable, "-c", IN_PROCESS_MAIN, *args], env=env, cwd=ROOT, text=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
     try:
@@ -907,3 +907,83 @@ def test_a_program_calling_main_itself_exits_after_a_dataloader_workers_error(ph
     assert proc.returncode == 1, err[-3000:]
     assert re.search(r"^error: \S+\.hdf5: row \d+ holds token id \d+, outside the model's vocab_size 2000; ", err,
                      re.MULTILINE), err[-3000:]
+
+
+def shards_with_a_bad_row(phase1_shards: Path, out: Path, args: list[str], split: str, position: int) -> str:
+    """Reference-format copies of the shards (the vocabulary is checked as rows are read) where the row at
+    `position` of the split's stream, as the run given by `args` orders it, holds token id 40000; returns
+    the message the loader raises for it."""
+    import run_pretraining
+
+    out.mkdir()
+    for src in sorted((phase1_shards / "hdf5").rglob("*.hdf5")):
+        to_reference_format(src, out / src.name)
+    parsed = run_pretraining.parse_args(args)
+    train_set, eval_set = run_pretraining.open_data(parsed, TINY["vocab_size"])
+    dataset = train_set if split == "training" else eval_set
+    shard, row = dataset.locate(position)
+    path = dataset.shards[shard].path
+    with h5py.File(path, "r+") as f:
+        ids = f["input_ids"][row]
+        ids[1] = 40000
+        f["input_ids"][row] = ids
+    return f"{path}: row {row} holds token id 40000, outside the model's vocab_size "
+
+
+def without_a_launcher(nproc: int, args: list[str], logs: Path) -> list[subprocess.CompletedProcess]:
+    """The ranks as plain processes: no launcher stops the others when one fails, so each rank's own exit
+    and stderr show (each rank's stderr goes to a file in `logs`: a full pipe would block it)."""
+    cmd, env = command(1, args)
+    logs.mkdir()
+    procs = []
+    for r in range(nproc):
+        with open(logs / f"rank{r}.err", "w") as err:
+            procs.append(subprocess.Popen(
+                cmd, env=env | {"RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": str(nproc),
+                                "LOCAL_WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1"},
+                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err))
+    try:
+        codes = [p.wait(timeout=180) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    return [subprocess.CompletedProcess(p.args, code, None, (logs / f"rank{r}.err").read_text())
+            for r, (p, code) in enumerate(zip(procs, codes))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split, position", [
+    ("training", 4),  # rank 1's first micro batch (micro batch 4, 2 ranks), read before any all-reduce
+    ("training", 4 + 2 * 8),  # rank 1's in the third step, read ahead at the second's all-reduce
+    ("test", 4),  # rank 1's first evaluation batch
+])
+def test_a_bad_row_on_one_rank_stops_every_rank_with_its_error(phase1_shards, tmp_path, split, position):
+    """Raised on the rank that read the row alone, the error left the other rank waiting in its next collective
+    until gloo saw the peer gone ("Connection closed by peer"; another transport: the process group's
+    timeout). Every rank now raises it (run_pretraining.MicroBatches)."""
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=8, train_micro_batch_size_per_gpu=4,
+                   gradient_accumulation_steps=1)
+    model = write_json(tmp_path / "tiny.json", TINY)
+    args = base_args(tmp_path / "shards", tmp_path / "out", model, ds, 4)
+    message = shards_with_a_bad_row(phase1_shards, tmp_path / "shards", args, split, position)
+    for rank, result in enumerate(without_a_launcher(2, args, tmp_path / "logs")):
+        assert result.returncode == 1, (rank, result.stderr[-3000:])
+        assert f"error: {message}" in result.stderr, (rank, result.stderr[-3000:])
+        assert "Connection closed by peer" not in result.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("steps, code", [(2, 0), (3, 1)])
+def test_a_bad_row_read_ahead_past_the_last_step_fails_nothing(phase1_shards, tmp_path, steps, code):
+    """The batch after the last step is read ahead (MicroBatches) but never taken: a bad row there does not
+    fail a finished run; one step more takes it."""
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=4, train_micro_batch_size_per_gpu=4,
+                   gradient_accumulation_steps=1)
+    model = write_json(tmp_path / "tiny.json", TINY)
+    args = with_flag(base_args(tmp_path / "shards", tmp_path / "out", model, ds, steps), "--num_eval_samples", "0")
+    message = shards_with_a_bad_row(phase1_shards, tmp_path / "shards", args, "training", 8)  # step 3's
+    result = run(1, args)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert (f"error: {message}" in result.stderr) == (code == 1), result.stderr[-3000:]
+    assert len(records(tmp_path / "out")) == 2
