@@ -553,8 +553,8 @@ class MicroBatches:
     def _read(self) -> None:
         try:
             self._next, self._error = next(self._batches), None
-        except DataConfigError as e:
-            self._next, self._error = None, raised_message(e)
+        except DataConfigError as e:  # from a worker: torch's message around it, which main takes off
+            self._next, self._error = None, str(e)
 
     def read_ahead(self) -> float:
         """Read the next batch; 1.0 for the micro step's all-reduce if that failed, else 0.0."""

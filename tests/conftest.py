@@ -259,6 +259,16 @@ def wiki_mirror(sample_dump, multistream_sample):
         httpd.server_close()
 
 
+def to_reference_format(src: Path, dst: Path) -> None:
+    """NVIDIA/Habana-style shard: the same keys in int64, no file attributes (so the loader checks the
+    vocabulary as rows are read)."""
+    import h5py
+
+    with h5py.File(src, "r") as fin, h5py.File(dst, "w") as fout:
+        for key in fin:
+            fout.create_dataset(key, data=fin[key][()].astype("int64"))
+
+
 def drain(loader) -> None:
     """Iterate a DataLoader to its end, as training does (training.loader.batches_of)."""
     from training.loader import batches_of

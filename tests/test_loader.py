@@ -20,7 +20,7 @@ import torch
 from data.create import CreateConfig, create
 from data.shard import ShardConfig, shard
 from modeling import IGNORE_INDEX
-from tests.conftest import drain, no_workers_left
+from tests.conftest import drain, no_workers_left, to_reference_format
 from training.loader import (
     OPEN_FILES,
     DataConfigError,
@@ -145,15 +145,9 @@ def test_static_masks_come_from_the_file(phase1_shards):
         assert (sample["masked_lm_labels"] != IGNORE_INDEX).sum() > 0
 
 
-def _to_reference_format(src: Path, dst: Path) -> None:
-    with h5py.File(src, "r") as fin, h5py.File(dst, "w") as fout:
-        for key in fin:
-            fout.create_dataset(key, data=fin[key][()].astype(np.int64))
-
-
 def test_reference_format_shards_read_the_same_samples(phase1_shards, tmp_path):
     for src in find_shards(phase1_shards, "training"):
-        _to_reference_format(src, tmp_path / src.name.replace("wikicorpus_en", "hdf5_lower_case_1_seq_len_128"))
+        to_reference_format(src, tmp_path / src.name.replace("wikicorpus_en", "hdf5_lower_case_1_seq_len_128"))
     ours, reference = training_set(phase1_shards), training_set(tmp_path)
     assert len(ours) == len(reference)
     for position in range(0, 3 * len(ours), 97):
@@ -607,7 +601,7 @@ def test_vocab_size_mismatch_is_caught_from_attributes(phase1_shards):
 
 def test_vocab_size_mismatch_is_caught_in_reference_shards_without_attributes(phase1_shards, tmp_path):
     src = find_shards(phase1_shards, "training")[0]
-    _to_reference_format(src, tmp_path / "ref_training_0.hdf5")
+    to_reference_format(src, tmp_path / "ref_training_0.hdf5")
     ds = training_set(tmp_path, vocab_size=2000)  # no attributes: found when a sample is read
     with pytest.raises(DataConfigError, match=r"ref_training_0\.hdf5: row \d+ holds token id \d+, outside"):
         for position in range(50):
@@ -630,7 +624,7 @@ def test_a_shard_error_in_a_dataloader_worker_keeps_its_message(phase1_shards, t
     traceback); the run prints the message the error was raised with, as with 0 workers. The workers have
     stopped while the error is still held (training.loader.batches_of)."""
     src = find_shards(phase1_shards, "training")[0]
-    _to_reference_format(src, tmp_path / "ref_training_0.hdf5")
+    to_reference_format(src, tmp_path / "ref_training_0.hdf5")
     errors = {}
     for workers in (0, 2):
         with pytest.raises(DataConfigError) as caught:
@@ -687,7 +681,7 @@ def test_the_shards_case_is_read_and_shards_of_both_cases_are_not_mixed(phase1_s
     reference = tmp_path / "reference"
     reference.mkdir()
     for src in find_shards(phase1_shards, "training"):
-        _to_reference_format(src, reference / src.name)  # no attributes, as NVIDIA's and Habana's
+        to_reference_format(src, reference / src.name)  # no attributes, as NVIDIA's and Habana's
     assert tokenization_case(training_set(reference)) is None
     (tmp_path / "training").mkdir()
     first, second = find_shards(phase1_shards, "training")

@@ -27,7 +27,7 @@ from run_pretraining import (
     start_lines,
     write_run_files,
 )
-from tests.conftest import drain, no_workers_left
+from tests.conftest import drain, no_workers_left, to_reference_format
 from training.loader import ShardInfo
 
 
@@ -421,11 +421,10 @@ def test_a_shard_error_from_a_dataloader_worker_is_one_line(phase1_shards, tmp_p
 
     shards = tmp_path / "reference"  # without our attributes: the vocabulary is checked as rows are read
     shards.mkdir()
-    with (h5py.File(sorted((phase1_shards / "hdf5" / "training").glob("*.hdf5"))[0]) as fin,
-          h5py.File(shards / "ref_training_0.hdf5", "w") as fout):
-        for key in fin:
-            fout[key] = fin[key][()]
-        largest = int(fin["input_ids"][()].max())
+    src = sorted((phase1_shards / "hdf5" / "training").glob("*.hdf5"))[0]
+    to_reference_format(src, shards / "ref_training_0.hdf5")
+    with h5py.File(src) as f:
+        largest = int(f["input_ids"][()].max())
 
     def train(args):
         dataset = open_split(shards, "training", 128, 20, largest, seed=1, shuffle=True)

@@ -22,7 +22,7 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from conftest import ROOT, free_port, lock_held_elsewhere
+from conftest import ROOT, free_port, lock_held_elsewhere, to_reference_format
 
 from modeling import BertConfig, BertForPreTraining
 from training.checkpoint import read_latest
@@ -670,13 +670,6 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(fp32_setup, phase1_shards, tmp
         assert widened[step]["consumed_samples"] == ref[step]["consumed_samples"] == step * 8
         # same samples and weights; dropout masks differ with the rank, so losses are close, not equal
         assert widened[step]["loss"] == pytest.approx(ref[step]["loss"], rel=0.1), step
-
-
-def to_reference_format(src: Path, dst: Path) -> None:
-    """NVIDIA/Habana-style shard: the same keys in int64, no file attributes."""
-    with h5py.File(src, "r") as fin, h5py.File(dst, "w") as fout:
-        for key in fin:
-            fout.create_dataset(key, data=fin[key][()].astype("int64"))
 
 
 @pytest.mark.slow
