@@ -137,8 +137,7 @@ def run_paced(root: Path, rate: float, read_ahead: bool, workers: int) -> dict:
     with the paths of the shards it leaves and enters."""
     from training.loader import RankSampler, make_loader, open_split
 
-    ds = open_split(root, "training", SEQ, PREDS, VOCAB, seed=1, shuffle=True)
-    ds.read_ahead = read_ahead
+    ds = open_split(root, "training", SEQ, PREDS, VOCAB, seed=1, shuffle=True, read_ahead=read_ahead)
     loader = iter(make_loader(ds, RankSampler(0, BATCH, 0, 1), BATCH, workers))
     # The stream positions where a shard begins (paced() writes shards of equal size).
     starts = set(np.cumsum(ds.sizes)[:-1].tolist() + [len(ds)])

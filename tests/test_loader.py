@@ -36,10 +36,10 @@ from training.loader import (
 VOCAB = 30522
 
 
-def training_set(shards: Path, seed: int = 1, **kwargs):
+def training_set(shards: Path, seed: int = 1, read_ahead: bool = True, **kwargs):
     values = {"max_seq_length": 128, "max_predictions": 20, "vocab_size": VOCAB} | kwargs
     return open_split(shards, "training", values["max_seq_length"], values["max_predictions"], values["vocab_size"],
-                      seed=seed, shuffle=True)
+                      seed=seed, shuffle=True, read_ahead=read_ahead)
 
 
 def file_map(array: np.ndarray) -> mmap.mmap | None:
@@ -360,8 +360,8 @@ def test_an_evaluation_past_the_test_set_reads_no_shard_of_a_next_epoch_ahead(ph
 def test_a_corrupt_next_shard_fails_when_the_stream_enters_it(phase1_shards, tmp_path):
     """A read ahead that fails raises nothing until its shard is used, then the synchronous read's error."""
     root = _gzip_shards(phase1_shards, tmp_path / "gz", copies=1)
-    ds, synchronous = training_set(root), training_set(root)
-    synchronous.read_ahead = False
+    ds, synchronous = training_set(root), training_set(root, read_ahead=False)
+    assert ds.read_ahead and not synchronous.read_ahead
     boundary = int(ds.sizes[ds.locate(0)[0]])  # epoch 0 begins with the whole of one shard
     path = Path(ds.shards[ds.locate(boundary)[0]].path)
     path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])

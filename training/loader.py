@@ -544,10 +544,11 @@ def raised_message(error: Exception) -> str:
 
 
 def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions: int, vocab_size: int,
-               seed: int, shuffle: bool, eval_samples: int | None = None) -> PretrainingDataset | None:
+               seed: int, shuffle: bool, eval_samples: int | None = None,
+               read_ahead: bool = True) -> PretrainingDataset | None:
     """The dataset of one split ("training" or "test"), or None when the directory has no such shards.
     eval_samples: the stream stops after its first eval_samples positions, one epoch at most (evaluation
-    reads those): its stream_end."""
+    reads those): its stream_end. read_ahead: False reads every shard when the stream enters it."""
     paths = find_shards(input_dir, split)
     if not paths:
         return None
@@ -564,4 +565,4 @@ def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions
             raise DataConfigError(str(e)) from e
     stream_end = None if eval_samples is None else min(eval_samples, sum(s.num_samples for s in shards))
     return PretrainingDataset(shards, seed=seed, max_predictions=max_predictions, vocab_size=vocab_size,
-                              vocab=masking_vocab, shuffle=shuffle, stream_end=stream_end)
+                              vocab=masking_vocab, shuffle=shuffle, read_ahead=read_ahead, stream_end=stream_end)
