@@ -494,9 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
     p.add_argument("--checkpoint_interval", type=positive_int, default=1,
                    help="layers per checkpointed segment (with --checkpoint_activations)")
-    p.add_argument("--reduce_bucket_size", type=int, default=500_000_000,
-                   help="DeepSpeed zero_optimization.reduce_bucket_size in elements (the ZeRO optimizer's buffer "
-                        "under ZeRO-1/2; bf16 ZeRO-1 runs BF16_Optimizer, which does not use it)")
+    p.add_argument("--reduce_bucket_size", type=positive_int, default=None,
+                   help="DeepSpeed zero_optimization.reduce_bucket_size in elements (default 5e8): the ZeRO "
+                        "optimizer's buffer under ZeRO-1/2, refused elsewhere (bf16 ZeRO-1 runs BF16_Optimizer, "
+                        "which does not use it)")
     p.add_argument("--sequences", type=positive_float, default=None,
                    help="sequences to train (e.g. 7038 steps x 65536 = 4.6e8); prints the time it takes")
     p.add_argument("--mfu", type=float, default=None,
@@ -521,6 +522,12 @@ def report(args: argparse.Namespace) -> str:
     if args.checkpoint_interval != 1 and not args.checkpoint_activations:
         raise ValueError(f"--checkpoint_interval {args.checkpoint_interval} applies to --checkpoint_activations; "
                          "add --checkpoint_activations or drop --checkpoint_interval")
+    if args.reduce_bucket_size is not None and (uses_bf16_optimizer(args.precision, args.zero_stage)
+                                                or args.zero_stage not in (1, 2)):
+        raise ValueError(f"--reduce_bucket_size {args.reduce_bucket_size} sizes the ZeRO optimizer's buffer, which "
+                         f"ZeRO-{args.zero_stage} with {args.precision} does not use; drop it, or plan ZeRO-1/2 "
+                         "with fp32 or fp16 (or ZeRO-2 with bf16)")
+    bucket_elements = 500_000_000 if args.reduce_bucket_size is None else args.reduce_bucket_size
     max_predictions = args.max_predictions or default_max_predictions(args.seq_len)
     if max_predictions > args.seq_len - 3:  # [CLS] and two [SEP] are never masked
         raise ValueError(f"--max_predictions {max_predictions} is more than a sequence of {args.seq_len} can hold "
@@ -529,7 +536,7 @@ def report(args: argparse.Namespace) -> str:
     kwargs = dict(device=device, devices=args.devices, zero_stage=args.zero_stage, seq_len=args.seq_len,
                   max_predictions=max_predictions, precision=args.precision,
                   checkpoint_activations=args.checkpoint_activations, checkpoint_interval=args.checkpoint_interval,
-                  bucket_elements=args.reduce_bucket_size, parameters=parameters)
+                  bucket_elements=bucket_elements, parameters=parameters)
     plan = plan_memory(config, micro_batch=args.micro_batch, **kwargs)
     usable = int(memory * (1 - args.headroom))
     best = largest_micro_batch(config, usable, **kwargs)
