@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from data import lockfile
-from data.cli import HelpFormatter, file_in_the_way, plural
+from data.cli import HelpFormatter, file_in_the_way, given_options, plural
 from data.stage import disk_error
 from modeling import (
     IGNORE_INDEX,
@@ -137,7 +137,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--warmup_proportion", type=float, default=0.2843,
                    help="fraction of --max_steps with linear warm-up")
     g.add_argument("--constant_proportion", type=float, default=0.0,
-                   help="hold the peak learning rate until this fraction of --max_steps (Gaudi 1.5B: 0.3)")
+                   help="hold the peak learning rate until this fraction of --max_steps (Gaudi 1.5B: 0.3); 0 or at least "
+                        "--warmup_proportion")
     g.add_argument("--poly_power", type=float, default=1.0,
                    help="decay exponent after warm-up/constant: 1 = linear (Gaudi 1.5B), 0.5 = NVIDIA BERT")
     g.add_argument("--lr_decay_style", choices=DECAY_STYLES, default="habana",
@@ -177,11 +178,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--local_rank", type=int, default=None,
                    help="set by the deepspeed launcher; LOCAL_RANK in the environment wins")
     args = p.parse_args(argv)
-    check_args(args)
+    check_args(args, given_options(p, argv))
     return args
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args: argparse.Namespace, given: set[str]) -> None:
+    """given: the options the command line names (data.cli.given_options), for those that do not apply."""
     if args.phase2 != (args.init_checkpoint is not None):
         raise RunConfigError("--phase2 and --init_checkpoint go together: phase 2 starts from the phase-1 "
                              "run given by --init_checkpoint")
@@ -201,9 +203,13 @@ def check_args(args: argparse.Namespace) -> None:
     for name in ("eval_freq", "num_eval_samples", "num_workers", "seed"):
         if getattr(args, name) < 0:
             raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if args.checkpoint_activations_interval != 1 and not args.checkpoint_activations:
+    if "checkpoint_activations_interval" in given and not args.checkpoint_activations:
         raise RunConfigError(f"--checkpoint_activations_interval {args.checkpoint_activations_interval} does nothing "
                              "without --checkpoint_activations; add it or drop the interval")
+    if 0 < args.constant_proportion < args.warmup_proportion:
+        raise RunConfigError(f"--constant_proportion {args.constant_proportion} is inside the warm-up "
+                             f"(--warmup_proportion {args.warmup_proportion}): it is where the constant phase ends "
+                             "(0.3 = the peak until 30% of the steps); pass 0 for no constant phase")
     if args.eval_freq and not args.num_eval_samples:
         raise RunConfigError(f"--eval_freq {args.eval_freq} with --num_eval_samples 0 evaluates nothing; "
                              "drop one of them")

@@ -43,6 +43,17 @@ def non_negative_int(text: str) -> int:
     return _int_at_least(text, 0)
 
 
+def given_options(parser: argparse.ArgumentParser, argv: list[str] | None) -> set[str]:
+    """The destinations of the options that `argv` names, whatever their values. A check that an option does
+    not apply must refuse it given at its default value too ("--vocab_size 30522" beside a given vocab),
+    which comparing the parsed value with the default lets through. argparse fills in a default only where
+    the namespace lacks the attribute, so the options still holding the marker were not given."""
+    unset = object()
+    dests = vars(parser.parse_args(argv))
+    probe = parser.parse_args(argv, namespace=argparse.Namespace(**dict.fromkeys(dests, unset)))
+    return {dest for dest, value in vars(probe).items() if value is not unset}
+
+
 def file_in_the_way(path: Path) -> Path | None:
     """The file that stands where the directory `path`, or one above it, would be (None if there is none)."""
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)

@@ -36,7 +36,7 @@ from typing import TypeVar
 from tqdm import tqdm
 
 from data import lockfile
-from data.cli import HelpFormatter, non_negative_int
+from data.cli import HelpFormatter, given_options, non_negative_int
 from data.stage import PipelineError, cli_call
 
 DEFAULT_DUMP_DATE = "20261101"
@@ -551,7 +551,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="retries in a row after a network error, 408, 429 or 5xx (an attempt that gets further "
                         "into the file starts the count again); 0: a single attempt (default: %(default)s)")
     a = p.parse_args(argv)
-    if a.url and a.mirror != DEFAULT_MIRROR:
+    if a.url and "mirror" in given_options(p, argv):
         p.error("--mirror applies to --dump_date; with --url, put the mirror in the URL")
     path = cli_call(lambda args: download(DownloadConfig(args.url or dump_url(args.mirror, args.dump_date),
                                                         args.output_dir, retries=args.retries)), a)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from data import stage
-from data.cli import HelpFormatter, add_workers_argument
+from data.cli import HelpFormatter, add_workers_argument, given_options
 from data.create import (
     CreateConfig,
     add_masking_arguments,
@@ -372,9 +372,10 @@ def main(argv: list[str] | None = None) -> None:
     add_compression_argument(p)
     add_workers_argument(p)
     a = p.parse_args(argv)
-    if a.input and a.mirror != DEFAULT_MIRROR:
+    given = given_options(p, argv)
+    if a.input and "mirror" in given:
         p.error("--mirror applies to --dump_date; with --input, put the mirror in the URL")
-    if a.vocab_file and (a.vocab_size != 30522 or a.limit_alphabet != 1000):
+    if a.vocab_file and given & {"vocab_size", "limit_alphabet"}:
         p.error("--vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given "
                 "--vocab_file")
     problem = preset_predictions_problem(a)

@@ -24,7 +24,7 @@ from tokenizers.pre_tokenizers import BertPreTokenizer
 
 from data import segment as segment_stage
 from data import stage
-from data.cli import HelpFormatter, add_workers_argument, non_negative_int
+from data.cli import HelpFormatter, add_workers_argument, given_options, non_negative_int
 from data.extract import list_parts
 from data.parallel import bounded_map
 from data.stage import PipelineError
@@ -319,10 +319,10 @@ def main(argv: list[str] | None = None) -> None:
                    help="keep case (and accents) when training the vocab; data.tokens needs the same flag")
     add_workers_argument(p, help="processes counting characters (default: the cores, %(default)s here)")
     a = p.parse_args(argv)
-    if a.vocab_file is not None and (a.vocab_size != 30522 or a.min_frequency != 2 or a.limit_alphabet != 1000
-                                     or not a.lower_case):
-        p.error("--vocab_size, --min_frequency, --limit_alphabet and --no_lower_case apply when training "
-                "(--corpus_dir), not with --vocab_file (tokenization case is data.tokens' --no_lower_case)")
+    if a.vocab_file is not None and given_options(p, argv) & {"vocab_size", "min_frequency", "limit_alphabet",
+                                                              "lower_case", "workers"}:
+        p.error("--vocab_size, --min_frequency, --limit_alphabet, --no_lower_case and --workers apply when "
+                "training (--corpus_dir), not with --vocab_file (tokenization case is data.tokens' --no_lower_case)")
     v = stage.cli_call(build_vocab, VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case,
                                                 a.min_frequency, a.limit_alphabet, a.workers))
     print(f"vocab: {v.size} tokens -> {v.path}")

@@ -7,7 +7,7 @@
 # Without VOCAB_FILE a 30,522-token uncased WordPiece vocab is trained on the corpus.
 # Environment (all optional):
 #   DUMP_DATE   enwiki dump date, YYYYMMDD (default 20261101; never "latest")
-#   DUMP        a local dump file or URL instead of downloading DUMP_DATE
+#   DUMP        a local dump file or URL instead of downloading DUMP_DATE (then set neither that nor MIRROR)
 #   MIRROR      dump mirror (default https://dumps.wikimedia.org)
 #   WORKERS     worker processes (default: all cores)
 #   NUM_SHARDS  training shards per phase (default 256); TEST_SHARDS (default 8)
@@ -55,6 +55,9 @@ elif [[ $((10#$TEST_SHARDS)) != 0 && $no_fraction == 1 ]]; then
 fi
 
 if [[ -n ${DUMP:-} ]]; then
+    for var in DUMP_DATE MIRROR; do
+        [[ -z ${!var:-} ]] || env_error "$var" "applies to the download, and DUMP=$DUMP is given instead of one; unset $var, or unset DUMP to download"
+    done
     source_args=(--input "$(absolute "$DUMP")")
 else
     source_args=(--dump_date "${DUMP_DATE:-20261101}" --mirror "${MIRROR:-https://dumps.wikimedia.org}")

@@ -41,6 +41,23 @@ def changed(cfg, default) -> set[str]:
     return {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(default, f.name)}
 
 
+def test_given_options_are_those_named_whatever_their_value():
+    import argparse
+
+    from data.cli import given_options
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--vocab_size", type=int, default=30522)
+    p.add_argument("--name", default="wikicorpus_en")
+    p.add_argument("--no_lower_case", dest="lower_case", action="store_false")
+    p.add_argument("--output_dir", type=Path, required=True)
+    assert given_options(p, ["--output_dir", "o"]) == {"output_dir"}
+    assert given_options(p, ["--output_dir", "o", "--vocab_size", "30522", "--name=wikicorpus_en"]) == \
+        {"output_dir", "vocab_size", "name"}
+    assert given_options(p, ["--output_dir", "o", "--vocab_s", "30522", "--no_lower_case"]) == \
+        {"output_dir", "vocab_size", "lower_case"}  # an abbreviation counts too
+
+
 # ----------------------------------------------------------------------------- data stages
 
 
@@ -197,6 +214,27 @@ def test_prepare_wikicorpus_script_passes_its_settings_to_both_phases(tmp_path):
                       "--text_dir", str(out / "text"), "--num_shards", "9", "--num_test_shards", "3",
                       "--test_fraction", "0.05", "--workers", "5"]
                      for phase, vocab in ((1, tmp_path / "my-vocab.txt"), (2, out / "phase1" / "vocab.txt"))]
+
+
+@pytest.mark.parametrize("var, value", [("DUMP_DATE", "20240101"), ("MIRROR", "https://mirror.example")])
+def test_prepare_wikicorpus_script_refuses_download_settings_beside_a_given_dump(tmp_path, var, value):
+    """They were dropped without a word (data.prepare refuses --mirror beside --input the same way)."""
+    record = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {record}\n')
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("DUMP_DATE", "MIRROR")}
+    env |= {"PYTHON": str(stub), "DUMP": "dump.xml.bz2", var: value}
+    script = ROOT / "scripts" / "prepare_wikicorpus.sh"
+    proc = subprocess.run(["bash", str(script), "out"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stderr) == (2, f"error: environment variable {var} applies to the download, and "
+                                                 f"DUMP=dump.xml.bz2 is given instead of one; unset {var}, or unset "
+                                                 "DUMP to download\n")
+    assert not record.exists()
+    del env[var]
+    assert subprocess.run(["bash", str(script), "out"], cwd=tmp_path, env=env, timeout=60).returncode == 0
+    assert f"--input\n{tmp_path / 'dump.xml.bz2'}\n" in record.read_text()
 
 
 @pytest.mark.parametrize("nodes", [1, 2, 4, 8, 16])

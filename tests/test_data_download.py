@@ -326,6 +326,21 @@ def test_negative_retries_are_refused(wiki_mirror, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("cli", ["download", "prepare"])
+def test_a_mirror_beside_a_url_is_refused_even_the_default_one(cli, tmp_path, capsys):
+    """--mirror set to its default value beside --url / --input did nothing and passed."""
+    from data.download import DEFAULT_MIRROR
+    from data.prepare import main as prepare_main
+
+    main, source = (download_main, "--url") if cli == "download" else (prepare_main, "--input")
+    with pytest.raises(SystemExit) as exc:
+        main([source, "https://example.org/x.xml.bz2", "--mirror", DEFAULT_MIRROR, "--output_dir", str(tmp_path / "o")])
+    assert exc.value.code == 2
+    assert f"error: --mirror applies to --dump_date; with {source}, put the mirror in the URL\n" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("cli", ["download", "prepare"])
 def test_a_malformed_dump_date_is_a_one_line_error(cli, tmp_path):
     """Both command lines answer a bad --dump_date with their usual `error:` line (it was a traceback)."""
     from data.prepare import main as prepare_main

@@ -246,7 +246,8 @@ def test_bad_flags_are_refused_before_any_stage_runs(flags, message, sample_dump
     assert not out.exists()
 
 
-@pytest.mark.parametrize("flag, value", [("--vocab_size", "3000"), ("--limit_alphabet", "500")])
+@pytest.mark.parametrize("flag, value", [("--vocab_size", "3000"), ("--limit_alphabet", "500"),
+                                         ("--vocab_size", "30522"), ("--limit_alphabet", "1000")])  # the defaults
 def test_a_trained_vocab_setting_with_a_given_vocab_is_refused(flag, value, sample_dump, bert_vocab, tmp_path, capsys):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
@@ -256,6 +257,22 @@ def test_a_trained_vocab_setting_with_a_given_vocab_is_refused(flag, value, samp
     assert "error: --vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given " \
            "--vocab_file" in capsys.readouterr().err
     assert not out.exists()
+
+
+@pytest.mark.parametrize("flags", [["--vocab_size", "30522"], ["--min_frequency", "2"], ["--limit_alphabet", "1000"],
+                                   ["--no_lower_case"], ["--workers", "1"]])
+def test_the_vocab_stage_refuses_training_settings_beside_a_given_vocab(flags, bert_vocab, tmp_path, capsys):
+    """Given at their defaults too: they change nothing in a given vocab (--vocab_size 30522 passed before)."""
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exc:
+        vocab_main(["--output_dir", str(out), "--vocab_file", str(bert_vocab), *flags])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "error: --vocab_size, --min_frequency, --limit_alphabet, --no_lower_case and --workers apply when training "
+        "(--corpus_dir), not with --vocab_file (tokenization case is data.tokens' --no_lower_case)\n")
+    assert not out.exists()
+    vocab_main(["--output_dir", str(out), "--vocab_file", str(bert_vocab)])
+    assert (out / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
 
 
 def test_a_vocab_size_without_room_for_pieces_is_refused_before_any_stage_runs(sample_dump, tmp_path):

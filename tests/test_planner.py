@@ -514,6 +514,7 @@ def test_cli_refuses_a_checkpoint_interval_without_checkpointing(capsys):
     assert capsys.readouterr().err == ("error: --checkpoint_interval 4 applies to --checkpoint_activations; add "
                                        "--checkpoint_activations or drop --checkpoint_interval\n")
     assert planner.main([*args, "--checkpoint_activations"]) == 0
+    assert planner.main([*args[:-1], "1"]) == 2  # the default value too
 
 
 def test_cli_refuses_an_mfu_without_sequences(capsys):

@@ -492,8 +492,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max_predictions", type=positive_int, default=None, help="masked positions per sequence (default: seq_len x 0.15625 rounded up: 20 at 128, 80 at 512)")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16", help="training precision of weights and activations")
     p.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
-    p.add_argument("--checkpoint_interval", type=positive_int, default=1,
-                   help="layers per checkpointed segment (with --checkpoint_activations)")
+    p.add_argument("--checkpoint_interval", type=positive_int, default=None,
+                   help="layers per checkpointed segment (with --checkpoint_activations; default 1)")
     p.add_argument("--reduce_bucket_size", type=positive_int, default=None,
                    help="DeepSpeed zero_optimization.reduce_bucket_size in elements (default 5e8): the ZeRO "
                         "optimizer's buffer under ZeRO-1/2, refused elsewhere (bf16 ZeRO-1 runs BF16_Optimizer, "
@@ -519,7 +519,7 @@ def report(args: argparse.Namespace) -> str:
         raise ValueError(f"--mfu {args.mfu} applies to --sequences (the time to train them); add --sequences or "
                          "drop --mfu")
     mfu = 0.4 if args.mfu is None else args.mfu
-    if args.checkpoint_interval != 1 and not args.checkpoint_activations:
+    if args.checkpoint_interval is not None and not args.checkpoint_activations:
         raise ValueError(f"--checkpoint_interval {args.checkpoint_interval} applies to --checkpoint_activations; "
                          "add --checkpoint_activations or drop --checkpoint_interval")
     if args.reduce_bucket_size is not None and (uses_bf16_optimizer(args.precision, args.zero_stage)
@@ -535,7 +535,7 @@ def report(args: argparse.Namespace) -> str:
     parameters = count_parameters_exact(config)
     kwargs = dict(device=device, devices=args.devices, zero_stage=args.zero_stage, seq_len=args.seq_len,
                   max_predictions=max_predictions, precision=args.precision,
-                  checkpoint_activations=args.checkpoint_activations, checkpoint_interval=args.checkpoint_interval,
+                  checkpoint_activations=args.checkpoint_activations, checkpoint_interval=args.checkpoint_interval or 1,
                   bucket_elements=bucket_elements, parameters=parameters)
     plan = plan_memory(config, micro_batch=args.micro_batch, **kwargs)
     usable = int(memory * (1 - args.headroom))
