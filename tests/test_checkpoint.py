@@ -672,6 +672,15 @@ def test_init_weights_from_a_hugging_face_directory_with_another_vocab_is_refuse
                                               r"shards' .*shards_vocab.txt \(1001 tokens\): token id 5 is 'w0' "
                                               r"there, 'w995' in the shards"):
         weights.load_initial_weights(model, tmp_path / "hf", shards_vocab)
+    tokenizer = tmp_path / "hf" / "tokenizer.json"
+    whole = tokenizer.read_bytes()
+    for damaged, reason in ((b'{"model": ', r"not a tokenizer.json \(Expecting value: line 1 column 11"),
+                            (b"[1, 2]", r"not a tokenizer.json \(a JSON object\)")):
+        tokenizer.write_bytes(damaged)  # was a JSONDecodeError / AttributeError traceback
+        with pytest.raises(CheckpointError, match=rf"{re.escape(str(tokenizer))}: {reason}.*put the model's vocab.txt "
+                                                  "beside it"):
+            weights.load_initial_weights(model, tmp_path / "hf", shards_vocab)
+    tokenizer.write_bytes(whole)
     (tmp_path / "hf" / "vocab.txt").write_text(shards_vocab.read_text().replace("w995", "x995"))  # as published
     with pytest.raises(CheckpointError, match=r"vocab.txt, 1001 tokens.*token id 5 is 'x995' there, 'w995'"):
         weights.load_initial_weights(model, tmp_path / "hf", shards_vocab)

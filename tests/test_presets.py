@@ -239,6 +239,34 @@ def test_cli_writes_the_deepspeed_config_and_prints_the_flags(tmp_path: Path, ca
     assert "not divisible" in capsys.readouterr().err
 
 
+def test_cli_names_a_deepspeed_config_out_that_cannot_be_a_file(tmp_path: Path, capsys):
+    """A file where its directory would be was a FileExistsError traceback; a directory, an IsADirectoryError one."""
+    (tmp_path / "a_file").write_text("mine\n")
+    args = ["resolve", "--preset", "demo", "--num_nodes", "1", "--deepspeed_config_out"]
+    assert presets.main([*args, str(tmp_path / "a_file" / "ds.json")]) == 2
+    assert capsys.readouterr().err == (f"error: --deepspeed_config_out {tmp_path / 'a_file' / 'ds.json'}: "
+                                       f"{tmp_path / 'a_file'} is a file, not a directory; pass a path in a directory\n")
+    assert presets.main([*args, str(tmp_path)]) == 2
+    assert capsys.readouterr().err == (f"error: --deepspeed_config_out {tmp_path} is a directory; pass a file path in "
+                                       "it (e.g. its deepspeed_config.json)\n")
+    assert (tmp_path / "a_file").read_text() == "mine\n" and sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]
+
+
+def test_resolving_with_habanas_block_for_the_1p5b_preset(tmp_path: Path):
+    """The presets' notes: --set model_config picks Habana's own pre-LN block, the same sizes."""
+    args = ["resolve", "--preset", "bert-1.5b-phase1", "--num_nodes", "4", "--deepspeed_config_out",
+            str(tmp_path / "ds.json"), "--set", "model_config=configs/models/bert-1.5b-deepspeed-bert.json"]
+    run = presets.resolve(presets.load_preset("bert-1.5b-phase1",
+                                              {"model_config": "configs/models/bert-1.5b-deepspeed-bert.json"}), 4)
+    flags = run.run_args(tmp_path / "ds.json", None)
+    config = json.loads(Path(flags[flags.index("--config_file") + 1]).read_text())
+    shipped = json.loads((ROOT / "configs/models/bert-1.5b.json").read_text())
+    assert config["layer_norm_large_model"] and not config["pre_layer_norm"]
+    assert {k: v for k, v in config.items() if k not in ("layer_norm_large_model", "pre_layer_norm")} == \
+        {k: v for k, v in shipped.items() if k not in ("layer_norm_large_model", "pre_layer_norm")}
+    assert presets.main(args) == 0
+
+
 def test_cli_refuses_a_field_set_twice(tmp_path: Path, capsys):
     """The last --set won silently: `--set max_steps=1000 ... --set max_steps=100` ran 100 steps."""
     args = ["resolve", "--preset", "demo", "--num_nodes", "1", "--deepspeed_config_out", str(tmp_path / "ds.json"),

@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from data.cli import file_in_the_way
 from data.stage import disk_error
 from training.atomic import atomic_write_text
 from training.schedule import DECAY_STYLES
@@ -429,6 +430,13 @@ def main(argv: list[str] | None = None) -> int:
             raise PresetError(f"--devices_per_node {args.devices_per_node} and --set devices_per_node="
                               f"{overrides['devices_per_node']} disagree; give one of them")
         run = resolve(load_preset(args.preset, overrides), args.num_nodes, args.devices_per_node, args.device_kind)
+        blocker = file_in_the_way(args.deepspeed_config_out.parent)
+        if blocker is not None:
+            raise PresetError(f"--deepspeed_config_out {args.deepspeed_config_out}: {blocker} is a file, not a "
+                              "directory; pass a path in a directory")
+        if args.deepspeed_config_out.is_dir():
+            raise PresetError(f"--deepspeed_config_out {args.deepspeed_config_out} is a directory; pass a file path "
+                              "in it (e.g. its deepspeed_config.json)")
         out = atomic_write_text(args.deepspeed_config_out, json.dumps(run.deepspeed_config, indent=2) + "\n")
         flags = run.run_args(out.resolve(), args.init_checkpoint)
     except PresetError as e:

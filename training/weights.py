@@ -228,7 +228,16 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
         theirs = _vocab_tokens(source)
     elif (init_dir / "tokenizer.json").is_file():
         source = init_dir / "tokenizer.json"
-        vocab = json.loads(source.read_text(encoding="utf-8")).get("model", {}).get("vocab")
+        try:
+            tokenizer = json.loads(source.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise CheckpointError(f"{source}: not a tokenizer.json ({e}); restore it from where the model came from, "
+                                  "or put the model's vocab.txt beside it") from e
+        model = tokenizer.get("model") if isinstance(tokenizer, dict) else None
+        vocab = model.get("vocab") if isinstance(model, dict) else None
+        if not isinstance(tokenizer, dict):
+            raise CheckpointError(f"{source}: not a tokenizer.json (a JSON object); restore it from where the model "
+                                  "came from, or put the model's vocab.txt beside it")
         if not isinstance(vocab, dict):
             return  # not a WordPiece tokenizer: no vocab to compare
         theirs = sorted(vocab, key=vocab.get)
