@@ -12,7 +12,9 @@ Two departures from the reference implementations, both for speed:
 - attention is `torch.nn.functional.scaled_dot_product_attention` (fused kernels on accelerators;
   on CPU with attention dropout, a plain composition that is faster there).
 The vocabulary is padded to a multiple of `pad_vocab_size_multiple` inside the model
-(30522 -> 30528); logits, losses and exports only ever see the real `vocab_size` rows.
+(30522 -> 30528); logits, losses and exports only ever see the real `vocab_size` rows. NVIDIA's and
+Habana's MLM softmax runs over the padded rows too: theirs learn to score low, ours get no gradient
+(weight decay alone), and the loss at a uniform start differs by ln(30528/30522), 2e-4.
 """
 
 from __future__ import annotations

@@ -153,8 +153,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="stop after this many consecutive micro batches with a non-finite loss, or this many "
                         "consecutive optimizer steps with non-finite gradients")
     g = p.add_argument_group("phases and checkpoints")
-    g.add_argument("--phase2", action="store_true", help="start from --init_checkpoint's weights with a fresh optimizer and schedule (NVIDIA's flag; "
-                        "required with --init_checkpoint)")
+    g.add_argument("--phase2", action="store_true",
+                   help="start from --init_checkpoint's weights with a fresh optimizer and schedule (NVIDIA's flag, "
+                        "whose phase 2 keeps phase 1's optimizer moments: docs/TRAINING.md, Phase 2; required with "
+                        "--init_checkpoint)")
     g.add_argument("--init_checkpoint", type=Path,
                    help="--output_dir of the phase-1 run, a Hugging Face BERT directory, or NVIDIA's/Habana's "
                         "ckpt_<step>.pt (or its directory: the highest step; --config_file must match their "
@@ -832,7 +834,8 @@ def open_data(args: argparse.Namespace, vocab_size: int) -> tuple[PretrainingDat
 
 
 def train(args: argparse.Namespace) -> dict:
-    """One phase of pretraining. Returns a summary (also written to <output_dir>/run_info.json)."""
+    """One phase of pretraining. Returns what the run started with (the `info` rank 0 writes to
+    <output_dir>/run_info.json at the start) and how it ended: final step, stopped by a signal, paused, skips."""
     acc = accel.setup(args.local_rank)
     import deepspeed
 

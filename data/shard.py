@@ -9,7 +9,7 @@ temporary name, then renamed. Memory per worker is about half a shard: one key's
 
 Files: `<output_dir>/{training,test}/<name>_{training,test}_<i>.hdf5`, keys and dtypes as in
 docs/ARCHITECTURE.md, attributes max_seq_length, max_predictions_per_seq, vocab_size, masking
-(static or dynamic), masked_lm_prob and whole_word_masking.
+(static or dynamic), masked_lm_prob, whole_word_masking and lower_case.
 
     python -m data.shard --instances_dir out/instances --output_dir out/hdf5 --num_shards 256
 """

@@ -62,7 +62,7 @@ class RunState:
     world_size: int
     seed: int
     skipped_batches: int  # micro batches dropped for a non-finite loss
-    identity: dict  # what a resume must not change: optimizer, weight decay, training shards
+    identity: dict  # what a resume must not change (run_pretraining.run_identity): optimizer, batch, shards, model
     files: dict[str, dict]  # relative path -> {"size": bytes, "crc32": checksum}, every file of the tag
     previous: str | None = None  # the tag `latest` named when this one was saved
     # optimizer steps whose non-finite gradients DeepSpeed skipped. Absent before it was counted: a

@@ -3,7 +3,11 @@
 The Gaudi BERT-1.5B recipe is warm-up 5%, constant to 30%, linear decay (power 1.0).
 Two forms of the decay (`decay_style`), as the two reference implementations have them:
   habana  the decay is rescaled to run from the peak, where warm-up or constant phase ends, to 0 at
-          the last step: peak * ((total - step) / (total - decay start))^power (Habana's BERT scheduler);
+          step `total` (the last step, total - 1, runs at peak / decay steps):
+          peak * ((total - step) / (total - decay start))^power, as Habana's BERT scheduler decays. Its
+          warm-up is NVIDIA's, peak * (step + 1) / warm-up steps; Habana's scheduler reads the optimizer's
+          step count, which gives peak * max(step, 1) / warm-up steps: the same rates one step later,
+          its first one taken twice;
   nvidia  NVIDIA's PolyWarmUpScheduler exactly: with progress = (step + 1) / total, the peak *
           progress / warm-up, then the peak * (1 - progress)^power, so the rate drops at the end of
           warm-up to (1 - warm-up)^power of the peak and is 0 at the last step; no constant phase.
