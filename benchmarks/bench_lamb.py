@@ -20,7 +20,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,12 +32,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 ALLREDUCE_BUDGET = 0.05
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _tensor_count(config_file: Path) -> int:
@@ -183,7 +176,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, result_dir: str) -> list[dict]:
-    port = _free_port()
+    from training.accelerator import free_port
+
+    port = free_port()
     forwarded = [
         "--config_file", str(args.config_file), "--num_hidden_layers", str(args.num_hidden_layers),
         "--precision", args.precision, "--seq_len", str(args.seq_len), "--micro_batch", str(args.micro_batch),

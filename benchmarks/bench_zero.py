@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,12 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _unique_bytes(tensors) -> int:
@@ -89,7 +82,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(world_size: int, args: argparse.Namespace, result_dir: str) -> list[dict]:
-    port = _free_port()
+    from training.accelerator import free_port
+
+    port = free_port()
     procs = []
     for rank in range(world_size):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),

@@ -45,12 +45,6 @@ def bert_vocab() -> Path:
     return _shared_file("bert-base-uncased-vocab.txt")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _HOLD = """
 import fcntl, os, sys
 fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)

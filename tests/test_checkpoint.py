@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
 
 from training import checkpoint, weights
+from training.accelerator import free_port
 from training.checkpoint import (
     COMMIT_PENDING,
     LATEST,

@@ -17,7 +17,8 @@ import pytest
 from data.download import DownloadConfig, download, dump_url
 from data.download import main as download_main
 from data.stage import PipelineError
-from tests.conftest import LAST_MODIFIED, free_port, lock_held_elsewhere
+from tests.conftest import LAST_MODIFIED, lock_held_elsewhere
+from training.accelerator import free_port
 
 DATE = "20241201"
 NAME = f"enwiki-{DATE}-pages-articles-multistream.xml.bz2"

@@ -18,8 +18,8 @@ from safetensors.torch import load_file
 
 from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
 from scripts.export_hf import ExportError, export, locate, read_weights, tokenizer_case
-from tests.conftest import free_port
 from tests.test_launch import shared_two_node_run
+from training.accelerator import free_port
 from training.weights import read_fp32_weights
 
 ROOT = Path(__file__).resolve().parents[1]

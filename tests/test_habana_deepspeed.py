@@ -18,10 +18,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, free_port
+from conftest import ROOT
 
 from modeling import BertForPreTraining
 from tests.test_reference_checkpoint import state_equal, their_state_dict, tiny_model
+from training.accelerator import free_port
 from training.checkpoint import MODEL_STATES, CheckpointError
 from training.habana_deepspeed import FIX
 from training.weights import load_initial_weights

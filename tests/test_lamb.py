@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from modeling import BertConfig, BertForPreTraining
-from tests.conftest import free_port
+from training.accelerator import free_port
 from training.lamb import Lamb, Lans, build_param_groups
 
 

@@ -147,7 +147,7 @@ def _bf16_zero1_worker(out_dir: str) -> None:
 
 
 def test_bf16_zero1_memory_matches_a_real_deepspeed_engine(tmp_path: Path):
-    from tests.conftest import free_port
+    from training.accelerator import free_port
 
     port, procs = str(free_port()), []
     for rank in range(BF16_ZERO1_RANKS):

@@ -264,7 +264,8 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
     import sys
 
     from modeling import BertConfig
-    from tests.conftest import ROOT, free_port
+    from tests.conftest import ROOT
+    from training.accelerator import free_port
     from training.planner import training_flops_per_sequence
 
     ds = tmp_path / "ds.json"

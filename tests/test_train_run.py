@@ -22,9 +22,10 @@ from pathlib import Path
 import h5py
 import pytest
 import torch
-from conftest import ROOT, free_port, lock_held_elsewhere, to_reference_format
+from conftest import ROOT, lock_held_elsewhere, to_reference_format
 
 from modeling import BertConfig, BertForPreTraining
+from training.accelerator import free_port
 from training.checkpoint import read_latest
 from training.planner import training_flops_per_sequence
 

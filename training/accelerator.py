@@ -15,6 +15,7 @@ was run in this project; the HPU path follows Habana's documented PyTorch API:
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import NoReturn
@@ -88,6 +89,13 @@ def set_single_process_defaults() -> None:
     os.environ.setdefault("WORLD_SIZE", "1")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for the rendezvous of ranks started on this machine."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def setup(local_rank: int | None = None) -> Accelerator:

@@ -149,11 +149,11 @@ class _LayerwiseOptimizer(torch.optim.Optimizer, abc.ABC):
 
     @staticmethod
     def _sum_squares(
-        tensors: Sequence[torch.Tensor], tables: Sequence[_Pieces], num_tensors: int, out: torch.Tensor
+        tensors: Sequence[torch.Tensor], tables: Sequence[_Pieces], out: torch.Tensor
     ) -> None:
         """Add, for each original tensor, the squared norm of its pieces found in `tensors` to `out[index]`.
 
-        `out` has num_tensors + 1 slots; the last one collects padding and is never read.
+        `out` has one slot per original tensor and one more, last, which collects padding and is never read.
         """
         if not tensors:
             return
@@ -268,8 +268,8 @@ class Lamb(_LayerwiseOptimizer):
             device = adaptive[0][0].device
             sums = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
             adaptive_tables = [table_of[id(p)] for p, _ in adaptive]
-            self._sum_squares([p for p, _ in adaptive], adaptive_tables, num_tensors, sums[0])
-            self._sum_squares([u for _, u in adaptive], adaptive_tables, num_tensors, sums[1])
+            self._sum_squares([p for p, _ in adaptive], adaptive_tables, sums[0])
+            self._sum_squares([u for _, u in adaptive], adaptive_tables, sums[1])
             self._all_reduce(sums, process_group)
             ratio = self._trust_ratio(sums[0], sums[1])
 
@@ -299,8 +299,8 @@ class Lans(_LayerwiseOptimizer):
 
         # Gradient and weight norms of every tensor in one all-reduce.
         first = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
-        self._sum_squares([p.grad for p in all_params], tables, num_tensors, first[0])
-        self._sum_squares(all_params, tables, num_tensors, first[1])
+        self._sum_squares([p.grad for p in all_params], tables, first[0])
+        self._sum_squares(all_params, tables, first[1])
         self._all_reduce(first, process_group)
         grad_norm = first[0].sqrt()
 
@@ -322,8 +322,8 @@ class Lans(_LayerwiseOptimizer):
 
         # Both trust ratios of every tensor, in the order of all_params.
         second = torch.zeros(2, num_tensors + 1, dtype=torch.float32, device=device)
-        self._sum_squares([m for _, _, m, _ in pending], tables, num_tensors, second[0])
-        self._sum_squares([c for _, _, _, c in pending], tables, num_tensors, second[1])
+        self._sum_squares([m for _, _, m, _ in pending], tables, second[0])
+        self._sum_squares([c for _, _, _, c in pending], tables, second[1])
         self._all_reduce(second, process_group)
         ratio_m = self._trust_ratio(first[1], second[0])
         ratio_c = self._trust_ratio(first[1], second[1])
@@ -398,13 +398,13 @@ def bind_to_deepspeed(engine) -> None:
                 "partition is one flat tensor. Call bind_to_deepspeed right after deepspeed.initialize."
             )
         flats.append(group["params"][0])
-    fragments = [read_fragments(wrapper, i, flat) for i, flat in enumerate(flats)]
+    fragments = [read_fragments(wrapper, i) for i in range(len(flats))]
     client._bind(
         _piece_tables_from_fragments(flats, fragments, [len(g) for g in lp_groups], process_groups[0])
     )
 
 
-def _zero_fragments(wrapper, group_index: int, flat: torch.Tensor) -> list[_Fragment]:
+def _zero_fragments(wrapper, group_index: int) -> list[_Fragment]:
     """DeepSpeedZeroOptimizer: the flat buffer holds the tensors in round-robin order at known offsets and
     rank r owns elements [r * partition_size, (r + 1) * partition_size)."""
     rank = torch_dist.get_rank(group=wrapper.real_dp_process_group[group_index])
@@ -429,7 +429,7 @@ def _zero_fragments(wrapper, group_index: int, flat: torch.Tensor) -> list[_Frag
     return fragments
 
 
-def _linked_fragments(wrapper, group_index: int, flat: torch.Tensor) -> list[_Fragment]:
+def _linked_fragments(wrapper, group_index: int) -> list[_Fragment]:
     """BF16_Optimizer: the fragment addresses DeepSpeed links into every model parameter
     (``param._hp_mapping``, the ones its universal checkpoints use)."""
     fragments = []
