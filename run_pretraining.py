@@ -55,6 +55,7 @@ from training.loader import (
     make_loader,
     open_split,
     raised_message,
+    shard_vocab,
     tokenization_case,
 )
 from training.metrics import MetricsWriter, Throughput, peak_tflops
@@ -741,8 +742,8 @@ def write_run_files(args: argparse.Namespace, config: BertConfig, lower_case: bo
     for name in ("model_config.json", "run_info.json", "starts.jsonl", TOKENIZATION):  # a killed run's temporaries
         remove_stale_temporaries(args.output_dir / name)
     config.to_json_file(args.output_dir / "model_config.json")
-    vocab = args.input_dir / "vocab.txt"
-    if vocab.is_file():
+    vocab = shard_vocab(args.input_dir)
+    if vocab is not None:
         tmp = args.output_dir / ".vocab.txt.tmp"
         shutil.copyfile(vocab, tmp)
         tmp.replace(args.output_dir / "vocab.txt")
@@ -790,6 +791,10 @@ def start_lines(info: dict, args: argparse.Namespace, train_set, eval_set) -> li
         f"{plural(len(train_set.shards), 'shard')} under {shard_dirs(train_set, args.input_dir)}, "
         f"{'static masks' if train_set.shards[0].static_masks else 'masked at load time'}",
     ]
+    vocab = shard_vocab(args.input_dir)
+    lines.append(f"vocabulary: {vocab}" if vocab is not None else
+                 f"vocabulary: none in {args.input_dir}, so the run keeps none (scripts/export_hf.py will need "
+                 "--vocab_file) and a phase 2 cannot compare it with its own")
     if eval_set is not None:
         when = f"every {plural(args.eval_freq, 'step')} and at the end" if args.eval_freq else "at the end"
         lines.append(f"test data: {len(eval_set):,} sequences in {plural(len(eval_set.shards), 'shard')} under "
@@ -871,7 +876,7 @@ def train(args: argparse.Namespace) -> dict:
         model = BertForPreTraining(config, checkpointing=checkpointing)
         init_from = None
         if args.phase2 and resume is None:
-            init_from = load_initial_weights(model, args.init_checkpoint, args.input_dir / "vocab.txt", lower_case)
+            init_from = load_initial_weights(model, args.init_checkpoint, shard_vocab(args.input_dir), lower_case)
         # A bf16 engine replaces each parameter's data by a bf16 copy; these references keep the fp32
         # values (no copy is made) for the fp32 master weights of a run that does not resume.
         fp32_start = None if resume is not None else {name: p.data for name, p in model.named_parameters()}

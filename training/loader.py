@@ -543,6 +543,14 @@ def raised_message(error: Exception) -> str:
     return text.rpartition(f"{name}: ")[2].rstrip("\n")
 
 
+def shard_vocab(input_dir: Path) -> Path | None:
+    """The vocab.txt the shards were made with: in `input_dir`, or in the directory above it when `input_dir` is
+    data.prepare's hdf5/ directory (data.prepare writes the vocab beside hdf5/); None when there is none."""
+    input_dir = Path(input_dir)
+    places = [input_dir] + ([input_dir.parent] if input_dir.name == "hdf5" else [])
+    return next((place / "vocab.txt" for place in places if (place / "vocab.txt").is_file()), None)
+
+
 def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions: int, vocab_size: int,
                seed: int, shuffle: bool, eval_samples: int | None = None,
                read_ahead: bool = True) -> PretrainingDataset | None:
@@ -555,8 +563,8 @@ def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions
     shards = inspect_shards(paths, max_seq_length, max_predictions, vocab_size)
     masking_vocab = None
     if not shards[0].static_masks:
-        vocab = Path(input_dir) / "vocab.txt"
-        if not vocab.is_file():
+        vocab = shard_vocab(input_dir)
+        if vocab is None:
             raise DataConfigError(f"{input_dir}: the shards have no static masks and there is no vocab.txt beside "
                                   "them to find [CLS], [SEP], [MASK] and word pieces; copy the vocabulary there")
         try:
