@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import faulthandler
 import json
 import math
@@ -284,6 +285,22 @@ def resolve_batch_sizes(ds_config: dict, world_size: int, source: str) -> BatchS
 
 _SECTION_EXAMPLES = {"fp16": '"fp16": {"enabled": false}', "bf16": '"bf16": {"enabled": true}',
                      "data_types": '"data_types": {"grad_accum_dtype": "fp32"}'}
+# The top-level keys DeepSpeed 0.19.8 reads: those its DeepSpeedConfig consults, and the sections other parts
+# read. DeepSpeed ignores a key it does not know, so a misspelt one ("gradient_cliping") would run with the
+# default; a key this close to one of these is refused (a key close to none may be a newer DeepSpeed's).
+DEEPSPEED_KEYS = (
+    "activation_checkpointing", "aio", "amp", "autotuning", "bf16", "bfloat16", "checkpoint", "comet", "comms_logger",
+    "communication_data_type", "compile", "compression_training", "csv_monitor", "curriculum_learning",
+    "data_efficiency", "data_types", "dataloader_drop_last", "datastates_ckpt", "disable_allgather",
+    "disable_python_gc", "dump_state", "eigenvalue", "elasticity", "expert_parallel", "flops_profiler", "fp16",
+    "gradient_accumulation_steps", "gradient_allreduce_op", "gradient_clipping", "gradient_predivide_factor",
+    "graph_harvesting", "hybrid_engine", "log_level", "managed_gradient_accumulation", "memory_breakdown", "nebula",
+    "optimizer", "pipeline", "prescale_gradients", "progressive_layer_drop", "quantize_training", "scheduler",
+    "seq_parallel_communication_data_type", "sparse_attention", "sparse_gradients", "steps_per_print",
+    "tensor_parallel", "tensorboard", "timers", "torch_autocast", "train_batch_size", "train_micro_batch_size_per_gpu",
+    "use_data_before_expert_parallelism", "vocabulary_size", "wall_clock_breakdown", "wandb", "weight_quantization",
+    "zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer", "zero_optimization",
+)
 
 
 def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, BatchSizes]:
@@ -296,6 +313,14 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
     if not isinstance(config, dict):
         raise RunConfigError(f"--deepspeed_config {path}: a JSON {type(config).__name__}, not an object; start from "
                              f"{DEFAULT_DS_CONFIG.relative_to(ROOT)}")
+    for key in config:
+        near = difflib.get_close_matches(key, DEEPSPEED_KEYS, n=1, cutoff=0.85)
+        if key not in DEEPSPEED_KEYS and near:
+            raise RunConfigError(f"{path}: '{key}' is not a DeepSpeed key, which DeepSpeed would ignore; did you mean "
+                                 f"'{near[0]}'?")
+    if "bfloat16" in config:  # DeepSpeed's older name, which the checks below would not see
+        raise RunConfigError(f"{path}: rename 'bfloat16' to 'bf16': DeepSpeed still reads its old name, which this "
+                             "script's checks do not")
     for key in ("fp16", "bf16", "data_types"):
         if not isinstance(config.get(key, {}), dict):
             raise RunConfigError(f"{path}: '{key}' must be an object, got {config[key]!r}; write e.g. "

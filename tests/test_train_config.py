@@ -76,6 +76,7 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"data_types": {}}, r"bf16 needs \"data_types\": \{\"grad_accum_dtype\": \"fp32\"\}"),
     ({"data_types": {"grad_accum_dtype": "bf16"}}, "gradients accumulate in fp32"),
     ({"fp16": {"enabled": True}}, "fp16 is not supported"),
+    ({"bfloat16": {"enabled": True}}, "rename 'bfloat16' to 'bf16'"),  # read by DeepSpeed, missed by the checks
     ({"optimizer": {"type": "Adam"}}, "remove the 'optimizer' section"),
     ({"scheduler": {"type": "WarmupLR"}}, "remove the 'scheduler' section"),
     ({"activation_checkpointing": {"partition_activations": True, "cpu_checkpointing": True}},
@@ -105,6 +106,52 @@ def test_deepspeed_json_errors(tmp_path, change, message):
     path.write_text(json.dumps(config))
     with pytest.raises(RunConfigError, match=message):
         load_ds_config(path, world_size=1, optimizer="lamb")
+
+
+@pytest.mark.parametrize("key, meant", [("gradient_cliping", "gradient_clipping"),
+                                       ("train_micro_batch_sizeper_gpu", "train_micro_batch_size_per_gpu"),
+                                       ("bf_16", "bf16"), ("zero_optimisation", "zero_optimization")])
+def test_a_misspelt_deepspeed_key_is_refused(tmp_path, key, meant):
+    """DeepSpeed ignores a key it does not know: "gradient_cliping": 0.5 trained with the default clipping 1.0."""
+    config = json.loads(DEFAULT_DS_CONFIG.read_text())
+    config[key] = config.pop(meant, 0.5)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(RunConfigError, match=f"^{re.escape(str(path))}: '{key}' is not a DeepSpeed key, which "
+                                             f"DeepSpeed would ignore; did you mean '{meant}'\\?$"):
+        load_ds_config(path, world_size=1, optimizer="lamb")
+    config = json.loads(DEFAULT_DS_CONFIG.read_text()) | {"my_notes": "run 7"}  # close to no key: DeepSpeed's concern
+    path.write_text(json.dumps(config))
+    assert load_ds_config(path, world_size=1, optimizer="lamb")[1] == BatchSizes(8, 8, 1)
+
+
+def test_the_deepspeed_keys_are_every_key_deepspeed_reads():
+    """A DeepSpeed that reads a key DEEPSPEED_KEYS lacks would have it refused when it is a near miss of another."""
+    from deepspeed.runtime.config import DeepSpeedConfig
+
+    from run_pretraining import DEEPSPEED_KEYS
+
+    class Recording(dict):
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.read = set()
+
+        def get(self, key, default=None):
+            self.read.add(key)
+            return super().get(key, default)
+
+        def __getitem__(self, key):
+            self.read.add(key)
+            return super().__getitem__(key)
+
+        def __contains__(self, key):
+            self.read.add(key)
+            return super().__contains__(key)
+
+    for path in sorted(DEFAULT_DS_CONFIG.parent.glob("*.json")):
+        config = Recording(json.loads(path.read_text()))
+        DeepSpeedConfig(config)
+        assert len(config.read) > 40 and config.read <= set(DEEPSPEED_KEYS), sorted(config.read - set(DEEPSPEED_KEYS))
 
 
 def test_optimizer_offload_is_accepted_with_zero_force_ds_cpu_optimizer_false(tmp_path):
