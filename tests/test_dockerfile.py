@@ -178,3 +178,27 @@ def test_cpu_smoke_test_starts_distributed_and_needs_the_compiler(tmp_path: Path
     assert "c++: not found" in failed.stdout + failed.stderr
     skipped = _shell(run, tmp_path, f"{venv_bin}:{no_cc}", PROJECT_EXTRAS="")  # Gaudi and NVIDIA: nothing runs
     assert skipped.returncode == 0 and skipped.stdout == ""
+
+
+def test_the_declared_dependencies_are_the_packages_the_product_imports():
+    """`pip install .` (the image's, a user's) gets what the product imports, and nothing it does not use:
+    psutil was declared for a benchmark alone. torch and Habana's modules belong to the platform."""
+    import ast
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = {re.split(r"[<>=!~ ]", requirement)[0] for requirement in project["dependencies"]}
+    own = {"data", "training", "modeling", "run_pretraining", "scripts"}
+    imported = set()
+    for path in [ROOT / "modeling.py", ROOT / "run_pretraining.py", *ROOT.glob("data/*.py"),
+                 *ROOT.glob("training/*.py"), *ROOT.glob("scripts/*.py")]:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                imported.add(node.module.split(".")[0])
+    third_party = imported - set(sys.stdlib_module_names) - own - {"torch", "habana_frameworks"}
+    assert "torch" not in declared
+    # tensorboard is imported by torch.utils.tensorboard, which training/metrics.py uses.
+    assert declared - {"tensorboard"} == third_party, (declared, third_party)
+    assert "torch.utils.tensorboard" in (ROOT / "training" / "metrics.py").read_text()
