@@ -226,6 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.steps < args.round or args.round < 1:
         p.error("--steps must be >= --round >= 1")
+    if args.steps % args.round:
+        p.error(f"--steps {args.steps} is not a multiple of --round {args.round}: each optimizer runs whole rounds")
     if args.worker:
         worker(args)
         return 0

@@ -46,6 +46,8 @@ from pathlib import Path
 import h5py
 import numpy as np
 
+from data.cli import given_options
+
 SEQ, PREDS, BATCH, VOCAB = 128, 20, 64, 30522
 STALL = 0.010  # --paced: a wait longer than this is a stall (seconds)
 KEYS = {"input_ids": (np.int32, SEQ), "input_mask": (np.int8, SEQ), "segment_ids": (np.int8, SEQ),
@@ -214,7 +216,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=None, help="rows of the synthetic shard (default 200,000; "
                    "50,000 with --paced)")
-    p.add_argument("--batches", type=int, default=300, help="batches of 64 each reader takes")
+    p.add_argument("--batches", type=int, default=None, help="batches of 64 each reader takes (default 300; "
+                   "not with --paced, which reads every shard once)")
     p.add_argument("--work_dir", type=Path, default=None, help="where the shards go (default: a temporary dir)")
     p.add_argument("--paced", action="store_true", help="the stall at shard switches, with and without read-ahead")
     p.add_argument("--shards", type=int, default=4, help="--paced: shards of --rows rows each (gzip; with --mixed, "
@@ -225,6 +228,14 @@ def main() -> None:
     p.add_argument("--_case", nargs=2, metavar=("READER", "SHARD"), help=argparse.SUPPRESS)
     p.add_argument("--_paced", nargs=2, metavar=("ROOT", "AHEAD"), help=argparse.SUPPRESS)
     a = p.parse_args()
+    if not a.paced and not a._paced:
+        given = given_options(p, None) & {"shards", "rate", "workers", "mixed"}
+        if given:
+            p.error(f"--{', --'.join(sorted(given))} {'applies' if len(given) == 1 else 'apply'} to --paced; add "
+                    "--paced or drop them")
+    if a.paced and a.batches is not None:
+        p.error("--batches applies to the readers' comparison; --paced reads every shard once")
+    a.batches = 300 if a.batches is None else a.batches
     if a._paced:
         print(json.dumps(run_paced(Path(a._paced[0]), a.rate, bool(int(a._paced[1])), a.workers)))
         return
