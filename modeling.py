@@ -67,6 +67,14 @@ _PRE_LN_LAYOUTS = ("pre_layer_norm is Megatron-BERT's pre-LN block (the raw embe
                    "post-LN parameter names)")
 
 
+def _nearest_divisors(size: int, n: int) -> list[int]:
+    """The divisors of `size` nearest to `n` (which does not divide it): the largest below and, where `n` is
+    below `size`, the smallest above."""
+    below = next(d for d in range(min(n, size), 0, -1) if size % d == 0)
+    above = next((d for d in range(n + 1, size + 1) if size % d == 0), None)
+    return [below] if above is None else [below, above]
+
+
 @dataclass
 class BertConfig:
     """Model shape. Field names are Hugging Face's BertConfig names, but for the last four: three of ours and
@@ -107,8 +115,8 @@ class BertConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"{source}: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}; choose heads that divide it "
-                f"(e.g. {[h for h in range(1, 65) if self.hidden_size % h == 0][-4:]})"
+                f"{self.num_attention_heads}; choose heads that divide it (the nearest: "
+                f"{' or '.join(map(str, _nearest_divisors(self.hidden_size, self.num_attention_heads)))})"
             )
         if self.hidden_act not in _ACTIVATIONS:
             raise ConfigError(f"{source}: hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
