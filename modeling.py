@@ -588,12 +588,15 @@ def check_export_dir(directory: str | os.PathLike) -> Path:
     return directory
 
 
-def check_vocab_size(vocab_file: Path, config: BertConfig) -> None:
-    """A vocab.txt of another size than the model's vocabulary is not the one it was trained with."""
+def check_vocab_size(vocab_file: Path, config: BertConfig, config_file: Path | None = None,
+                     fix: str = "pass the vocab.txt the shards were made with") -> None:
+    """A vocab.txt of another size than the model's vocabulary is not the one it was trained with, or the config
+    is not the model's: `config_file` (where the config was read) is named, and `fix` says what to pass."""
     n_lines = len(vocab_file.read_text(encoding="utf-8").splitlines())
     if n_lines != config.vocab_size:
-        raise ValueError(f"{vocab_file}: {n_lines} tokens, but the model's vocab_size is {config.vocab_size}; pass "
-                         "the vocab.txt the shards were made with")
+        model = f"{config_file} says vocab_size {config.vocab_size}" if config_file is not None else \
+            f"the model's vocab_size is {config.vocab_size}"
+        raise ValueError(f"{vocab_file}: {n_lines} tokens, but {model}; {fix}")
 
 
 def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None,

@@ -185,6 +185,17 @@ def their_checkpoint(checkpoint: Path, tag: str | None) -> tuple[Path, str] | No
     return found
 
 
+def vocab_fix(loc: CheckpointLocation | None, config_file: Path) -> str:
+    """What to pass when the vocab and the model config differ in size: either may be the wrong one."""
+    vocab = "the vocab.txt the shards were made with as --vocab_file"
+    if loc is None:  # NVIDIA's or Habana's ckpt_<step>.pt: both were given
+        return f"pass their bert_config.json as --config_file, or {vocab}"
+    run_config = loc.run_dir / "model_config.json"
+    if config_file.resolve() != run_config.resolve() and run_config.is_file():
+        return f"pass the run's model config ({run_config}) as --config_file, or {vocab}"
+    return f"pass {vocab}, or the model config the run trained with as --config_file"
+
+
 def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: Path | None = None,
            vocab_file: Path | None = None, lower_case: bool | None = None) -> Exported:
     """Write the Hugging Face directory; `lower_case` overrides the run's record of its shards' case."""
@@ -216,7 +227,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         raise ExportError(f"{e}. Nothing was exported; the checkpoint remains usable with this project (resume "
                           "its run, or start phase 2 from it with --phase2 --init_checkpoint)") from e
     try:
-        check_vocab_size(vocab_file, config)  # before the weights are read: minutes for a large model
+        check_vocab_size(vocab_file, config, config_file, vocab_fix(loc, config_file))  # before the weights are read
     except ValueError as e:
         raise ExportError(str(e)) from e
     lower, why = tokenizer_case(loc.run_dir if loc is not None else None, vocab_file, lower_case)

@@ -234,6 +234,31 @@ def test_a_missing_tag_of_another_deepspeed_run_names_its_tag_directories(tmp_pa
         locate(empty.parent, "step00000002")
 
 
+def test_a_vocab_and_config_of_other_sizes_name_both_files_and_both_fixes(tmp_path: Path, bert_vocab: Path):
+    """A --config_file of another model blamed the run's vocab.txt alone ("pass the vocab.txt the shards were made
+    with") without naming the config; either file may be the wrong one. Checked before any weight is read."""
+    run = tmp_path / "run"
+    tag_dir = run / "checkpoints" / "step00000002"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "run_state.json").write_text("not read")  # reading the checkpoint would fail on it
+    (tag_dir.parent / "latest").write_text("step00000002\n")
+    shutil.copy(ROOT / "configs/models/bert-tiny.json", run / "model_config.json")  # 30522, as the vocab
+    shutil.copy(bert_vocab, run / "vocab.txt")
+    demo = ROOT / "configs/models/bert-demo.json"  # 2048
+    with pytest.raises(ExportError, match=re.escape(
+            f"{run.resolve() / 'vocab.txt'}: 30522 tokens, but {demo} says vocab_size 2048; pass the run's model config "
+            f"({run.resolve() / 'model_config.json'}) as --config_file, or the vocab.txt the shards were made with as "
+            "--vocab_file")):
+        export(run, tmp_path / "hf", config_file=demo)
+    shutil.copy(demo, run / "model_config.json")  # the run's own config, and a vocab of another size
+    with pytest.raises(ExportError, match=re.escape(
+            f"{bert_vocab}: 30522 tokens, but {run.resolve() / 'model_config.json'} says vocab_size 2048; pass the "
+            "vocab.txt the shards were made with as --vocab_file, or the model config the run trained with as "
+            "--config_file")):
+        export(run, tmp_path / "hf", vocab_file=bert_vocab)
+    assert not (tmp_path / "hf").exists()
+
+
 def test_an_output_that_holds_other_files_is_refused_before_the_checkpoint_is_read(tmp_path: Path):
     """The output is checked first: merging a large model's partitions takes minutes, and was done in vain."""
     tag_dir = tmp_path / "run" / "checkpoints" / "step00000002"
@@ -255,7 +280,9 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     empty.mkdir(parents=True)
     with pytest.raises(ExportError, match="no 'latest' file, so no checkpoint was completed there"):
         export(empty.parent, tmp_path / "hf")
-    with pytest.raises(ExportError, match="vocab.txt: 30522 tokens, but the model's vocab_size is 2048"):
+    with pytest.raises(ExportError, match=r"vocab.txt: 30522 tokens, but .*bert-demo.json says vocab_size 2048; pass "
+                                          r"the run's model config \(.*model_config.json\) as --config_file, or the "
+                                          r"vocab.txt the shards were made with as --vocab_file"):
         export(zero_run, tmp_path / "hf", config_file=ROOT / "configs/models/bert-demo.json")
     deeper = tmp_path / "deeper.json"
     deeper.write_text(json.dumps({**json.loads((zero_run / "model_config.json").read_text()), "num_hidden_layers": 3}))
