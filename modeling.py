@@ -67,6 +67,14 @@ _PRE_LN_LAYOUTS = ("pre_layer_norm is Megatron-BERT's pre-LN block (the raw embe
                    "post-LN parameter names)")
 
 
+def _nearest_divisors(size: int, n: int) -> list[int]:
+    """The divisors of `size` nearest to `n` (which does not divide it): the largest below and, where `n` is
+    below `size`, the smallest above."""
+    below = next(d for d in range(min(n, size), 0, -1) if size % d == 0)
+    above = next((d for d in range(n + 1, size + 1) if size % d == 0), None)
+    return [below] if above is None else [below, above]
+
+
 @dataclass
 class BertConfig:
     """Model shape. Field names are Hugging Face's BertConfig names, but for the last four: three of ours and
@@ -107,8 +115,8 @@ class BertConfig:
         if self.hidden_size % self.num_attention_heads:
             raise ConfigError(
                 f"{source}: hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}; choose heads that divide it "
-                f"(e.g. {[h for h in range(1, 65) if self.hidden_size % h == 0][-4:]})"
+                f"{self.num_attention_heads}; choose heads that divide it (the nearest: "
+                f"{' or '.join(map(str, _nearest_divisors(self.hidden_size, self.num_attention_heads)))})"
             )
         if self.hidden_act not in _ACTIVATIONS:
             raise ConfigError(f"{source}: hidden_act {self.hidden_act!r} is not one of {sorted(_ACTIVATIONS)}")
@@ -580,12 +588,15 @@ def check_export_dir(directory: str | os.PathLike) -> Path:
     return directory
 
 
-def check_vocab_size(vocab_file: Path, config: BertConfig) -> None:
-    """A vocab.txt of another size than the model's vocabulary is not the one it was trained with."""
+def check_vocab_size(vocab_file: Path, config: BertConfig, config_file: Path | None = None,
+                     fix: str = "pass the vocab.txt the shards were made with") -> None:
+    """A vocab.txt of another size than the model's vocabulary is not the one it was trained with, or the config
+    is not the model's: `config_file` (where the config was read) is named, and `fix` says what to pass."""
     n_lines = len(vocab_file.read_text(encoding="utf-8").splitlines())
     if n_lines != config.vocab_size:
-        raise ValueError(f"{vocab_file}: {n_lines} tokens, but the model's vocab_size is {config.vocab_size}; pass "
-                         "the vocab.txt the shards were made with")
+        model = f"{config_file} says vocab_size {config.vocab_size}" if config_file is not None else \
+            f"the model's vocab_size is {config.vocab_size}"
+        raise ValueError(f"{vocab_file}: {n_lines} tokens, but {model}; {fix}")
 
 
 def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None,

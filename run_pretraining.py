@@ -160,9 +160,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "whose phase 2 keeps phase 1's optimizer moments: docs/TRAINING.md, Phase 2; required with "
                         "--init_checkpoint)")
     g.add_argument("--init_checkpoint", type=Path,
-                   help="--output_dir of the phase-1 run, a Hugging Face BERT directory, or NVIDIA's/Habana's "
+                   help="--output_dir of the phase-1 run, a Hugging Face BERT directory, NVIDIA's/Habana's "
                         "ckpt_<step>.pt (or its directory: the highest step; --config_file must match their "
-                        "bert_config.json) (with --phase2)")
+                        "bert_config.json), or a DeepSpeed checkpoint folder of Habana's deepspeed-bert (the tag "
+                        "its 'latest' names, or one tag's directory; --config_file must describe their model) "
+                        "(with --phase2)")
     g.add_argument("--num_steps_per_checkpoint", type=int, default=200,
                    help="save a checkpoint every N steps (and at the last step, or on SIGTERM/SIGINT)")
     g.add_argument("--keep_checkpoints", type=int, default=3, help="how many newest checkpoints to keep")

@@ -49,6 +49,7 @@ from training.checkpoint import (
     UNIVERSAL_SUFFIX,
     CheckpointError,
     complete_tags,
+    pick_complete_tag,
     read_state,
     verify_files,
 )
@@ -93,19 +94,23 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
     if tag is None:
         latest = checkpoints / "latest"
         if not latest.is_file():
-            complete = complete_tags(checkpoints)
-            raise ExportError(f"{checkpoints}: no 'latest' file, so no checkpoint was completed there"
-                              + (f"; pass --tag with one of the complete tags: {', '.join(complete)}" if complete
-                                 else " (the run saved none yet)"))
+            raise ExportError(f"{checkpoints}: no 'latest' file, so no checkpoint was completed there; "
+                              + pick_complete_tag(checkpoints, "pass --tag with", "the run saved none yet"))
         tag = latest.read_text().strip()
         if not tag or not (checkpoints / tag).is_dir():
-            complete = ", ".join(complete_tags(checkpoints)) or "none"
             named = f"names {tag!r}, but {checkpoints / tag} does not exist" if tag else "is empty"
-            raise ExportError(f"{latest} {named}; pass --tag with one of the complete tags ({complete}), or point "
-                              "'latest' at one")
+            raise ExportError(f"{latest} {named}; " + another_tag(checkpoints, "pass --tag with (or point 'latest' at)"))
     if not (checkpoints / tag).is_dir():
-        raise ExportError(f"{checkpoints / tag}: no such checkpoint tag")
+        raise ExportError(f"{checkpoints / tag}: no such checkpoint tag; {another_tag(checkpoints, 'pass --tag with')}")
     return CheckpointLocation(run_dir, checkpoints, tag)
+
+
+def another_tag(checkpoints: Path, do: str) -> str:
+    """`do` one of the complete tags of `checkpoints`, named; where none is complete (another DeepSpeed run's
+    tags, which have no run_state.json, or a run that completed none), one of the tag directories it holds."""
+    held = sorted(p.name for p in checkpoints.iterdir() if (p / MODEL_STATES).is_file() or (p / "zero").is_dir())
+    return pick_complete_tag(checkpoints, do, f"none has a {RUN_STATE}; {do} one of the tag directories there: "
+                                              f"{', '.join(held)}" if held else "there is no checkpoint tag there yet")
 
 
 def read_weights(loc: CheckpointLocation) -> tuple[dict[str, torch.Tensor], str]:
@@ -127,9 +132,9 @@ def check_complete(loc: CheckpointLocation) -> None:
             verify_files(tag_dir, state, checksum=list(state.files))
         except CheckpointError as e:
             raise ExportError(f"{e}, or export another tag with --tag") from e
-    elif not loc.tag.endswith(UNIVERSAL_SUFFIX) and (complete := complete_tags(loc.checkpoints_dir)):
+    elif not loc.tag.endswith(UNIVERSAL_SUFFIX) and complete_tags(loc.checkpoints_dir):
         raise ExportError(f"{tag_dir}: no {RUN_STATE}, so this tag was never completed (the run stopped while "
-                          f"saving it); pass --tag with one of the complete tags: {', '.join(complete)}")
+                          "saving it); " + pick_complete_tag(loc.checkpoints_dir, "pass --tag with", ""))
 
 
 def tokenizer_case(run_dir: Path | None, vocab_file: Path, lower_case: bool | None) -> tuple[bool, str]:
@@ -180,6 +185,17 @@ def their_checkpoint(checkpoint: Path, tag: str | None) -> tuple[Path, str] | No
     return found
 
 
+def vocab_fix(loc: CheckpointLocation | None, config_file: Path) -> str:
+    """What to pass when the vocab and the model config differ in size: either may be the wrong one."""
+    vocab = "the vocab.txt the shards were made with as --vocab_file"
+    if loc is None:  # NVIDIA's or Habana's ckpt_<step>.pt: both were given
+        return f"pass their bert_config.json as --config_file, or {vocab}"
+    run_config = loc.run_dir / "model_config.json"
+    if config_file.resolve() != run_config.resolve() and run_config.is_file():
+        return f"pass the run's model config ({run_config}) as --config_file, or {vocab}"
+    return f"pass {vocab}, or the model config the run trained with as --config_file"
+
+
 def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: Path | None = None,
            vocab_file: Path | None = None, lower_case: bool | None = None) -> Exported:
     """Write the Hugging Face directory; `lower_case` overrides the run's record of its shards' case."""
@@ -211,7 +227,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         raise ExportError(f"{e}. Nothing was exported; the checkpoint remains usable with this project (resume "
                           "its run, or start phase 2 from it with --phase2 --init_checkpoint)") from e
     try:
-        check_vocab_size(vocab_file, config)  # before the weights are read: minutes for a large model
+        check_vocab_size(vocab_file, config, config_file, vocab_fix(loc, config_file))  # before the weights are read
     except ValueError as e:
         raise ExportError(str(e)) from e
     lower, why = tokenizer_case(loc.run_dir if loc is not None else None, vocab_file, lower_case)

@@ -278,7 +278,25 @@ def test_latest_pointing_at_incomplete_tag_is_a_loud_error(tmp_path):
     _save(tmp_path, 10)
     _fake_deepspeed_tag(tmp_path, 20)
     (tmp_path / LATEST).write_text("step00000020\n")
-    with pytest.raises(CheckpointError, match="incomplete"):
+    with pytest.raises(CheckpointError, match=r"incomplete or was deleted. Point 'latest' at one of the complete "
+                                              r"tags: step00000010$"):
+        find_resume(tmp_path)
+
+
+def test_latest_naming_a_missing_tag_names_the_complete_ones(tmp_path):
+    """It said "Point 'latest' at a complete tag" without naming any, where TRAINING.md promises them named."""
+    _save(tmp_path, 10)
+    _save(tmp_path, 20)
+    (tmp_path / LATEST).write_text("step00000999\n")
+    with pytest.raises(CheckpointError, match=rf"{LATEST} names 'step00000999' but .*step00000999/{RUN_STATE} does not "
+                                              r"exist: the checkpoint is incomplete or was deleted. Point 'latest' at "
+                                              r"one of the complete tags: step00000010, step00000020$"):
+        find_resume(tmp_path)
+    shutil.rmtree(tmp_path / "step00000010")
+    shutil.rmtree(tmp_path / "step00000020")
+    with pytest.raises(CheckpointError, match=rf"No tag there is complete \(none has a {RUN_STATE}\), so there is "
+                                              rf"nothing to start from: use another run's directory, or remove "
+                                              rf"{tmp_path / LATEST} to train this one from scratch$"):
         find_resume(tmp_path)
 
 

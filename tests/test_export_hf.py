@@ -183,15 +183,80 @@ def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path: Path):
 
 def test_latest_naming_a_missing_tag_says_so_and_names_the_complete_ones(tmp_path: Path):
     checkpoints = tmp_path / "run" / "checkpoints"
-    (checkpoints / "step00000002").mkdir(parents=True)
-    (checkpoints / "step00000002" / "run_state.json").write_text("{}")
+    for tag in ("step00000002", "step00000004"):
+        (checkpoints / tag).mkdir(parents=True)
+        (checkpoints / tag / "run_state.json").write_text("{}")
+    (checkpoints / "step00000006").mkdir()  # never completed: not offered
     (checkpoints / "latest").write_text("step00000009\n")
     with pytest.raises(ExportError, match=r"latest names 'step00000009', but .*step00000009 does not exist; pass --tag "
-                                          r"with one of the complete tags \(step00000002\)"):
+                                          r"with \(or point 'latest' at\) one of the complete tags: step00000002, "
+                                          r"step00000004$"):
         locate(tmp_path / "run")
     (checkpoints / "latest").write_text("\n")  # was read as the tag "", i.e. checkpoints/ itself
-    with pytest.raises(ExportError, match=r"latest is empty; pass --tag with one of the complete tags \(step00000002\)"):
+    with pytest.raises(ExportError, match=r"latest is empty; pass --tag with \(or point 'latest' at\) one of the "
+                                          r"complete tags: step00000002, step00000004$"):
         locate(tmp_path / "run")
+
+
+@pytest.mark.parametrize("tag", ["step00000098", "20"])
+def test_a_tag_that_does_not_exist_names_the_complete_ones(tmp_path: Path, tag: str):
+    """It said only "no such checkpoint tag"; a mistyped step or a bare step number needs the tags to choose from."""
+    checkpoints = tmp_path / "run" / "checkpoints"
+    for complete in ("step00000020", "step00000040"):
+        (checkpoints / complete).mkdir(parents=True)
+        (checkpoints / complete / "run_state.json").write_text("{}")
+    (checkpoints / "step00000060").mkdir()  # never completed: not offered
+    (checkpoints / "latest").write_text("step00000040\n")
+    with pytest.raises(ExportError, match=rf"checkpoints/{tag}: no such checkpoint tag; pass --tag with one of the "
+                                          r"complete tags: step00000020, step00000040$"):
+        locate(tmp_path / "run", tag)
+
+
+def test_a_missing_tag_of_another_deepspeed_run_names_its_tag_directories(tmp_path: Path):
+    """Another DeepSpeed run's tags (Habana deepspeed-bert's "7038") have no run_state.json: none is "complete",
+    and the message names the tag directories there instead."""
+    folder = tmp_path / "habana"
+    for tag in ("7000", "7038"):
+        (folder / tag).mkdir(parents=True)
+        (folder / tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    (folder / "latest").write_text("7038")
+    with pytest.raises(ExportError, match=r"habana/20: no such checkpoint tag; none has a run_state.json; pass --tag "
+                                          r"with one of the tag directories there: 7000, 7038$"):
+        locate(folder, "20")
+    (folder / "latest").write_text("7100")
+    with pytest.raises(ExportError, match=r"latest names '7100', but .*7100 does not exist; none has a run_state.json; "
+                                          r"pass --tag with \(or point 'latest' at\) one of the tag directories "
+                                          r"there: 7000, 7038$"):
+        locate(folder)
+    empty = tmp_path / "run" / "checkpoints"
+    empty.mkdir(parents=True)
+    with pytest.raises(ExportError, match=r"step00000002: no such checkpoint tag; there is no checkpoint tag there yet$"):
+        locate(empty.parent, "step00000002")
+
+
+def test_a_vocab_and_config_of_other_sizes_name_both_files_and_both_fixes(tmp_path: Path, bert_vocab: Path):
+    """A --config_file of another model blamed the run's vocab.txt alone ("pass the vocab.txt the shards were made
+    with") without naming the config; either file may be the wrong one. Checked before any weight is read."""
+    run = tmp_path / "run"
+    tag_dir = run / "checkpoints" / "step00000002"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "run_state.json").write_text("not read")  # reading the checkpoint would fail on it
+    (tag_dir.parent / "latest").write_text("step00000002\n")
+    shutil.copy(ROOT / "configs/models/bert-tiny.json", run / "model_config.json")  # 30522, as the vocab
+    shutil.copy(bert_vocab, run / "vocab.txt")
+    demo = ROOT / "configs/models/bert-demo.json"  # 2048
+    with pytest.raises(ExportError, match=re.escape(
+            f"{run.resolve() / 'vocab.txt'}: 30522 tokens, but {demo} says vocab_size 2048; pass the run's model config "
+            f"({run.resolve() / 'model_config.json'}) as --config_file, or the vocab.txt the shards were made with as "
+            "--vocab_file")):
+        export(run, tmp_path / "hf", config_file=demo)
+    shutil.copy(demo, run / "model_config.json")  # the run's own config, and a vocab of another size
+    with pytest.raises(ExportError, match=re.escape(
+            f"{bert_vocab}: 30522 tokens, but {run.resolve() / 'model_config.json'} says vocab_size 2048; pass the "
+            "vocab.txt the shards were made with as --vocab_file, or the model config the run trained with as "
+            "--config_file")):
+        export(run, tmp_path / "hf", vocab_file=bert_vocab)
+    assert not (tmp_path / "hf").exists()
 
 
 def test_an_output_that_holds_other_files_is_refused_before_the_checkpoint_is_read(tmp_path: Path):
@@ -215,7 +280,9 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     empty.mkdir(parents=True)
     with pytest.raises(ExportError, match="no 'latest' file, so no checkpoint was completed there"):
         export(empty.parent, tmp_path / "hf")
-    with pytest.raises(ExportError, match="vocab.txt: 30522 tokens, but the model's vocab_size is 2048"):
+    with pytest.raises(ExportError, match=r"vocab.txt: 30522 tokens, but .*bert-demo.json says vocab_size 2048; pass "
+                                          r"the run's model config \(.*model_config.json\) as --config_file, or the "
+                                          r"vocab.txt the shards were made with as --vocab_file"):
         export(zero_run, tmp_path / "hf", config_file=ROOT / "configs/models/bert-demo.json")
     deeper = tmp_path / "deeper.json"
     deeper.write_text(json.dumps({**json.loads((zero_run / "model_config.json").read_text()), "num_hidden_layers": 3}))
@@ -248,8 +315,8 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     with pytest.raises(ExportError, match="fresh: no checkpoints/ directory in it"):
         export(fresh, tmp_path / "hf")
     (fresh / "checkpoints").mkdir()
-    with pytest.raises(ExportError, match=r"no 'latest' file, so no checkpoint was completed there \(the run "
-                                          r"saved none yet\)"):
+    with pytest.raises(ExportError, match=r"no 'latest' file, so no checkpoint was completed there; the run "
+                                          r"saved none yet"):
         export(fresh, tmp_path / "hf")
 
 

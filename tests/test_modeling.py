@@ -560,7 +560,13 @@ def test_config_json_round_trip(tmp_path):
 
 
 @pytest.mark.parametrize("changes,message", [
-    ({"hidden_size": 129}, r"hidden_size 129 is not divisible by num_attention_heads 2"),
+    ({"hidden_size": 129}, r"hidden_size 129 is not divisible by num_attention_heads 2; choose heads that divide "
+                           r"it \(the nearest: 1 or 3\)$"),
+    # the divisors nearest the heads given, not the largest ones up to 64 ("e.g. [8, 16, 32, 64]" for 3)
+    ({"hidden_size": 128, "num_attention_heads": 3}, r"num_attention_heads 3; choose heads that divide it \(the "
+                                                     r"nearest: 2 or 4\)$"),
+    ({"hidden_size": 128, "num_attention_heads": 200}, r"num_attention_heads 200; choose heads that divide it \(the "
+                                                       r"nearest: 128\)$"),
     ({"num_hidden_layers": None}, r"missing field\(s\) num_hidden_layers"),
     ({"hiden_size": 128}, r"unknown field\(s\) 'hiden_size' \(did you mean 'hidden_size'\?\); known fields: "),
     # a Hugging Face config.json: its own fields are named as such, not taken for misspelt ones of ours

@@ -366,8 +366,9 @@ def test_their_checkpoint_exports_to_hugging_face(tmp_path, bert_vocab):
     damaged = tmp_path / "damaged" / "ckpt_1.pt"
     damaged.parent.mkdir()
     damaged.write_bytes(path.read_bytes()[:1000])
-    with pytest.raises(ExportError, match=r"bert-base-uncased-vocab.txt: 30522 tokens, but the model's vocab_size is "
-                                          "2048; pass the vocab.txt the shards were made with"):  # before any weight
+    with pytest.raises(ExportError, match=r"bert-base-uncased-vocab.txt: 30522 tokens, but .*bert-demo.json says "
+                                          r"vocab_size 2048; pass their bert_config.json as --config_file, or the "
+                                          "vocab.txt the shards were made with as --vocab_file"):  # before any weight
         export(damaged, tmp_path / "hf", config_file=ROOT / "configs" / "models" / "bert-demo.json",
                vocab_file=bert_vocab)
     with pytest.raises(ExportError, match=r"ckpt_1.pt: cannot read it as a torch checkpoint"):

@@ -212,6 +212,20 @@ def test_flags_parse_with_reference_names():
     assert args.constant_proportion == 0.3 and args.poly_power == 1.0 and args.optimizer == "lamb"
 
 
+def test_init_checkpoint_help_names_every_kind_of_checkpoint_training_md_lists(capsys):
+    """--help named three of the four sources TRAINING.md lists: not Habana deepspeed-bert's DeepSpeed folder."""
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    # the last mentions: the options' list, after the usage line
+    flag = shown[shown.rindex("--init_checkpoint INIT_CHECKPOINT"):shown.rindex("--num_steps_per_checkpoint")]
+    docs = (Path(__file__).resolve().parents[1] / "docs" / "TRAINING.md").read_text()
+    row = next(line for line in docs.splitlines() if line.startswith("| `--phase2` + `--init_checkpoint DIR`"))
+    for kind in ("phase-1 run", "Hugging Face BERT directory", "ckpt_<step>.pt", "DeepSpeed checkpoint folder of "
+                 "Habana's deepspeed-bert"):
+        assert kind in flag and kind in row.replace("`", ""), kind
+
+
 def test_reference_flags_are_refused_with_what_to_do_instead():
     """NVIDIA's phase-1 command (run_pretraining.sh) and Habana's (run_bert_1.5b_8x.sh) carried over: each
     flag this script covers otherwise is named with its equivalent, not argparse's "unrecognized arguments"."""

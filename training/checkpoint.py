@@ -101,6 +101,13 @@ def complete_tags(ckpt_dir: Path) -> list[str]:
     return sorted(tags)
 
 
+def pick_complete_tag(ckpt_dir: Path, do: str, otherwise: str) -> str:
+    """The fix for a tag that cannot be used, for an error message: `do` (e.g. "pass --tag with") one of the
+    complete tags of `ckpt_dir`, named; `otherwise` where none is complete."""
+    tags = complete_tags(ckpt_dir)
+    return f"{do} one of the complete tags: {', '.join(tags)}" if tags else otherwise
+
+
 def _expected_partitions(tag_dir: Path, world_size: int) -> list[str]:
     missing = []
     for rank in range(world_size):
@@ -361,8 +368,12 @@ def find_resume(ckpt_dir: Path) -> tuple[str, RunState] | None:
         return None
     tag_dir = ckpt_dir / latest
     if not (tag_dir / RUN_STATE).is_file():
+        fix = pick_complete_tag(ckpt_dir, "Point 'latest' at",
+                                f"No tag there is complete (none has a {RUN_STATE}), so there is nothing to start "
+                                f"from: use another run's directory, or remove {ckpt_dir / LATEST} to train this one "
+                                "from scratch")
         raise CheckpointError(f"{ckpt_dir / LATEST} names {latest!r} but {tag_dir / RUN_STATE} does not exist: the "
-                              "checkpoint is incomplete or was deleted. Point 'latest' at a complete tag")
+                              f"checkpoint is incomplete or was deleted. {fix}")
     state = read_state(tag_dir)
     verify_files(tag_dir, state)
     return latest, state
