@@ -372,6 +372,7 @@ def test_prepare_wikicorpus_script_takes_no_option_for_its_output_dir(arg, code,
     assert proc.returncode == code, proc.stderr
     usage = proc.stdout if code == 0 else proc.stderr
     assert "scripts/prepare_wikicorpus.sh OUTPUT_DIR [VOCAB_FILE]" in usage
+    assert usage.rstrip("\n").endswith("is shared by both phases in OUTPUT_DIR/text.")  # the comment, whole
     if code:
         assert proc.stderr.startswith(f"error: unknown option {arg} ")
     assert list(tmp_path.iterdir()) == []
@@ -419,7 +420,7 @@ def test_help_gives_the_defaults_that_say_something(capsys):
            "masked_lm_* keys); the loader masks at load time --test_fraction" in text
     assert "--output_dir OUTPUT_DIR hdf5/{training,test}/, vocab.txt, instances/ --text_dir" in text
     assert f"--workers WORKERS worker processes (default: the cores, {os.cpu_count()} here); the output does not " \
-           "depend on it" in text and text.count("(default: ") == 15
+           "depend on it" in text and text.count("(default: ") == 16
 
 
 def test_another_dump_of_the_same_name_and_size_is_not_taken_for_the_extracted_one(tmp_path):
