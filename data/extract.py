@@ -185,6 +185,13 @@ def _dump_form(path: Path) -> str:
     )
 
 
+def check_dump(path: Path) -> None:
+    """Refuse what cannot be a dump (no such file, a directory, an empty file, neither bz2 nor XML by its first
+    bytes) before any output directory is made, so that the refusal leaves nothing behind. What its content
+    holds is checked as it is read."""
+    _dump_form(path)
+
+
 def _open_dump(path: Path):
     """Open a dump for binary reading, checking that it looks like one."""
     return _Prefetcher(bz2.open(path, "rb")) if _dump_form(path) == "bz2" else path.open("rb")
@@ -534,7 +541,7 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
         raise PipelineError(f"articles_per_part must be >= 1, got {cfg.articles_per_part}")
     if cfg.workers < 1:
         raise PipelineError(f"workers must be >= 1, got {cfg.workers}")
-    _require_file(cfg.input)
+    check_dump(cfg.input)
     if cfg.chunk_bytes < 1:
         raise PipelineError(f"chunk_bytes must be >= 1, got {cfg.chunk_bytes}")
     params = {stage.VERSION_KEY: FORMAT_VERSION, "input": stage.file_identity(cfg.input),

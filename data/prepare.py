@@ -49,7 +49,7 @@ from data.download import (
     dump_url,
     file_name,
 )
-from data.extract import ExtractConfig, ExtractResult, extract
+from data.extract import ExtractConfig, ExtractResult, check_dump, extract
 from data.segment import SegmentConfig, SegmentResult, segment
 from data.shard import (
     ShardConfig,
@@ -271,6 +271,9 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:
         check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
+    dump = dump_source(cfg.input)
+    if isinstance(dump, Path):
+        check_dump(dump)  # a dump refused after the directories are made left an empty <text_dir> behind
     if cfg.text_dir is not None:
         check_text_dir(cfg.text_dir, cfg.output_dir)
         make_dir(cfg.text_dir, "--text_dir")
@@ -296,7 +299,6 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         report(f"{name}: {line(out)}, {when}{' (resumed)' if state == RESUMED else ''}")
         return out
 
-    dump = dump_source(cfg.input)
     if isinstance(dump, str):
         target = text_dir / "download" / file_name(dump)
         dump = timed("download", _file_state(target, target.with_name(f"{target.name}.part")), download,

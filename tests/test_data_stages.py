@@ -281,6 +281,31 @@ def test_a_text_dir_inside_a_later_stages_directory_is_refused_before_any_stage(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("name, message", [
+    ("missing.xml.bz2", "{dump}: no such file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input"),
+    ("a directory", "{dump}: is a directory, not a file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input"),
+    ("empty.xml.bz2", "{dump} is empty (0 bytes), not a dump; download or copy the dump again"),
+    ("notes.xml.bz2", "{dump} is not a MediaWiki XML dump: it is neither bz2-compressed nor XML")])
+def test_a_refused_input_leaves_no_directory_behind(name, message, bert_vocab, tmp_path):
+    """data.prepare --input /nonexistent.xml.bz2 (or a directory) made <output_dir>/text/ and then refused the
+    dump, leaving it empty, where a missing --vocab_file made nothing: the dump is checked first. data.extract
+    alone refused an empty or non-dump file only once it had begun its output directory."""
+    dump = tmp_path / name
+    if name == "a directory":
+        dump.mkdir()
+    elif name != "missing.xml.bz2":
+        dump.write_text("" if name.startswith("empty") else "some notes, not a dump\n")
+    for text_dir in ([], ["--text_dir", str(tmp_path / "text")]):
+        with pytest.raises(SystemExit) as exc:
+            prepare_main(["--input", str(dump), "--output_dir", str(tmp_path / "out"), "--vocab_file", str(bert_vocab),
+                          *text_dir])
+        assert str(exc.value.code).startswith(f"error: {message.format(dump=dump)}")
+        assert not (tmp_path / "out").exists() and not (tmp_path / "text").exists()
+    with pytest.raises(PipelineError, match=re.escape(message.format(dump=dump))):
+        extract(ExtractConfig(dump, tmp_path / "extracted"))
+    assert not (tmp_path / "extracted").exists()
+
+
 def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
     def interrupted(cfg):
         raise KeyboardInterrupt
