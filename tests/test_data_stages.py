@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import importlib
 import json
 import os
 import re
@@ -304,6 +305,30 @@ def test_a_refused_input_leaves_no_directory_behind(name, message, bert_vocab, t
     with pytest.raises(PipelineError, match=re.escape(message.format(dump=dump))):
         extract(ExtractConfig(dump, tmp_path / "extracted"))
     assert not (tmp_path / "extracted").exists()
+
+
+@pytest.mark.parametrize("module, flag, writer, made_as, more", [
+    ("segment", "--input_dir", "data.extract", "<text_dir>/extracted", []),
+    ("tokens", "--input_dir", "data.segment", "<text_dir>/sentences", ["--vocab_file", "{vocab}"]),
+    ("create", "--input_dir", "data.tokens", "<text_dir>/tokens_*", ["--vocab_file", "{vocab}"]),
+    ("shard", "--instances_dir", "data.create", "<output_dir>/instances", [])])
+def test_a_stage_says_that_its_input_directory_does_not_exist(module, flag, writer, made_as, more, bert_vocab,
+                                                              tmp_path):
+    """python -m data.shard --instances_dir /nonexistent said "is not a complete data.create output; run data.create
+    first", as if the directory held an unfinished run; so did the other stages for their --input_dir."""
+    main = importlib.import_module(f"data.{module}").main
+    more = [arg.format(vocab=bert_vocab) for arg in more]
+    missing, a_file = tmp_path / "nonexistent", tmp_path / "a_file"
+    a_file.write_text("not a directory\n")
+    for given, what in [(missing, "does not exist"), (a_file, "is a file, not a directory")]:
+        with pytest.raises(SystemExit) as exc:
+            main([flag, str(given), "--output_dir", str(tmp_path / "out"), *more])
+        assert exc.value.code == (f"error: {flag} {given} {what}; pass the directory {writer} wrote ({made_as} of "
+                                  "data.prepare)")
+    assert not (tmp_path / "out").exists()
+    missing.mkdir()  # a directory without a finished run is still said to be one
+    with pytest.raises(SystemExit, match=re.escape(f"error: {missing} is not a complete ")):
+        main([flag, str(missing), "--output_dir", str(tmp_path / "out"), *more])
 
 
 def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
