@@ -462,8 +462,8 @@ def check_tokens_vocab(tokens_dir: Path, vocab_file: Path, params: dict) -> None
 
 def create(cfg: CreateConfig) -> CreateResult:
     validate(cfg)
-    if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
-        raise PipelineError(f"{cfg.input_dir} is not a complete tokenization; run data.tokens into it first")
+    stage.require_input(cfg.input_dir, "--input_dir", "data.tokens",
+                        f"{cfg.input_dir} is not a complete tokenization; run data.tokens into it first")
     load_vocab(cfg.vocab_file)
     params = stage_params(cfg)
     check_tokens_vocab(cfg.input_dir, cfg.vocab_file, params)

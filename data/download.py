@@ -78,7 +78,7 @@ def dump_url(mirror: str, date: str, wiki: str = "enwiki") -> str:
     `pages-articles.xml.bz2`, as independent bz2 streams that data.extract reads in parallel."""
     if not re.fullmatch(r"\d{8}", date or ""):
         raise PipelineError(f"dump date {date!r} is not YYYYMMDD, e.g. {DEFAULT_DUMP_DATE}")
-    if not _is_http(mirror):
+    if not is_http(mirror):
         raise PipelineError(f"--mirror {mirror!r} is not an http(s) URL; pass one such as {DEFAULT_MIRROR}")
     return f"{mirror.rstrip('/')}/{wiki}/{date}/{wiki}-{date}-pages-articles-multistream.xml.bz2"
 
@@ -88,8 +88,19 @@ def file_name(url: str) -> str:
     return urllib.parse.unquote(urllib.parse.urlsplit(url).path.rsplit("/", 1)[-1])
 
 
-def _is_http(url: str) -> bool:
+def is_http(url: str) -> bool:
+    """An http(s) URL, the scheme in any case."""
     return urllib.parse.urlsplit(url).scheme.lower() in ("http", "https")
+
+
+def local_path(text: str) -> Path | None:
+    """The local file that `text` names as a path or a file:// URL; None for a URL of another scheme."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme.lower() == "file":
+        return Path(urllib.request.url2pathname(parts.path))
+    if parts.scheme and "://" in text:  # not a path, which may parse with a scheme too (C:\x, a:b.xml)
+        return None
+    return Path(text)
 
 
 def dump_source(text: str | Path) -> str | Path:
@@ -97,15 +108,13 @@ def dump_source(text: str | Path) -> str | Path:
     as a path or a file:// URL."""
     if isinstance(text, Path):
         return text
-    parts = urllib.parse.urlsplit(text)
-    if _is_http(text):
+    if is_http(text):
         return text
-    if parts.scheme.lower() == "file":
-        return Path(urllib.request.url2pathname(parts.path))
-    if parts.scheme and "://" in text:  # not a path, which may parse with a scheme too (C:\x, a:b.xml)
-        raise PipelineError(f"--input {text}: {parts.scheme}:// URLs are not downloaded; pass an http(s):// URL, "
-                            "or fetch the file another way and pass its path")
-    return Path(text)
+    path = local_path(text)
+    if path is None:
+        raise PipelineError(f"--input {text}: {urllib.parse.urlsplit(text).scheme}:// URLs are not downloaded; pass "
+                            "an http(s):// URL, or fetch the file another way and pass its path")
+    return path
 
 
 def _checksum_urls(url: str) -> list[tuple[str, str]]:
@@ -402,7 +411,7 @@ def _check_config(cfg: DownloadConfig) -> None:
                             f"{cfg.max_retry_after_s}")
     if cfg.timeout_s <= 0:
         raise PipelineError(f"timeout_s must be > 0, got {cfg.timeout_s}")
-    if not _is_http(cfg.url):
+    if not is_http(cfg.url):
         raise PipelineError(f"--url {cfg.url} is not an http(s) URL; pass one, or fetch the file another way "
                             "and give its path to data.prepare --input")
 

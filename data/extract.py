@@ -15,6 +15,8 @@ chunks are in flight, so memory stays bounded whatever the dump size; every form
 the same parts.
 
     python -m data.extract --input enwiki-20261101-pages-articles.xml.bz2 --output_dir text/extracted
+
+--input is a path or a file:// URL; an http(s) URL is refused (data.download or data.prepare downloads it).
 """
 
 from __future__ import annotations
@@ -27,9 +29,11 @@ import io
 import json
 import queue
 import re
+import shlex
 import threading
 import time
 import unicodedata
+import urllib.parse
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,6 +54,7 @@ from wikiextractor.extract import (
 
 from data import multistream, stage
 from data.cli import HelpFormatter, add_workers_argument, plural
+from data.download import is_http, local_path
 from data.parallel import bounded_map
 from data.stage import PipelineError
 
@@ -178,6 +183,13 @@ def _dump_form(path: Path) -> str:
         f"{path} is not a MediaWiki XML dump: it is neither bz2-compressed nor XML "
         "(expected e.g. enwiki-<date>-pages-articles.xml.bz2)"
     )
+
+
+def check_dump(path: Path) -> None:
+    """Refuse what cannot be a dump (no such file, a directory, an empty file, neither bz2 nor XML by its first
+    bytes) before any output directory is made, so that the refusal leaves nothing behind. What its content
+    holds is checked as it is read."""
+    _dump_form(path)
 
 
 def _open_dump(path: Path):
@@ -529,7 +541,7 @@ def extract(cfg: ExtractConfig) -> ExtractResult:
         raise PipelineError(f"articles_per_part must be >= 1, got {cfg.articles_per_part}")
     if cfg.workers < 1:
         raise PipelineError(f"workers must be >= 1, got {cfg.workers}")
-    _require_file(cfg.input)
+    check_dump(cfg.input)
     if cfg.chunk_bytes < 1:
         raise PipelineError(f"chunk_bytes must be >= 1, got {cfg.chunk_bytes}")
     params = {stage.VERSION_KEY: FORMAT_VERSION, "input": stage.file_identity(cfg.input),
@@ -817,14 +829,31 @@ def _clean_chunk_or_skip(task: _Chunk | int) -> _ChunkText | int:
     return task if isinstance(task, int) else _clean_chunk(task)
 
 
+def dump_path(text: str) -> Path:
+    """The dump that data.extract's --input names: a path or a file:// URL, as data.prepare takes a local one.
+    A URL to download is refused, naming the commands that download it."""
+    path = local_path(text)
+    if path is not None:
+        return path
+    if is_http(text):
+        raise PipelineError(f"--input {text}: data.extract reads a local dump, not an http(s) URL; download it "
+                            f"with python -m data.download --url {shlex.quote(text)} --output_dir DIR and pass the "
+                            "file it writes, or pass the URL to python -m data.prepare --input, which downloads it")
+    raise PipelineError(f"--input {text}: {urllib.parse.urlsplit(text).scheme}:// URLs are not read; fetch the dump "
+                        "another way and pass its path (or a file:// URL)")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--input", type=Path, required=True, help="MediaWiki XML dump, .xml or .xml.bz2")
+    p.add_argument("--input", required=True,
+                   help="MediaWiki XML dump, .xml or .xml.bz2: a path or a file:// URL (data.download fetches an "
+                        "http(s) one)")
     p.add_argument("--output_dir", type=Path, required=True, help="the articles directory")
     add_workers_argument(p)
     p.add_argument("--articles_per_part", type=int, default=2000, help="articles per part file (the parallel work unit)")
     a = p.parse_args(argv)
-    r = stage.cli_call(extract, ExtractConfig(a.input, a.output_dir, a.workers, a.articles_per_part))
+    r = stage.cli_call(lambda args: extract(ExtractConfig(dump_path(args.input), args.output_dir, args.workers,
+                                                          args.articles_per_part)), a)
     print(f"extract: {r.line()}, {r.seconds:.1f} s")
 
 

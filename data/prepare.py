@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from data import stage
-from data.cli import HelpFormatter, add_workers_argument, given_options
+from data.cli import HelpFormatter, add_workers_argument, given_options, non_negative_int
 from data.create import (
     CreateConfig,
     add_masking_arguments,
@@ -49,7 +49,7 @@ from data.download import (
     dump_url,
     file_name,
 )
-from data.extract import ExtractConfig, ExtractResult, extract
+from data.extract import ExtractConfig, ExtractResult, check_dump, extract
 from data.segment import SegmentConfig, SegmentResult, segment
 from data.shard import (
     ShardConfig,
@@ -62,7 +62,15 @@ from data.shard import (
 )
 from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError, StageConflict, cli_call, file_sha1, make_dir
 from data.tokens import TokenizeConfig, TokenizeResult, tokenize, unknown_warning
-from data.vocab import VocabConfig, build_vocab, check_case, check_training_settings, load_vocab
+from data.vocab import (
+    VocabConfig,
+    build_vocab,
+    check_case,
+    check_training_settings,
+    load_vocab,
+    shortfall,
+    vocab_line,
+)
 
 PHASES = {1: (128, 20), 2: (512, 80)}
 T = TypeVar("T")
@@ -88,6 +96,7 @@ class PrepareConfig:
     test_fraction: float = 0.02
     lower_case: bool = True
     vocab_size: int = 30522
+    min_frequency: int = 2
     limit_alphabet: int = 1000
     articles_per_part: int = 2000
     name: str = "wikicorpus_en"
@@ -112,6 +121,7 @@ class StageRun:
 class PrepareResult:
     output_dir: Path
     vocab_file: Path
+    vocab_size: int
     extracted: ExtractResult
     documents: int
     sentences: int
@@ -124,6 +134,7 @@ class PrepareResult:
     stages: list[StageRun]
     seconds: float  # the whole run, its checks included
     unknown_warning: str | None = None
+    vocab_shortfall: str | None = None  # why a trained vocab holds fewer tokens than --vocab_size (vocab.shortfall)
 
     @property
     def articles(self) -> int:
@@ -139,6 +150,8 @@ class PrepareResult:
         lines.append(f"  of the dump's {self.extracted.pages} pages, not counted as articles: "
                      f"{self.extracted.skipped_pages()}")
         lines.append(f"  this run: {self.run_line()}")
+        if self.vocab_shortfall:
+            lines.append(f"  the trained vocab {self.vocab_file} holds {self.vocab_size} tokens, {self.vocab_shortfall}")
         if self.unknown_warning:
             lines.append(self.unknown_warning)
         return "\n".join(lines)
@@ -258,6 +271,9 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:
         check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
+    dump = dump_source(cfg.input)
+    if isinstance(dump, Path):
+        check_dump(dump)  # a dump refused after the directories are made left an empty <text_dir> behind
     if cfg.text_dir is not None:
         check_text_dir(cfg.text_dir, cfg.output_dir)
         make_dir(cfg.text_dir, "--text_dir")
@@ -283,7 +299,6 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         report(f"{name}: {line(out)}, {when}{' (resumed)' if state == RESUMED else ''}")
         return out
 
-    dump = dump_source(cfg.input)
     if isinstance(dump, str):
         target = text_dir / "download" / file_name(dump)
         dump = timed("download", _file_state(target, target.with_name(f"{target.name}.part")), download,
@@ -295,10 +310,9 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
                 SegmentConfig(text_dir / "extracted", text_dir / "sentences", cfg.workers), SegmentResult.line)
     vocab_state = (_file_state(cfg.output_dir / "vocab.txt") if cfg.vocab_file
                    else cfg.output_dir / "vocab_training")
-    vocab = timed("vocab", vocab_state, build_vocab,
-                  VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences", cfg.vocab_size, cfg.lower_case,
-                              limit_alphabet=cfg.limit_alphabet, workers=cfg.workers),
-                  lambda v: f"{v.size} tokens -> {v.path}")
+    vocab_cfg = VocabConfig(cfg.output_dir, cfg.vocab_file, text_dir / "sentences", cfg.vocab_size, cfg.lower_case,
+                            cfg.min_frequency, cfg.limit_alphabet, cfg.workers)
+    vocab = timed("vocab", vocab_state, build_vocab, vocab_cfg, lambda v: vocab_line(v, vocab_cfg))
     digest = file_sha1(vocab.path)[:10]
     tokens_dir = text_dir / f"tokens_{digest}_{'uncased' if cfg.lower_case else 'cased'}"
     tok = timed("tokens", tokens_dir, tokenize,
@@ -315,10 +329,11 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
                ShardConfig(create_cfg.output_dir, cfg.output_dir / "hdf5", cfg.num_shards, cfg.num_test_shards,
                            cfg.name, cfg.workers, cfg.hdf5_compression), ShardResult.line)
     return PrepareResult(
-        output_dir=cfg.output_dir, vocab_file=vocab.path, extracted=ex, documents=tok.documents,
+        output_dir=cfg.output_dir, vocab_file=vocab.path, vocab_size=vocab.size, extracted=ex, documents=tok.documents,
         sentences=tok.sentences, tokens=tok.tokens, unknown_share=tok.unknown_share, instances=sh.instances,
         shards=sh.shards, text_bytes=seg.text_bytes, hdf5_bytes=sh.bytes_written, stages=stages,
-        seconds=round(time.perf_counter() - start, 3), unknown_warning=warning)
+        seconds=round(time.perf_counter() - start, 3), unknown_warning=warning,
+        vocab_shortfall=shortfall(vocab, vocab_cfg))
 
 
 def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
@@ -332,7 +347,7 @@ def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
         workers=a.workers, text_dir=a.text_dir, short_seq_prob=a.short_seq_prob, masked_lm_prob=a.masked_lm_prob,
         whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
         test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
-        limit_alphabet=a.limit_alphabet,
+        min_frequency=a.min_frequency, limit_alphabet=a.limit_alphabet,
         articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression)))
 
 
@@ -356,7 +371,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output_dir", type=Path, required=True, help="hdf5/{training,test}/, vocab.txt, instances/")
     p.add_argument("--text_dir", type=Path, help="where text stages go (default <output_dir>/text)")
     p.add_argument("--vocab_file", type=Path, help="BERT vocab.txt; without it a WordPiece vocab is trained")
-    p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
+    p.add_argument("--vocab_size", type=int, default=30522,
+                   help="size of a trained vocab: the most it holds (fewer when the corpus runs out of pairs to merge)")
+    p.add_argument("--min_frequency", type=non_negative_int, default=2,
+                   help="when training a vocab: merge only pairs of pieces that occur this many times or more")
     p.add_argument("--limit_alphabet", type=int, default=1000,
                    help="characters kept as tokens in a trained vocab: the most frequent ones")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false", help="keep case and accents")
@@ -375,9 +393,9 @@ def main(argv: list[str] | None = None) -> None:
     given = given_options(p, argv)
     if a.input and "mirror" in given:
         p.error("--mirror applies to --dump_date; with --input, put the mirror in the URL")
-    if a.vocab_file and given & {"vocab_size", "limit_alphabet"}:
-        p.error("--vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given "
-                "--vocab_file")
+    if a.vocab_file and given & {"vocab_size", "min_frequency", "limit_alphabet"}:
+        p.error("--vocab_size, --min_frequency and --limit_alphabet apply when a vocab is trained; they cannot change "
+                "the given --vocab_file")
     problem = preset_predictions_problem(a)
     if problem:
         p.error(problem)

@@ -79,8 +79,8 @@ def _segment_part(task: tuple[Path, Path]) -> tuple[int, int, int]:
 
 def segment(cfg: SegmentConfig) -> SegmentResult:
     sources = extract_stage.list_parts(cfg.input_dir)
-    if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
-        raise PipelineError(f"{cfg.input_dir} is not a complete extraction; run data.extract into it first")
+    stage.require_input(cfg.input_dir, "--input_dir", "data.extract",
+                        f"{cfg.input_dir} is not a complete extraction; run data.extract into it first")
     extracted = stage.fingerprint(cfg.input_dir, extract_stage.FORMAT_VERSION, writer="data.extract")
     params = {stage.VERSION_KEY: FORMAT_VERSION, "extracted": extracted, "parts": len(sources)}
     done = stage.begin(cfg.output_dir, params)

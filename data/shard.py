@@ -193,8 +193,8 @@ def check_name(name: str) -> None:
 
 
 def shard(cfg: ShardConfig) -> ShardResult:
-    if not (cfg.instances_dir / stage.COMPLETE_FILE).is_file():
-        raise PipelineError(f"{cfg.instances_dir} is not a complete data.create output; run data.create first")
+    stage.require_input(cfg.instances_dir, "--instances_dir", "data.create",
+                        f"{cfg.instances_dir} is not a complete data.create output; run data.create first")
     created = stage.finished_record(cfg.instances_dir)
     instances = stage.fingerprint(cfg.instances_dir, create_stage.FORMAT_VERSION, created, "data.create")
     cp, summary = created["params"], created["summary"]

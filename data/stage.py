@@ -483,6 +483,18 @@ _INPUT_KEYS = {
 }
 
 
+def require_input(input_dir: Path, flag: str, writer: str, incomplete: str) -> None:
+    """Refuse a stage's input directory that does not exist or is a file, naming `flag` and what to pass, or that
+    holds no complete output (`incomplete`: the line that says so and names `writer`, the stage that makes it)."""
+    what = f"pass the directory {writer} wrote ({_INPUT_KEYS[writer][1]} of data.prepare)"
+    if not input_dir.exists():
+        raise PipelineError(f"{flag} {input_dir} does not exist; {what}")
+    if not input_dir.is_dir():
+        raise PipelineError(f"{flag} {input_dir} is a file, not a directory; {what}")
+    if not (input_dir / COMPLETE_FILE).is_file():
+        raise PipelineError(incomplete)
+
+
 def _made_by(params: Any) -> str | None:
     """The stage whose parameters `params` are, by the key it records its input under (None: not known)."""
     if not isinstance(params, dict):

@@ -230,8 +230,8 @@ def _tokenize_part(task: tuple[Path, Path, Path, bool, int]) -> tuple[int, int, 
 
 
 def tokenize(cfg: TokenizeConfig) -> TokenizeResult:
-    if not (cfg.input_dir / stage.COMPLETE_FILE).is_file():
-        raise PipelineError(f"{cfg.input_dir} is not a complete segmentation; run data.segment into it first")
+    stage.require_input(cfg.input_dir, "--input_dir", "data.segment",
+                        f"{cfg.input_dir} is not a complete segmentation; run data.segment into it first")
     vocab = load_vocab(cfg.vocab_file)
     sources = list_parts(cfg.input_dir)
     params = {stage.VERSION_KEY: FORMAT_VERSION,
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> None:
     add_workers_argument(p)
     a = p.parse_args(argv)
     r = stage.cli_call(tokenize_with_given_vocab, TokenizeConfig(a.input_dir, a.vocab_file, a.output_dir, a.lower_case, a.workers))
-    print(f"tokenize: {r.line()}, {r.seconds:.1f} s")
+    print(f"tokens: {r.line()}, {r.seconds:.1f} s")
     warning = unknown_warning(r, a.vocab_file)
     if warning:
         print(warning)

@@ -1,9 +1,12 @@
 """Stage 4: the WordPiece vocabulary: a given vocab.txt (checked) or one trained on the corpus.
 
     python -m data.vocab --vocab_file bert-base-uncased-vocab.txt --output_dir out
-    python -m data.vocab --corpus_dir text/sentences --vocab_size 30522 --output_dir out [--no_lower_case]
+    python -m data.vocab --corpus_dir text/sentences --vocab_size 30522 --output_dir out [--min_frequency 2] \
+        [--no_lower_case]
 
-The vocab used is always written to `<output_dir>/vocab.txt`.
+The vocab used is always written to `<output_dir>/vocab.txt`. A trained vocab holds up to --vocab_size tokens:
+training stops early when no pair of pieces left occurs --min_frequency times or more in the corpus, and the
+stage's line then says so.
 """
 
 from __future__ import annotations
@@ -230,6 +233,27 @@ def build_vocab(cfg: VocabConfig) -> Vocab:
     return load_vocab(target)
 
 
+def shortfall(vocab: Vocab, cfg: VocabConfig) -> str | None:
+    """Why a vocab trained for `cfg` holds fewer tokens than --vocab_size, or None (a vocab given, or one of that
+    size). The trainer merges the corpus's most frequent pair of pieces into a new token until the vocab holds
+    --vocab_size tokens, and stops early when no pair left occurs --min_frequency times or more, as on a small
+    corpus: the 206-page sample gives 26887 tokens at the defaults (30522 and 2)."""
+    if cfg.vocab_file is not None or vocab.size >= cfg.vocab_size:
+        return None
+    if cfg.min_frequency > 1:
+        why = (f"the corpus has no more pairs of pieces that occur --min_frequency {cfg.min_frequency} times or more "
+               "to merge; more text, or a lower --min_frequency, gives more tokens")
+    else:
+        why = "the corpus has no more pairs of pieces to merge; more text gives more tokens"
+    return f"fewer than --vocab_size {cfg.vocab_size}: {why}"
+
+
+def vocab_line(vocab: Vocab, cfg: VocabConfig) -> str:
+    """The vocab stage's line: its size and file, and why a trained one holds fewer tokens than asked for."""
+    short = shortfall(vocab, cfg)
+    return f"{vocab.size} tokens -> {vocab.path}" + (f" ({short})" if short else "")
+
+
 def _save_model(tokenizer: BertWordPieceTokenizer, directory: Path, final: Path) -> None:
     """Save the trained vocab into `directory`. The Rust library raises a failed write (a full disk) as a bare
     Exception with the OS error's number in its text ("No space left on device (os error 28)"): it is raised
@@ -311,8 +335,10 @@ def main(argv: list[str] | None = None) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--vocab_file", type=Path, help="use this BERT vocab.txt")
     src.add_argument("--corpus_dir", type=Path, help="train a WordPiece vocab on this data.segment output")
-    p.add_argument("--vocab_size", type=int, default=30522, help="size of a trained vocab")
-    p.add_argument("--min_frequency", type=non_negative_int, default=2, help="minimum pair frequency when training")
+    p.add_argument("--vocab_size", type=int, default=30522,
+                   help="size of a trained vocab: the most it holds (fewer when the corpus runs out of pairs to merge)")
+    p.add_argument("--min_frequency", type=non_negative_int, default=2,
+                   help="when training: merge only pairs of pieces that occur this many times or more in the corpus")
     p.add_argument("--limit_alphabet", type=int, default=1000,
                    help="characters kept as tokens when training: the most frequent ones")
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
@@ -323,9 +349,10 @@ def main(argv: list[str] | None = None) -> None:
                                                               "lower_case", "workers"}:
         p.error("--vocab_size, --min_frequency, --limit_alphabet, --no_lower_case and --workers apply when "
                 "training (--corpus_dir), not with --vocab_file (tokenization case is data.tokens' --no_lower_case)")
-    v = stage.cli_call(build_vocab, VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case,
-                                                a.min_frequency, a.limit_alphabet, a.workers))
-    print(f"vocab: {v.size} tokens -> {v.path}")
+    cfg = VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case, a.min_frequency,
+                      a.limit_alphabet, a.workers)
+    v = stage.cli_call(build_vocab, cfg)
+    print(f"vocab: {vocab_line(v, cfg)}")
 
 
 if __name__ == "__main__":

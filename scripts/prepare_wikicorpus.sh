@@ -4,7 +4,8 @@
 #
 #   scripts/prepare_wikicorpus.sh OUTPUT_DIR [VOCAB_FILE]
 #
-# Without VOCAB_FILE a 30,522-token uncased WordPiece vocab is trained on the corpus.
+# Without VOCAB_FILE an uncased WordPiece vocab of up to 30,522 tokens is trained on the corpus (fewer when
+# the corpus has no more pairs of pieces seen twice or more to merge; data.prepare's vocab line then says so).
 # Environment (all optional):
 #   DUMP_DATE   enwiki dump date, YYYYMMDD (default 20261101; never "latest")
 #   DUMP        a local dump file or URL instead of downloading DUMP_DATE (then set neither that nor MIRROR)
@@ -18,7 +19,7 @@
 # Text (download, extraction, segmentation, tokens) is shared by both phases in OUTPUT_DIR/text.
 set -euo pipefail
 
-usage() { sed -n '2,18p' "$0"; }
+usage() { sed -n '2,19p' "$0"; }
 case ${1:-} in
     -h|--help) usage; exit 0 ;;
     -*) echo "error: unknown option $1 (this script takes OUTPUT_DIR [VOCAB_FILE]; settings are environment variables)" >&2

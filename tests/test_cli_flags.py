@@ -136,11 +136,12 @@ def test_prepare_flags_reach_its_config(monkeypatch):
         masked_lm_prob=0.12, whole_word_masking=True, static_masking=False, test_fraction=0.05,
         articles_per_part=33, name="wiki", hdf5_compression="lzf")
     trained = config_of(prepare.main, ["--dump_date", "20240101", "--mirror", "https://mirror.example",
-                                       "--output_dir", "out", "--vocab_size", "3000", "--limit_alphabet", "50",
-                                       "--no_lower_case", "--phase", "2"])
+                                       "--output_dir", "out", "--vocab_size", "3000", "--min_frequency", "5",
+                                       "--limit_alphabet", "50", "--no_lower_case", "--phase", "2"])
     assert trained == PrepareConfig(
         "https://mirror.example/enwiki/20240101/enwiki-20240101-pages-articles-multistream.xml.bz2", Path("out"),
-        max_seq_length=512, max_predictions_per_seq=80, lower_case=False, vocab_size=3000, limit_alphabet=50)
+        max_seq_length=512, max_predictions_per_seq=80, lower_case=False, vocab_size=3000, min_frequency=5,
+        limit_alphabet=50)
     # between them, every setting was given a value other than its default
     default = PrepareConfig(Path("d.xml.bz2"), Path("out"))
     assert changed(given, default) | changed(trained, default) == {f.name for f in dataclasses.fields(PrepareConfig)

@@ -622,6 +622,31 @@ def test_prepare_reads_a_file_url_input(bert_vocab, tmp_path):
     assert str(exc.value.code).startswith(f"error: {notes} is not a MediaWiki XML dump: it is neither bz2")
 
 
+def test_extract_alone_reads_a_file_url_input_and_refuses_one_to_download(tmp_path, capsys):
+    """python -m data.extract took --input file:///... for the path "file:/..." and said "no such file", while
+    data.prepare read it (docs/DATA.md: a path, "also as a file:// URL"). An http(s) URL is not downloaded by
+    this stage: the error names the commands that do."""
+    from data.extract import main as extract_main
+
+    dump = tmp_path / "my dump.xml"
+    dump.write_text("<mediawiki><page><title>Alpha</title><ns>0</ns><id>1</id><revision><id>1</id><text>The alpha "
+                    "river flows north.</text></revision></page></mediawiki>\n", encoding="utf-8")
+    extract_main(["--input", dump.as_uri(), "--output_dir", str(tmp_path / "extracted"), "--workers", "1"])
+    assert capsys.readouterr().out.startswith("extract: 1 articles of 1 pages")
+    assert (tmp_path / "extracted" / "part-00000.txt").read_text(encoding="utf-8") == "The alpha river flows north.\n\n"
+    url = "https://dumps.example.org/enwiki/20261101/enwiki-20261101-pages-articles-multistream.xml.bz2"
+    for given, message in [
+        (url, f"--input {url}: data.extract reads a local dump, not an http(s) URL; download it with python -m "
+              f"data.download --url {url} --output_dir DIR and pass the file it writes, or pass the URL to python -m "
+              "data.prepare --input, which downloads it"),
+        ("ftp://dumps.example.org/a.xml.bz2", "--input ftp://dumps.example.org/a.xml.bz2: ftp:// URLs are not read; "
+                                              "fetch the dump another way and pass its path (or a file:// URL)")]:
+        with pytest.raises(SystemExit) as exc:
+            extract_main(["--input", given, "--output_dir", str(tmp_path / "refused")])
+        assert exc.value.code == f"error: {message}"
+    assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.parametrize("cut_by", ["reset", "stall"])
 def test_the_bytes_received_before_a_reset_or_a_stall_are_kept(wiki_mirror, multistream_sample, tmp_path, cut_by):
     """A read of up to 1 MiB that ends in a connection reset or a read timeout raised and lost the bytes it had

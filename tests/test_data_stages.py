@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import errno
+import importlib
 import json
 import os
 import re
@@ -281,6 +282,55 @@ def test_a_text_dir_inside_a_later_stages_directory_is_refused_before_any_stage(
     assert not out.exists()
 
 
+@pytest.mark.parametrize("name, message", [
+    ("missing.xml.bz2", "{dump}: no such file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input"),
+    ("a directory", "{dump}: is a directory, not a file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input"),
+    ("empty.xml.bz2", "{dump} is empty (0 bytes), not a dump; download or copy the dump again"),
+    ("notes.xml.bz2", "{dump} is not a MediaWiki XML dump: it is neither bz2-compressed nor XML")])
+def test_a_refused_input_leaves_no_directory_behind(name, message, bert_vocab, tmp_path):
+    """data.prepare --input /nonexistent.xml.bz2 (or a directory) made <output_dir>/text/ and then refused the
+    dump, leaving it empty, where a missing --vocab_file made nothing: the dump is checked first. data.extract
+    alone refused an empty or non-dump file only once it had begun its output directory."""
+    dump = tmp_path / name
+    if name == "a directory":
+        dump.mkdir()
+    elif name != "missing.xml.bz2":
+        dump.write_text("" if name.startswith("empty") else "some notes, not a dump\n")
+    for text_dir in ([], ["--text_dir", str(tmp_path / "text")]):
+        with pytest.raises(SystemExit) as exc:
+            prepare_main(["--input", str(dump), "--output_dir", str(tmp_path / "out"), "--vocab_file", str(bert_vocab),
+                          *text_dir])
+        assert str(exc.value.code).startswith(f"error: {message.format(dump=dump)}")
+        assert not (tmp_path / "out").exists() and not (tmp_path / "text").exists()
+    with pytest.raises(PipelineError, match=re.escape(message.format(dump=dump))):
+        extract(ExtractConfig(dump, tmp_path / "extracted"))
+    assert not (tmp_path / "extracted").exists()
+
+
+@pytest.mark.parametrize("module, flag, writer, made_as, more", [
+    ("segment", "--input_dir", "data.extract", "<text_dir>/extracted", []),
+    ("tokens", "--input_dir", "data.segment", "<text_dir>/sentences", ["--vocab_file", "{vocab}"]),
+    ("create", "--input_dir", "data.tokens", "<text_dir>/tokens_*", ["--vocab_file", "{vocab}"]),
+    ("shard", "--instances_dir", "data.create", "<output_dir>/instances", [])])
+def test_a_stage_says_that_its_input_directory_does_not_exist(module, flag, writer, made_as, more, bert_vocab,
+                                                              tmp_path):
+    """python -m data.shard --instances_dir /nonexistent said "is not a complete data.create output; run data.create
+    first", as if the directory held an unfinished run; so did the other stages for their --input_dir."""
+    main = importlib.import_module(f"data.{module}").main
+    more = [arg.format(vocab=bert_vocab) for arg in more]
+    missing, a_file = tmp_path / "nonexistent", tmp_path / "a_file"
+    a_file.write_text("not a directory\n")
+    for given, what in [(missing, "does not exist"), (a_file, "is a file, not a directory")]:
+        with pytest.raises(SystemExit) as exc:
+            main([flag, str(given), "--output_dir", str(tmp_path / "out"), *more])
+        assert exc.value.code == (f"error: {flag} {given} {what}; pass the directory {writer} wrote ({made_as} of "
+                                  "data.prepare)")
+    assert not (tmp_path / "out").exists()
+    missing.mkdir()  # a directory without a finished run is still said to be one
+    with pytest.raises(SystemExit, match=re.escape(f"error: {missing} is not a complete ")):
+        main([flag, str(missing), "--output_dir", str(tmp_path / "out"), *more])
+
+
 def test_ctrl_c_in_a_stage_command_is_a_line_not_a_traceback(capsys):
     def interrupted(cfg):
         raise KeyboardInterrupt
@@ -372,6 +422,7 @@ def test_prepare_wikicorpus_script_takes_no_option_for_its_output_dir(arg, code,
     assert proc.returncode == code, proc.stderr
     usage = proc.stdout if code == 0 else proc.stderr
     assert "scripts/prepare_wikicorpus.sh OUTPUT_DIR [VOCAB_FILE]" in usage
+    assert usage.rstrip("\n").endswith("is shared by both phases in OUTPUT_DIR/text.")  # the comment, whole
     if code:
         assert proc.stderr.startswith(f"error: unknown option {arg} ")
     assert list(tmp_path.iterdir()) == []
@@ -419,7 +470,7 @@ def test_help_gives_the_defaults_that_say_something(capsys):
            "masked_lm_* keys); the loader masks at load time --test_fraction" in text
     assert "--output_dir OUTPUT_DIR hdf5/{training,test}/, vocab.txt, instances/ --text_dir" in text
     assert f"--workers WORKERS worker processes (default: the cores, {os.cpu_count()} here); the output does not " \
-           "depend on it" in text and text.count("(default: ") == 15
+           "depend on it" in text and text.count("(default: ") == 16
 
 
 def test_another_dump_of_the_same_name_and_size_is_not_taken_for_the_extracted_one(tmp_path):

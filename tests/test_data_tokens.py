@@ -73,7 +73,10 @@ def test_tokenize_stage_counts_unknown_tokens(phase1_shards, bert_vocab, tmp_pat
     # ... and a warning line says what that means; none for the vocab that fits (0.002%).
     assert unknown_warning(result, bert_vocab) is None
     tokens_main(["--input_dir", str(sentences_dir), "--vocab_file", str(small), "--output_dir", str(tmp_path / "poor")])
-    assert capsys.readouterr().out.splitlines()[-1].startswith(
+    printed = capsys.readouterr().out.splitlines()
+    # the stage's line, named as data.prepare names it (it was "tokenize:" alone, "tokens:" in data.prepare)
+    assert re.fullmatch(re.escape(f"tokens: {poor.line()}, ") + r"\d+\.\d s", printed[0])
+    assert printed[-1].startswith(
         f"warning: {poor.unknown_share:.2%} of the tokens are [UNK] with the vocab {small} (a vocab that fits the text "
         "leaves under 1%")
 

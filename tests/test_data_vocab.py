@@ -246,16 +246,17 @@ def test_bad_flags_are_refused_before_any_stage_runs(flags, message, sample_dump
     assert not out.exists()
 
 
-@pytest.mark.parametrize("flag, value", [("--vocab_size", "3000"), ("--limit_alphabet", "500"),
-                                         ("--vocab_size", "30522"), ("--limit_alphabet", "1000")])  # the defaults
+@pytest.mark.parametrize("flag, value", [("--vocab_size", "3000"), ("--min_frequency", "5"), ("--limit_alphabet", "500"),
+                                         ("--vocab_size", "30522"), ("--min_frequency", "2"),  # the defaults
+                                         ("--limit_alphabet", "1000")])
 def test_a_trained_vocab_setting_with_a_given_vocab_is_refused(flag, value, sample_dump, bert_vocab, tmp_path, capsys):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exc:
         prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bert_vocab), flag,
                       value])
     assert exc.value.code == 2
-    assert "error: --vocab_size and --limit_alphabet apply when a vocab is trained; they cannot change the given " \
-           "--vocab_file" in capsys.readouterr().err
+    assert "error: --vocab_size, --min_frequency and --limit_alphabet apply when a vocab is trained; they cannot " \
+           "change the given --vocab_file" in capsys.readouterr().err
     assert not out.exists()
 
 
@@ -306,3 +307,71 @@ def test_the_alphabet_breaks_ties_by_code_point_not_by_first_appearance(tmp_path
     assert corpus_alphabet([part], tokenizer, limit=4, workers=1) == ["a", "b", "e", "z"]
     assert corpus_alphabet([part], tokenizer, limit=3, workers=1) == ["a", "e", "z"]
     assert corpus_alphabet([part], tokenizer, limit=10, workers=1) == ["a", "b", "c", "d", "e", "z"]
+
+
+def _corpus(directory) -> object:
+    """A data.segment output of 5 words seen 20 times and 40 seen once."""
+    from data import segment, stage
+
+    rnd = random.Random(0)
+    word = lambda: "".join(rnd.choice("bcdfghklmnprstvz") + rnd.choice("aeiou") for _ in range(3))  # noqa: E731
+    frequent, once = [word() for _ in range(5)], [word() for _ in range(40)]
+    directory.mkdir()
+    (directory / "part-00000.txt").write_text(" ".join(frequent * 20 + once) + "\n", encoding="utf-8")
+    stage.finish(directory, {stage.VERSION_KEY: segment.FORMAT_VERSION}, {})
+    return directory
+
+
+def test_the_vocab_command_says_why_a_trained_vocab_is_smaller_than_asked(tmp_path, capsys):
+    """A trained vocab came out smaller than --vocab_size and the line gave its size alone (the sample gave 26887
+    tokens of 30522): training stops when no pair of pieces left occurs --min_frequency times or more."""
+    corpus = _corpus(tmp_path / "sentences")
+
+    def line(out, *flags) -> str:
+        vocab_main(["--corpus_dir", str(corpus), "--output_dir", str(tmp_path / out), "--workers", "1", *flags])
+        return capsys.readouterr().out.splitlines()[-1]
+
+    printed = line("two", "--vocab_size", "2000")
+    two = load_vocab(tmp_path / "two" / "vocab.txt")
+    assert printed == (f"vocab: {two.size} tokens -> {two.path} (fewer than --vocab_size 2000: the corpus has no more "
+                       "pairs of pieces that occur --min_frequency 2 times or more to merge; more text, or a lower "
+                       "--min_frequency, gives more tokens)")
+    printed = line("one", "--vocab_size", "2000", "--min_frequency", "1")
+    one = load_vocab(tmp_path / "one" / "vocab.txt")
+    assert two.size < one.size < 2000
+    assert printed == (f"vocab: {one.size} tokens -> {one.path} (fewer than --vocab_size 2000: the corpus has no more "
+                       "pairs of pieces to merge; more text gives more tokens)")
+    # a vocab of the size asked for, and a given one, get no such words
+    assert line("full", "--vocab_size", str(two.size)) == f"vocab: {two.size} tokens -> {tmp_path / 'full' / 'vocab.txt'}"
+    vocab_main(["--vocab_file", str(two.path), "--output_dir", str(tmp_path / "given")])
+    assert capsys.readouterr().out == f"vocab: {two.size} tokens -> {tmp_path / 'given' / 'vocab.txt'}\n"
+
+
+def test_data_prepare_says_why_its_trained_vocab_is_smaller_and_passes_min_frequency(tmp_path, capsys):
+    """data.prepare printed "vocab: 26887 tokens" for the sample without a word on the 30522 asked for, and had no
+    --min_frequency to pass to the vocab stage. The vocab line and the summary say why; --min_frequency 1 merges
+    the pairs seen once too."""
+    pages = "".join(f"<page><title>{name}</title><ns>0</ns><id>{k}</id><revision><id>{k}</id><text>The {name} river "
+                    f"flows north. It meets the sea at {k}0 old ports.\n\nA bridge crosses it near the town."
+                    "</text></revision></page>" for k, name in enumerate(["alpha", "beta", "gamma"], 1))
+    dump = tmp_path / "dump.xml"
+    dump.write_text(f"<mediawiki>{pages}</mediawiki>\n", encoding="utf-8")
+    flags = ["--input", str(dump), "--num_shards", "1", "--num_test_shards", "0", "--test_fraction", "0",
+             "--workers", "1"]
+    sizes = {}
+    for name, more, why in [
+        ("two", [], "the corpus has no more pairs of pieces that occur --min_frequency 2 times or more to merge; more "
+                    "text, or a lower --min_frequency, gives more tokens"),
+        ("one", ["--min_frequency", "1"], "the corpus has no more pairs of pieces to merge; more text gives more "
+                                          "tokens")]:
+        out = tmp_path / name
+        prepare_main([*flags, "--output_dir", str(out), *more])
+        printed = capsys.readouterr().out.splitlines()
+        vocab = load_vocab(out / "vocab.txt")
+        sizes[name] = vocab.size
+        stage_line = next(line for line in printed if line.startswith("vocab: "))
+        assert re.fullmatch(re.escape(f"vocab: {vocab.size} tokens -> {vocab.path} (fewer than --vocab_size 30522: "
+                                      f"{why}), ") + r"\d+\.\d s", stage_line)
+        assert f"  the trained vocab {vocab.path} holds {vocab.size} tokens, fewer than --vocab_size 30522: {why}" \
+            in printed
+    assert sizes["two"] < sizes["one"] < 30522
