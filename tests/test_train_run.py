@@ -198,12 +198,13 @@ def test_two_rank_checkpoint_resumes_on_one_rank_at_the_same_sample(bf16_run, ph
     # What the start runs, on the console before the first step.
     training = sum(len(h5py.File(f)["input_ids"]) for f in (phase1_shards / "hdf5" / "training").glob("*.hdf5"))
     first = next(k for k, line in enumerate(console) if line.startswith("run: "))
-    assert console[first:first + 6] == [
+    assert console[first:first + 7] == [
         "run: 1 rank on cpu (gloo), ZeRO-1, bf16 with fp32 master weights and float32 gradient accumulation, "
         "optimizer lamb",
         "batch: 16 sequences per step = 4 per micro batch x 4 accumulation steps x 1 rank",
         f"model: {info['parameters'] / 1e6:.1f}M parameters ({no_dropout_model}), activation checkpointing off",
         f"training data: {training:,} sequences of 128 tokens in 2 shards under hdf5/training, static masks",
+        f"vocabulary: {phase1_shards / 'vocab.txt'}",
         "test data: 378 sequences in 1 shard under hdf5/test; the first 32 evaluated every 8 steps and at the end",
         f"start: step 8 of 16 (256 sequences, {256 / training:.3g} epochs of the training data), resumed from "
         "step00000008 at sequence 128 of a 2-rank run"]
