@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from data import stage
-from data.cli import HelpFormatter, add_workers_argument, given_options, non_negative_int
+from data.cli import HelpFormatter, add_workers_argument, given_options
 from data.create import (
     CreateConfig,
     add_masking_arguments,
@@ -63,7 +63,9 @@ from data.shard import (
 from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError, StageConflict, cli_call, file_sha1, make_dir
 from data.tokens import TokenizeConfig, TokenizeResult, tokenize, unknown_warning
 from data.vocab import (
+    TRAINING_OPTIONS,
     VocabConfig,
+    add_training_arguments,
     build_vocab,
     check_case,
     check_training_settings,
@@ -371,12 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--output_dir", type=Path, required=True, help="hdf5/{training,test}/, vocab.txt, instances/")
     p.add_argument("--text_dir", type=Path, help="where text stages go (default <output_dir>/text)")
     p.add_argument("--vocab_file", type=Path, help="BERT vocab.txt; without it a WordPiece vocab is trained")
-    p.add_argument("--vocab_size", type=int, default=30522,
-                   help="size of a trained vocab: the most it holds (fewer when the corpus runs out of pairs to merge)")
-    p.add_argument("--min_frequency", type=non_negative_int, default=2,
-                   help="when training a vocab: merge only pairs of pieces that occur this many times or more")
-    p.add_argument("--limit_alphabet", type=int, default=1000,
-                   help="characters kept as tokens in a trained vocab: the most frequent ones")
+    add_training_arguments(p)
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false", help="keep case and accents")
     p.add_argument("--phase", type=int, choices=sorted(PHASES), default=1,
                    help="1: seq 128 / 20 predictions, 2: seq 512 / 80 (explicit flags override)")
@@ -393,7 +390,7 @@ def main(argv: list[str] | None = None) -> None:
     given = given_options(p, argv)
     if a.input and "mirror" in given:
         p.error("--mirror applies to --dump_date; with --input, put the mirror in the URL")
-    if a.vocab_file and given & {"vocab_size", "min_frequency", "limit_alphabet"}:
+    if a.vocab_file and given & TRAINING_OPTIONS:
         p.error("--vocab_size, --min_frequency and --limit_alphabet apply when a vocab is trained; they cannot change "
                 "the given --vocab_file")
     problem = preset_predictions_problem(a)

@@ -329,24 +329,33 @@ def _other_vocab(target: Path, wanted: str) -> str:
             f"use another output directory, or delete {target.parent} to start over with the new vocab")
 
 
+TRAINING_OPTIONS = {"vocab_size", "min_frequency", "limit_alphabet"}  # the dests add_training_arguments adds
+
+
+def add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a trained vocab, for data.vocab and data.prepare (which refuse them beside --vocab_file)."""
+    parser.add_argument("--vocab_size", type=int, default=30522,
+                        help="size of a trained vocab: the most it holds (fewer when the corpus runs out of pairs to "
+                             "merge)")
+    parser.add_argument("--min_frequency", type=non_negative_int, default=2,
+                        help="when training: merge only pairs of pieces that occur this many times or more in the "
+                             "corpus")
+    parser.add_argument("--limit_alphabet", type=int, default=1000,
+                        help="characters kept as tokens when training: the most frequent ones")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--output_dir", type=Path, required=True, help="where vocab.txt is written")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--vocab_file", type=Path, help="use this BERT vocab.txt")
     src.add_argument("--corpus_dir", type=Path, help="train a WordPiece vocab on this data.segment output")
-    p.add_argument("--vocab_size", type=int, default=30522,
-                   help="size of a trained vocab: the most it holds (fewer when the corpus runs out of pairs to merge)")
-    p.add_argument("--min_frequency", type=non_negative_int, default=2,
-                   help="when training: merge only pairs of pieces that occur this many times or more in the corpus")
-    p.add_argument("--limit_alphabet", type=int, default=1000,
-                   help="characters kept as tokens when training: the most frequent ones")
+    add_training_arguments(p)
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
                    help="keep case (and accents) when training the vocab; data.tokens needs the same flag")
     add_workers_argument(p, help="processes counting characters (default: the cores, %(default)s here)")
     a = p.parse_args(argv)
-    if a.vocab_file is not None and given_options(p, argv) & {"vocab_size", "min_frequency", "limit_alphabet",
-                                                              "lower_case", "workers"}:
+    if a.vocab_file is not None and given_options(p, argv) & (TRAINING_OPTIONS | {"lower_case", "workers"}):
         p.error("--vocab_size, --min_frequency, --limit_alphabet, --no_lower_case and --workers apply when "
                 "training (--corpus_dir), not with --vocab_file (tokenization case is data.tokens' --no_lower_case)")
     cfg = VocabConfig(a.output_dir, a.vocab_file, a.corpus_dir, a.vocab_size, a.lower_case, a.min_frequency,
