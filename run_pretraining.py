@@ -315,9 +315,9 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
     if not isinstance(config, dict):
         raise RunConfigError(f"--deepspeed_config {path}: a JSON {type(config).__name__}, not an object; start from "
                              f"{DEFAULT_DS_CONFIG.relative_to(ROOT)}")
-    for key in config:
+    for key in [key for key in config if key not in DEEPSPEED_KEYS]:  # in the file's order: the first is named
         near = difflib.get_close_matches(key, DEEPSPEED_KEYS, n=1, cutoff=0.85)
-        if key not in DEEPSPEED_KEYS and near:
+        if near:
             raise RunConfigError(f"{path}: '{key}' is not a DeepSpeed key, which DeepSpeed would ignore; did you mean "
                                  f"'{near[0]}'?")
     if "bfloat16" in config:  # DeepSpeed's older name, which the checks below would not see

@@ -48,7 +48,6 @@ from training.checkpoint import (
     RUN_STATE,
     UNIVERSAL_SUFFIX,
     CheckpointError,
-    complete_tags,
     pick_complete_tag,
     read_state,
     verify_files,
@@ -132,9 +131,10 @@ def check_complete(loc: CheckpointLocation) -> None:
             verify_files(tag_dir, state, checksum=list(state.files))
         except CheckpointError as e:
             raise ExportError(f"{e}, or export another tag with --tag") from e
-    elif not loc.tag.endswith(UNIVERSAL_SUFFIX) and complete_tags(loc.checkpoints_dir):
+    elif not loc.tag.endswith(UNIVERSAL_SUFFIX) and (fix := pick_complete_tag(loc.checkpoints_dir, "pass --tag with",
+                                                                                 "")):
         raise ExportError(f"{tag_dir}: no {RUN_STATE}, so this tag was never completed (the run stopped while "
-                          "saving it); " + pick_complete_tag(loc.checkpoints_dir, "pass --tag with", ""))
+                          f"saving it); {fix}")
 
 
 def tokenizer_case(run_dir: Path | None, vocab_file: Path, lower_case: bool | None) -> tuple[bool, str]:

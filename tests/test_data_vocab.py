@@ -8,6 +8,7 @@ import random
 import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import h5py
 import pytest
@@ -309,7 +310,7 @@ def test_the_alphabet_breaks_ties_by_code_point_not_by_first_appearance(tmp_path
     assert corpus_alphabet([part], tokenizer, limit=10, workers=1) == ["a", "b", "c", "d", "e", "z"]
 
 
-def _corpus(directory) -> object:
+def _corpus(directory: Path) -> Path:
     """A data.segment output of 5 words seen 20 times and 40 seen once."""
     from data import segment, stage
 

@@ -181,12 +181,17 @@ def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path: Path):
         locate(tmp_path / "model_config.json")
 
 
-def test_latest_naming_a_missing_tag_says_so_and_names_the_complete_ones(tmp_path: Path):
-    checkpoints = tmp_path / "run" / "checkpoints"
-    for tag in ("step00000002", "step00000004"):
+def _tags(checkpoints: Path, complete: tuple[str, ...], incomplete: str) -> None:
+    """Tag directories: `complete` ones with a run_state.json, and one that was never completed."""
+    for tag in complete:
         (checkpoints / tag).mkdir(parents=True)
         (checkpoints / tag / "run_state.json").write_text("{}")
-    (checkpoints / "step00000006").mkdir()  # never completed: not offered
+    (checkpoints / incomplete).mkdir()
+
+
+def test_latest_naming_a_missing_tag_says_so_and_names_the_complete_ones(tmp_path: Path):
+    checkpoints = tmp_path / "run" / "checkpoints"
+    _tags(checkpoints, ("step00000002", "step00000004"), "step00000006")  # the incomplete one is not offered
     (checkpoints / "latest").write_text("step00000009\n")
     with pytest.raises(ExportError, match=r"latest names 'step00000009', but .*step00000009 does not exist; pass --tag "
                                           r"with \(or point 'latest' at\) one of the complete tags: step00000002, "
@@ -202,10 +207,7 @@ def test_latest_naming_a_missing_tag_says_so_and_names_the_complete_ones(tmp_pat
 def test_a_tag_that_does_not_exist_names_the_complete_ones(tmp_path: Path, tag: str):
     """It said only "no such checkpoint tag"; a mistyped step or a bare step number needs the tags to choose from."""
     checkpoints = tmp_path / "run" / "checkpoints"
-    for complete in ("step00000020", "step00000040"):
-        (checkpoints / complete).mkdir(parents=True)
-        (checkpoints / complete / "run_state.json").write_text("{}")
-    (checkpoints / "step00000060").mkdir()  # never completed: not offered
+    _tags(checkpoints, ("step00000020", "step00000040"), "step00000060")  # the incomplete one is not offered
     (checkpoints / "latest").write_text("step00000040\n")
     with pytest.raises(ExportError, match=rf"checkpoints/{tag}: no such checkpoint tag; pass --tag with one of the "
                                           r"complete tags: step00000020, step00000040$"):
