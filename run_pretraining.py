@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import difflib
 import faulthandler
 import json
@@ -66,6 +67,7 @@ from training.weights import load_initial_weights, set_fp32_masters
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_DS_CONFIG = ROOT / "configs" / "deepspeed" / "zero1-bf16.json"
+OPTIMIZERS = ("lamb", "lans", "adamw")
 
 
 class RunConfigError(ValueError):
@@ -74,6 +76,48 @@ class RunConfigError(ValueError):
 
 class DivergedError(RuntimeError):
     """Too many consecutive micro batches with a non-finite loss, or optimizer steps with non-finite gradients."""
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@dataclass(frozen=True)
+class TrainArgs:
+    """One phase's settings: what train() takes and what the command line parses into. Each field is the
+    flag of the same name (its help: `python run_pretraining.py --help`); the defaults here are the flags'.
+    A TrainArgs is checked when it is made, so train() never starts on settings that cannot run."""
+
+    input_dir: Path
+    output_dir: Path
+    config_file: Path
+    max_steps: int
+    max_seq_length: int = 128
+    max_predictions_per_seq: int = 20
+    num_workers: int = 2
+    optimizer: str = "lamb"
+    learning_rate: float = 6e-3
+    weight_decay: float = 0.01
+    warmup_proportion: float = 0.2843
+    constant_proportion: float = 0.0
+    poly_power: float = 1.0
+    lr_decay_style: str = "habana"
+    seed: int = 12439
+    checkpoint_activations: bool = False
+    checkpoint_activations_interval: int = 1
+    max_nonfinite_steps: int = 10
+    phase2: bool = False
+    init_checkpoint: Path | None = None
+    num_steps_per_checkpoint: int = 200
+    keep_checkpoints: int = 3
+    steps_this_run: int | None = None
+    log_freq: int = 10
+    eval_freq: int = 0
+    num_eval_samples: int = 1024
+    deepspeed_config: Path = DEFAULT_DS_CONFIG
+    local_rank: int | None = None
+
+    def __post_init__(self) -> None:
+        check_args(self)
 
 
 # ----------------------------------------------------------------------------- command line
@@ -116,8 +160,9 @@ def check_reference_flags(argv: list[str]) -> None:
                              + "\n".join(f"  {flag}: {REFERENCE_FLAGS[flag]}" for flag in found))
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    check_reference_flags(sys.argv[1:] if argv is None else argv)
+def parse_args(argv: list[str] | None = None) -> TrainArgs:
+    argv = sys.argv[1:] if argv is None else argv
+    check_reference_flags(argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     g = p.add_argument_group("data and model")
     g.add_argument("--input_dir", type=Path, required=True,
@@ -125,33 +170,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(wiki_training_0.hdf5) train; in test/ or with the word test, evaluate")
     g.add_argument("--output_dir", type=Path, required=True, help="checkpoints, metrics, TensorBoard, model_config.json, vocab.txt and tokenization.json")
     g.add_argument("--config_file", type=Path, required=True, help="model config JSON (configs/models/*.json)")
-    g.add_argument("--max_seq_length", type=int, default=128, help="must equal the shards' sequence length")
-    g.add_argument("--max_predictions_per_seq", type=int, default=20,
+    g.add_argument("--max_seq_length", type=int, help="must equal the shards' sequence length")
+    g.add_argument("--max_predictions_per_seq", type=int,
                    help="masked positions per sequence; must equal the shards' (static or dynamic masks)")
-    g.add_argument("--num_workers", type=int, default=2,
+    g.add_argument("--num_workers", type=int,
                    help="training DataLoader worker processes per rank (evaluation reads in the rank's own process)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--max_steps", type=int, required=True, help="optimizer steps in this phase")
-    g.add_argument("--optimizer", choices=("lamb", "lans", "adamw"), default="lamb",
+    g.add_argument("--optimizer", choices=OPTIMIZERS,
                    help="lamb (BERT recipe), lans (Gaudi BERT-1.5B recipe) or adamw")
-    g.add_argument("--learning_rate", type=float, default=6e-3, help="peak learning rate, reached after warm-up")
-    g.add_argument("--weight_decay", type=float, default=0.01, help="not applied to biases and LayerNorm")
-    g.add_argument("--warmup_proportion", type=float, default=0.2843,
+    g.add_argument("--learning_rate", type=float, help="peak learning rate, reached after warm-up")
+    g.add_argument("--weight_decay", type=float, help="not applied to biases and LayerNorm")
+    g.add_argument("--warmup_proportion", type=float,
                    help="fraction of --max_steps with linear warm-up")
-    g.add_argument("--constant_proportion", type=float, default=0.0,
+    g.add_argument("--constant_proportion", type=float,
                    help="hold the peak learning rate until this fraction of --max_steps (Gaudi 1.5B: 0.3); 0 or at least "
                         "--warmup_proportion")
-    g.add_argument("--poly_power", type=float, default=1.0,
+    g.add_argument("--poly_power", type=float,
                    help="decay exponent after warm-up/constant: 1 = linear (Gaudi 1.5B), 0.5 = NVIDIA BERT")
-    g.add_argument("--lr_decay_style", choices=DECAY_STYLES, default="habana",
+    g.add_argument("--lr_decay_style", choices=DECAY_STYLES,
                    help="habana: decay from the peak to 0 over the steps after warm-up/constant; nvidia: NVIDIA's "
                         "PolyWarmUpScheduler, peak x (1 - step/max_steps)^power after warm-up (a drop where the "
                         "warm-up ends), no constant phase")
-    g.add_argument("--seed", type=int, default=12439, help="weights, data order, masks and dropout")
+    g.add_argument("--seed", type=int, help="weights, data order, masks and dropout")
     g.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
-    g.add_argument("--checkpoint_activations_interval", type=int, default=1,
+    g.add_argument("--checkpoint_activations_interval", type=int,
                    help="encoder layers per checkpointed segment, whose input alone is kept (with --checkpoint_activations)")
-    g.add_argument("--max_nonfinite_steps", type=int, default=10,
+    g.add_argument("--max_nonfinite_steps", type=int,
                    help="stop after this many consecutive micro batches with a non-finite loss, or this many "
                         "consecutive optimizer steps with non-finite gradients")
     g = p.add_argument_group("phases and checkpoints")
@@ -165,31 +210,38 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "bert_config.json), or a DeepSpeed checkpoint folder of Habana's deepspeed-bert (the tag "
                         "its 'latest' names, or one tag's directory; --config_file must describe their model) "
                         "(with --phase2)")
-    g.add_argument("--num_steps_per_checkpoint", type=int, default=200,
+    g.add_argument("--num_steps_per_checkpoint", type=int,
                    help="save a checkpoint every N steps (and at the last step, or on SIGTERM/SIGINT)")
-    g.add_argument("--keep_checkpoints", type=int, default=3, help="how many newest checkpoints to keep")
+    g.add_argument("--keep_checkpoints", type=int, help="how many newest checkpoints to keep")
     g.add_argument("--steps_this_run", type=int,
                    help="train at most this many steps in this run, save a checkpoint and exit 0; the same "
                         "command continues (for jobs with a time limit; NVIDIA's flag)")
     g = p.add_argument_group("logging and evaluation")
-    g.add_argument("--log_freq", type=int, default=10, help="log every N steps")
-    g.add_argument("--eval_freq", type=int, default=0,
+    g.add_argument("--log_freq", type=int, help="log every N steps")
+    g.add_argument("--eval_freq", type=int,
                    help="evaluate on the test shards every N steps (0: only at the end of the run)")
-    g.add_argument("--num_eval_samples", type=int, default=1024, help="test samples per evaluation (0: no evaluation)")
+    g.add_argument("--num_eval_samples", type=int, help="test samples per evaluation (0: no evaluation)")
     g = p.add_argument_group("DeepSpeed")
     g.add_argument("--deepspeed", action="store_true", required=True,
                    help="required: this script runs on DeepSpeed (kept so DeepSpeed-style commands work as is)")
-    g.add_argument("--deepspeed_config", type=Path, default=DEFAULT_DS_CONFIG,
+    g.add_argument("--deepspeed_config", type=Path,
                    help="DeepSpeed JSON: batch sizes, ZeRO, bf16 (no optimizer or scheduler section)")
-    g.add_argument("--local_rank", type=int, default=None,
+    g.add_argument("--local_rank", type=int,
                    help="set by the deepspeed launcher; LOCAL_RANK in the environment wins")
-    args = p.parse_args(argv)
-    check_args(args, given_options(p, argv))
+    p.set_defaults(**{f.name: f.default for f in dataclasses.fields(TrainArgs) if f.default is not dataclasses.MISSING})
+    parsed = vars(p.parse_args(argv))
+    del parsed["deepspeed"]  # the required marker, which changes nothing
+    args = TrainArgs(**parsed)
+    if "checkpoint_activations_interval" in given_options(p, argv) and not args.checkpoint_activations:
+        raise RunConfigError(f"--checkpoint_activations_interval {args.checkpoint_activations_interval} does nothing "
+                             "without --checkpoint_activations; add it or drop the interval")
     return args
 
 
-def check_args(args: argparse.Namespace, given: set[str]) -> None:
-    """given: the options the command line names (data.cli.given_options), for those that do not apply."""
+def check_args(args: TrainArgs) -> None:
+    """Values that cannot run, named by their flag (TrainArgs calls it as it is made)."""
+    if args.optimizer not in OPTIMIZERS:
+        raise RunConfigError(f"--optimizer {args.optimizer!r}: pick one of {', '.join(OPTIMIZERS)}")
     if args.phase2 != (args.init_checkpoint is not None):
         raise RunConfigError("--phase2 and --init_checkpoint go together: phase 2 starts from the phase-1 "
                              "run given by --init_checkpoint")
@@ -209,9 +261,6 @@ def check_args(args: argparse.Namespace, given: set[str]) -> None:
     for name in ("eval_freq", "num_eval_samples", "num_workers", "seed"):
         if getattr(args, name) < 0:
             raise RunConfigError(f"--{name} must be >= 0, got {getattr(args, name)}")
-    if "checkpoint_activations_interval" in given and not args.checkpoint_activations:
-        raise RunConfigError(f"--checkpoint_activations_interval {args.checkpoint_activations_interval} does nothing "
-                             "without --checkpoint_activations; add it or drop the interval")
     if 0 < args.constant_proportion < args.warmup_proportion:
         raise RunConfigError(f"--constant_proportion {args.constant_proportion} is inside the warm-up "
                              f"(--warmup_proportion {args.warmup_proportion}): it is where the constant phase ends "
@@ -233,7 +282,7 @@ def check_output_dir(path: Path) -> None:
         raise RunConfigError(f"--output_dir {path}: {blocker} is a file, not a directory; pass a directory")
 
 
-def schedule_config(args: argparse.Namespace) -> ScheduleConfig:
+def schedule_config(args: TrainArgs) -> ScheduleConfig:
     return ScheduleConfig(base_lr=args.learning_rate, total_steps=args.max_steps,
                           warmup_proportion=args.warmup_proportion, constant_proportion=args.constant_proportion,
                           power=args.poly_power, decay_style=args.lr_decay_style)
@@ -403,7 +452,7 @@ def check_fp32_accumulation(engine) -> str:
 # ----------------------------------------------------------------------------- pieces of the loop
 
 
-def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
+def build_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Optimizer:
     from training.lamb import Lamb, Lans, build_param_groups
 
     groups = build_param_groups(model, args.weight_decay)
@@ -414,7 +463,7 @@ def build_optimizer(model: torch.nn.Module, args: argparse.Namespace) -> torch.o
                              weight_decay=args.weight_decay)
 
 
-def run_identity(args: argparse.Namespace, train_set, sizes: BatchSizes, config: BertConfig, bf16: bool) -> dict:
+def run_identity(args: TrainArgs, train_set, sizes: BatchSizes, config: BertConfig, bf16: bool) -> dict:
     """What a resumed run must share with its checkpoint, or it would not continue the same run:
     the optimizer (its state is loaded as is), the weight decay (the checkpoint's param groups
     keep theirs), the global batch (the schedule and learning rate were set for it; the
@@ -762,22 +811,22 @@ def _try_lock(path: Path) -> tuple[lockfile.Held | None, str | None]:
                       "(or free space there), or pass another --output_dir")
 
 
-def write_run_files(args: argparse.Namespace, config: BertConfig, lower_case: bool | None) -> None:
-    """What export_hf needs beside the checkpoints: the model config, the vocabulary and, when the shards
-    say it (`lower_case`), whether their text was lower-cased."""
-    args.output_dir.mkdir(parents=True, exist_ok=True)
+def write_run_files(output_dir: Path, input_dir: Path, config: BertConfig, lower_case: bool | None) -> None:
+    """What export_hf needs beside the checkpoints: the model config, the vocabulary of the shards under
+    `input_dir` and, when the shards say it (`lower_case`), whether their text was lower-cased."""
+    output_dir.mkdir(parents=True, exist_ok=True)
     for name in ("model_config.json", "run_info.json", "starts.jsonl", TOKENIZATION):  # a killed run's temporaries
-        remove_stale_temporaries(args.output_dir / name)
-    config.to_json_file(args.output_dir / "model_config.json")
-    vocab = shard_vocab(args.input_dir)
+        remove_stale_temporaries(output_dir / name)
+    config.to_json_file(output_dir / "model_config.json")
+    vocab = shard_vocab(input_dir)
     if vocab is not None:
-        tmp = args.output_dir / ".vocab.txt.tmp"
+        tmp = output_dir / ".vocab.txt.tmp"
         shutil.copyfile(vocab, tmp)
-        tmp.replace(args.output_dir / "vocab.txt")
+        tmp.replace(output_dir / "vocab.txt")
     if lower_case is None:  # shards that do not say: the export infers it from the vocab
-        (args.output_dir / TOKENIZATION).unlink(missing_ok=True)
+        (output_dir / TOKENIZATION).unlink(missing_ok=True)
     else:
-        atomic_write_text(args.output_dir / TOKENIZATION, json.dumps({"lower_case": lower_case}) + "\n")
+        atomic_write_text(output_dir / TOKENIZATION, json.dumps({"lower_case": lower_case}) + "\n")
 
 
 def record_start(output_dir: Path, info: dict, ds_config: dict) -> None:
@@ -800,7 +849,7 @@ def shard_dirs(dataset, input_dir: Path) -> str:
     return shown + (f" and {len(dirs) - 3} more directories" if len(dirs) > 3 else "")
 
 
-def start_lines(info: dict, args: argparse.Namespace, train_set, eval_set) -> list[str]:
+def start_lines(info: dict, args: TrainArgs, train_set, eval_set) -> list[str]:
     """What this start runs, for the console: ranks, batch, model, data, where it starts."""
     world = plural(info["world_size"], "rank")
     precision = (f"bf16 with fp32 master weights and {info['grad_accum_dtype']} gradient accumulation"
@@ -843,7 +892,7 @@ def start_lines(info: dict, args: argparse.Namespace, train_set, eval_set) -> li
 # ----------------------------------------------------------------------------- the run
 
 
-def open_data(args: argparse.Namespace, vocab_size: int) -> tuple[PretrainingDataset, PretrainingDataset | None]:
+def open_data(args: TrainArgs, vocab_size: int) -> tuple[PretrainingDataset, PretrainingDataset | None]:
     """The training set and, when the run evaluates, the test set of --input_dir."""
     train_set = open_split(args.input_dir, "training", args.max_seq_length, args.max_predictions_per_seq,
                            vocab_size, args.seed, shuffle=True)
@@ -865,7 +914,7 @@ def open_data(args: argparse.Namespace, vocab_size: int) -> tuple[PretrainingDat
     return train_set, eval_set
 
 
-def train(args: argparse.Namespace) -> dict:
+def train(args: TrainArgs) -> dict:
     """One phase of pretraining. Returns what the run started with (the `info` rank 0 writes to
     <output_dir>/run_info.json at the start) and how it ended: final step, stopped by a signal, paused, skips."""
     acc = accel.setup(args.local_rank)
@@ -937,7 +986,7 @@ def train(args: argparse.Namespace) -> dict:
                 raise CheckpointError(f"{ckpt_dir / tag}: lr schedule is at step {scheduler.step_count} but the run "
                                       f"state says {step}; the checkpoint is inconsistent")
         if rank == 0:
-            write_run_files(args, config, lower_case)
+            write_run_files(args.output_dir, args.input_dir, config, lower_case)
 
         info = {
             "world_size": world, "accelerator": acc.name, "backend": acc.backend, "device_name": acc.device_name,

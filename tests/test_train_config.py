@@ -3,7 +3,7 @@ the DeepSpeed JSON, flag combinations, what a resume may not change, and the non
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -18,6 +18,7 @@ from run_pretraining import (
     DivergedError,
     NonFiniteGuard,
     RunConfigError,
+    TrainArgs,
     check_resume_identity,
     load_ds_config,
     open_data,
@@ -212,6 +213,31 @@ def test_flags_parse_with_reference_names():
     assert args.constant_proportion == 0.3 and args.poly_power == 1.0 and args.optimizer == "lamb"
 
 
+def test_train_takes_typed_settings_whose_defaults_are_the_flags(capsys):
+    """train() takes a TrainArgs, not argparse's namespace: the parser's options are its fields (but the
+    --deepspeed marker), its defaults are the ones --help shows, and one made in code is checked as the
+    command line is."""
+    args = parse_args(REQUIRED)
+    assert args == TrainArgs(input_dir=Path("in"), output_dir=Path("out"), config_file=Path("c.json"), max_steps=5)
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    options = re.split(r"\n  (?=--)", capsys.readouterr().out.split("\noptions:", 1)[1])[1:]
+    # the flag: its entry in one line, without the heading of the group that may follow it
+    helps = {text.split()[0]: " ".join(text.split("\n\n")[0].split()) for text in options}
+    assert set(helps) - {"--deepspeed"} == {f"--{field.name}" for field in dataclasses.fields(TrainArgs)}
+    for field in dataclasses.fields(TrainArgs):
+        if field.default not in (dataclasses.MISSING, None, False):
+            assert helps[f"--{field.name}"].endswith(f"(default: {field.default})"), helps[f"--{field.name}"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        args.max_steps = 6  # type: ignore[misc]
+    with pytest.raises(RunConfigError, match="^--log_freq must be >= 1, got 0$"):
+        dataclasses.replace(args, log_freq=0)
+    with pytest.raises(RunConfigError, match="^--optimizer 'sgd': pick one of lamb, lans, adamw$"):
+        dataclasses.replace(args, optimizer="sgd")
+    with pytest.raises(RunConfigError, match="--lr_decay_style must be one of habana, nvidia, got 'cosine'"):
+        dataclasses.replace(args, lr_decay_style="cosine")
+
+
 def test_init_checkpoint_help_names_every_kind_of_checkpoint_training_md_lists(capsys):
     """--help named three of the four sources TRAINING.md lists: not Habana deepspeed-bert's DeepSpeed folder."""
     with pytest.raises(SystemExit):
@@ -356,7 +382,7 @@ def test_run_identity_records_what_a_resume_checks(tmp_path):
     # the same run from a copy of the shards elsewhere, with another initializer_range: resumes
     moved = SimpleNamespace(shards=[ShardInfo(s.path.replace(str(tmp_path / "in"), str(tmp_path / "moved")),
                                               s.num_samples, True) for s in train_set.shards])
-    args.input_dir = tmp_path / "moved"
+    args = dataclasses.replace(args, input_dir=tmp_path / "moved")
     again = run_identity(args, moved, BatchSizes(64, 8, 4), BertConfig.from_dict(TINY_MODEL | {"initializer_range": 0.05}),
                          bf16=False)
     check_resume_identity(Path("out/checkpoints/step00000008"), identity, again, args.input_dir)
@@ -539,19 +565,16 @@ def _dataset(root: Path, samples: int = 10, *dirs: str):
     return type("Dataset", (), {"shards": shards, "__len__": lambda self: samples * len(shards)})()
 
 
-def _start(root: Path, **changes) -> tuple[dict, argparse.Namespace]:
+def _start(root: Path, **changes) -> tuple[dict, TrainArgs]:
     """The run_info fields and flags start_lines reads, for a 1-rank fp32 run on `root`."""
     info = dict(world_size=1, bf16=False, activation_checkpointing=False, accelerator="cpu", backend="gloo",
                 zero_stage=1, optimizer="lamb", train_batch_size=8, micro_batch=8, gradient_accumulation_steps=1,
                 parameters=1e6, start_step=0, resumed_from=None, resumed_world_size=None, start_consumed_samples=0,
                 init_checkpoint=None)
-    args = argparse.Namespace(config_file="m.json", max_seq_length=128, input_dir=root, eval_freq=0,
-                              num_eval_samples=4, max_steps=8)
-    for key, value in changes.items():
-        if hasattr(args, key):
-            setattr(args, key, value)
-        else:
-            info[key] = value
+    flags = {f.name for f in dataclasses.fields(TrainArgs)}
+    args = TrainArgs(input_dir=root, output_dir=root / "run", config_file=Path("m.json"), max_steps=8,
+                     **{"num_eval_samples": 4} | {k: v for k, v in changes.items() if k in flags})
+    info.update({k: v for k, v in changes.items() if k not in flags})
     return info, args
 
 
@@ -611,13 +634,13 @@ def test_the_run_keeps_its_shards_case_beside_its_vocab_and_drops_a_stale_record
     data = tmp_path / "data"
     data.mkdir()
     (data / "vocab.txt").write_bytes(bert_vocab.read_bytes())
-    args = argparse.Namespace(output_dir=tmp_path / "run", input_dir=data)
+    run = tmp_path / "run"
     config = BertConfig.from_dict(TINY_MODEL)
-    write_run_files(args, config, False)
-    assert json.loads((args.output_dir / "tokenization.json").read_text()) == {"lower_case": False}
-    assert (args.output_dir / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
-    write_run_files(args, config, True)
-    assert json.loads((args.output_dir / "tokenization.json").read_text()) == {"lower_case": True}
-    write_run_files(args, config, None)
-    assert not (args.output_dir / "tokenization.json").exists()
-    assert sorted(p.name for p in args.output_dir.iterdir()) == ["model_config.json", "vocab.txt"]
+    write_run_files(run, data, config, False)
+    assert json.loads((run / "tokenization.json").read_text()) == {"lower_case": False}
+    assert (run / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
+    write_run_files(run, data, config, True)
+    assert json.loads((run / "tokenization.json").read_text()) == {"lower_case": True}
+    write_run_files(run, data, config, None)
+    assert not (run / "tokenization.json").exists()
+    assert sorted(p.name for p in run.iterdir()) == ["model_config.json", "vocab.txt"]
