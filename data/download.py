@@ -94,9 +94,14 @@ def is_http(url: str) -> bool:
 
 
 def local_path(text: str) -> Path | None:
-    """The local file that `text` names as a path or a file:// URL; None for a URL of another scheme."""
+    """The local file that `text` names as a path or a file:// URL; None for a URL of another scheme. A file://
+    URL of another host than this one is refused: its path would be read here, a file of the same name perhaps."""
     parts = urllib.parse.urlsplit(text)
     if parts.scheme.lower() == "file":
+        if parts.netloc.lower() not in ("", "localhost"):
+            raise PipelineError(f"--input {text}: this file:// URL names the host {parts.netloc!r}, and only this "
+                                "machine's files are read; a file here is file:///<absolute path> (three slashes) "
+                                "or its plain path; a file on another machine: mount it here and pass its path")
         return Path(urllib.request.url2pathname(parts.path))
     if parts.scheme and "://" in text:  # not a path, which may parse with a scheme too (C:\x, a:b.xml)
         return None

@@ -186,10 +186,15 @@ def _dump_form(path: Path) -> str:
 
 
 def check_dump(path: Path) -> None:
-    """Refuse what cannot be a dump (no such file, a directory, an empty file, neither bz2 nor XML by its first
-    bytes) before any output directory is made, so that the refusal leaves nothing behind. What its content
-    holds is checked as it is read."""
-    _dump_form(path)
+    """Refuse what cannot be a dump before any output directory is made, so that the refusal leaves nothing
+    behind: no such file, a directory, an empty file, neither bz2 nor XML by its first bytes, and a start that
+    is not a MediaWiki dump's (a bz2 file of something else, XML of another root, a damaged first bz2 block).
+    It reads up to the first page. Damage further in is found as the dump is read."""
+    pages = iter_pages(path)
+    try:
+        next(pages, None)
+    finally:
+        pages.close()
 
 
 def _open_dump(path: Path):

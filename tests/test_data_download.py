@@ -609,6 +609,14 @@ def test_input_names_a_url_in_any_case_or_a_local_file_as_a_path_or_a_file_url(t
     dump = tmp_path / "my dump.xml.bz2"
     assert dump_source(dump.as_uri()) == dump  # file:///.../my%20dump.xml.bz2
     assert dump_source(str(dump)) == dump and dump_source("relative.xml.bz2") == Path("relative.xml.bz2")
+    assert dump_source(f"file://localhost{dump.as_uri()[7:]}") == dump
+    # another host's file: the host was dropped and the path read on this machine
+    for url in (f"file://server{dump.as_uri()[7:]}", "file://dump.xml.bz2"):
+        with pytest.raises(PipelineError, match=f"^--input {re.escape(url)}: this file:// URL names the host "
+                                                f"'{url[7:].split('/')[0]}', and only this machine's files are read; "
+                                                r"a file here is file:///<absolute path> \(three slashes\) or its "
+                                                "plain path; a file on another machine: mount it here and pass its path$"):
+            dump_source(url)
 
 
 def test_prepare_reads_a_file_url_input(bert_vocab, tmp_path):

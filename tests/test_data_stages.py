@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import bz2
 import dataclasses
 import errno
 import importlib
@@ -286,16 +287,24 @@ def test_a_text_dir_inside_a_later_stages_directory_is_refused_before_any_stage(
     ("missing.xml.bz2", "{dump}: no such file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input"),
     ("a directory", "{dump}: is a directory, not a file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input"),
     ("empty.xml.bz2", "{dump} is empty (0 bytes), not a dump; download or copy the dump again"),
-    ("notes.xml.bz2", "{dump} is not a MediaWiki XML dump: it is neither bz2-compressed nor XML")])
+    ("notes.xml.bz2", "{dump} is not a MediaWiki XML dump: it is neither bz2-compressed nor XML"),
+    ("compressed-notes.xml.bz2", "{dump} is not a MediaWiki XML dump: its text starts 'some notes, not a dump\\n', "
+                                 "not with an XML tag"),
+    ("page.xml", "{dump} is XML but not a MediaWiki dump: its root element is <html>, expected <mediawiki>"),
+    ("damaged.xml.bz2", "{dump} is not a readable bz2 file (Invalid data stream); download it again")])
 def test_a_refused_input_leaves_no_directory_behind(name, message, bert_vocab, tmp_path):
     """data.prepare --input /nonexistent.xml.bz2 (or a directory) made <output_dir>/text/ and then refused the
     dump, leaving it empty, where a missing --vocab_file made nothing: the dump is checked first. data.extract
-    alone refused an empty or non-dump file only once it had begun its output directory."""
+    alone refused an empty or non-dump file only once it had begun its output directory. A bz2 file of something
+    else, XML of another root and a damaged first bz2 block were found only once the stage had begun."""
     dump = tmp_path / name
+    notes = b"some notes, not a dump\n"
     if name == "a directory":
         dump.mkdir()
     elif name != "missing.xml.bz2":
-        dump.write_text("" if name.startswith("empty") else "some notes, not a dump\n")
+        dump.write_bytes({"empty.xml.bz2": b"", "compressed-notes.xml.bz2": bz2.compress(notes),
+                          "page.xml": b"<html><body>a web page</body></html>\n",
+                          "damaged.xml.bz2": b"BZh9" + notes}.get(name, notes))
     for text_dir in ([], ["--text_dir", str(tmp_path / "text")]):
         with pytest.raises(SystemExit) as exc:
             prepare_main(["--input", str(dump), "--output_dir", str(tmp_path / "out"), "--vocab_file", str(bert_vocab),
