@@ -189,12 +189,10 @@ def check_dump(path: Path) -> None:
     """Refuse what cannot be a dump before any output directory is made, so that the refusal leaves nothing
     behind: no such file, a directory, an empty file, neither bz2 nor XML by its first bytes, and a start that
     is not a MediaWiki dump's (a bz2 file of something else, XML of another root, a damaged first bz2 block).
-    It reads up to the first page. Damage further in is found as the dump is read."""
-    pages = iter_pages(path)
-    try:
-        next(pages, None)
-    finally:
-        pages.close()
+    It reads up to the root element; what follows is checked as the dump is read, where the extraction's
+    readers name what they find (its <siteinfo>, a page by its title, a bz2 stream by its offset)."""
+    for _ in _read_pages(path, root_only=True):
+        pass
 
 
 def _open_dump(path: Path):
@@ -202,8 +200,17 @@ def _open_dump(path: Path):
     return _Prefetcher(bz2.open(path, "rb")) if _dump_form(path) == "bz2" else path.open("rb")
 
 
+_NO_ELEMENTS = 3  # expat's XML_ERROR_NO_ELEMENTS: "no element found"
+
+
 def iter_pages(path: Path) -> Iterator[tuple[str, tuple[str, str] | None]]:
     """Yield (kind, (title, wikitext) for an article, else None) for each <page>, streaming (`_page`)."""
+    return _read_pages(path, root_only=False)
+
+
+def _read_pages(path: Path, root_only: bool) -> Iterator[tuple[str, tuple[str, str] | None]]:
+    """iter_pages; with root_only, nothing past the check of the root element is read or yielded."""
+    root = None
     try:
         with _open_dump(path) as f:
             events = ET.iterparse(f, events=("start", "end"))
@@ -213,6 +220,8 @@ def iter_pages(path: Path) -> Iterator[tuple[str, tuple[str, str] | None]]:
                     f"{path} is XML but not a MediaWiki dump: its root element is <{root.tag}>, "
                     "expected <mediawiki>"
                 )
+            if root_only:
+                return
             namespaces = None
             for event, elem in events:
                 tag = elem.tag.rsplit("}", 1)[-1]
@@ -232,6 +241,8 @@ def iter_pages(path: Path) -> Iterator[tuple[str, tuple[str, str] | None]]:
     except OSError as exc:
         raise PipelineError(f"{path} is not a readable bz2 file ({exc}); download it again") from exc
     except ET.ParseError as exc:
+        if root is None and exc.code == _NO_ELEMENTS:  # nothing, or only white space, comments and <?xml ...?>
+            raise PipelineError(f"{path} is empty: no XML element in it") from exc
         if exc.position == (1, 0):  # its very first character: no XML at all, not a damaged dump
             with _open_dump(path) as f:
                 start = f.read(40).decode("utf-8", "replace")
@@ -240,8 +251,6 @@ def iter_pages(path: Path) -> Iterator[tuple[str, tuple[str, str] | None]]:
         raise PipelineError(
             f"{path} is not well-formed MediaWiki XML ({exc}); the file is damaged or truncated"
         ) from exc
-    except StopIteration as exc:
-        raise PipelineError(f"{path} is empty: no XML in it") from exc
 
 
 def iter_articles(path: Path) -> Iterator[tuple[str, str]]:
@@ -622,21 +631,15 @@ CHUNK_RECORD = "_chunk_articles.json"
 
 
 def _units(path: Path) -> tuple[list[int], int | None] | None:
-    """The units a dump is read in parallel by, checked to hold MediaWiki XML, as (offsets, level)
+    """The units a dump is read in parallel by (check_dump has checked its root), as (offsets, level)
     (`data/multistream.py`): the streams of a multistream dump, the blocks of a single-stream one,
     byte ranges of plain XML. None for a bz2 dump of one block, read by one process."""
     if _dump_form(path) == "xml":
-        _check_plain_xml(path)
         offsets, level = multistream.plain_offsets(path.stat().st_size), multistream.PLAIN_XML
     else:
         offsets, level = _bz2_units(path)
         if len(offsets) <= 2:
             return None
-        with path.open("rb") as f:
-            head = multistream.decompress_units(f, offsets, 0, 1, level, path)[:1 << 16]
-        if b"<mediawiki" not in head:
-            raise PipelineError(f"{path} is not a MediaWiki XML dump: its first {multistream.unit_name(level)} "
-                                "does not open <mediawiki>")
     unit = multistream.unit_name(level)
     # A multistream file cut at a stream boundary decompresses without error: only the closing tag tells.
     if not multistream.tail_xml(path, offsets, level=level).rstrip().endswith(b"</mediawiki>"):
@@ -658,22 +661,6 @@ def _bz2_units(path: Path) -> tuple[list[int], int | None]:
     level = multistream.stream_level(path)
     with tqdm(desc="find bz2 blocks", total=size, unit="B", unit_scale=True, dynamic_ncols=True) as bar:
         return multistream.block_offsets(path, bar.update), level
-
-
-_ROOT_TAG = re.compile(rb"<([A-Za-z_][\w.:-]*)")  # the first element's name, after <?xml ...?> and comments
-
-
-def _check_plain_xml(path: Path) -> None:
-    """Plain XML must open with <mediawiki>: the errors the serial parser gives, before any worker starts."""
-    with path.open("rb") as f:
-        head = f.read(1 << 16)
-    match = _ROOT_TAG.search(re.sub(rb"<!--.*?-->|<\?.*?\?>", b"", head, flags=re.S))
-    if not head.strip():
-        raise PipelineError(f"{path} is empty: no XML in it")
-    if match is None or match[1].rsplit(b":", 1)[-1] != b"mediawiki":
-        name = match[1].decode("utf-8", "replace") if match else "?"
-        raise PipelineError(f"{path} is XML but not a MediaWiki dump: its root element is <{name}>, expected "
-                            "<mediawiki>")
 
 
 @dataclass(frozen=True)

@@ -161,8 +161,10 @@ def test_closing_tag_cut_across_the_last_streams_is_complete(sample_dump, serial
 def test_multistream_file_that_is_not_mediawiki_is_refused(tmp_path):
     path = tmp_path / "feed.xml.bz2"
     path.write_bytes(bz2.compress(b"<rss><channel>") + bz2.compress(b"</channel></rss>"))
-    with pytest.raises(PipelineError, match="not a MediaWiki XML dump: its first bz2 stream does not open"):
+    with pytest.raises(PipelineError, match=f"^{re.escape(str(path))} is XML but not a MediaWiki dump: its root "
+                                            "element is <rss>, expected <mediawiki>$"):
         extract(ExtractConfig(path, tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # refused before the stage begins
 
 
 # ----------------------------------------------------------------------------- single-stream dumps, by blocks
@@ -274,6 +276,15 @@ def test_plain_xml_read_by_byte_ranges_gives_the_serial_text(plain_sample, seria
     counts = json.loads((out / CHUNK_RECORD).read_text())["articles"]
     # 6.1 MB in 24 ranges of 256 KiB: a chunk per range, chunks of 2 ranges, or 2 chunks per worker
     assert sum(counts) == 106 and len(counts) == chunks
+
+
+def test_plain_xml_with_a_long_prolog_is_read(plain_sample, serial_text, tmp_path):
+    """Its root was looked for in the first 64 KiB: a comment longer than that before <mediawiki> was refused as
+    "its root element is <?>"."""
+    long = tmp_path / "long-prolog.xml"
+    long.write_bytes(b'<?xml version="1.0"?>\n<!-- ' + b"x" * 70_000 + b" -->\n" + plain_sample.read_bytes())
+    result = extract(ExtractConfig(long, tmp_path / "extracted", workers=2, articles_per_part=40))
+    assert _parts(tmp_path / "extracted") == _parts(serial_text) and result.articles == 105
 
 
 def test_plain_xml_resume_reads_only_the_ranges_of_missing_parts(plain_sample, serial_text, tmp_path, monkeypatch):

@@ -291,12 +291,15 @@ def test_a_text_dir_inside_a_later_stages_directory_is_refused_before_any_stage(
     ("compressed-notes.xml.bz2", "{dump} is not a MediaWiki XML dump: its text starts 'some notes, not a dump\\n', "
                                  "not with an XML tag"),
     ("page.xml", "{dump} is XML but not a MediaWiki dump: its root element is <html>, expected <mediawiki>"),
+    ("blank.xml", "{dump} is empty: no XML element in it"),
+    ("cut.xml.bz2", "{dump} is truncated: the bz2 stream ends before its end-of-stream marker. Download it again"),
     ("damaged.xml.bz2", "{dump} is not a readable bz2 file (Invalid data stream); download it again")])
-def test_a_refused_input_leaves_no_directory_behind(name, message, bert_vocab, tmp_path):
+def test_a_refused_input_leaves_no_directory_behind(name, message, sample_dump, bert_vocab, tmp_path):
     """data.prepare --input /nonexistent.xml.bz2 (or a directory) made <output_dir>/text/ and then refused the
     dump, leaving it empty, where a missing --vocab_file made nothing: the dump is checked first. data.extract
     alone refused an empty or non-dump file only once it had begun its output directory. A bz2 file of something
-    else, XML of another root and a damaged first bz2 block were found only once the stage had begun."""
+    else, XML of another root or of no element, and a damaged or cut first bz2 block were found only once the
+    stage had begun."""
     dump = tmp_path / name
     notes = b"some notes, not a dump\n"
     if name == "a directory":
@@ -304,6 +307,8 @@ def test_a_refused_input_leaves_no_directory_behind(name, message, bert_vocab, t
     elif name != "missing.xml.bz2":
         dump.write_bytes({"empty.xml.bz2": b"", "compressed-notes.xml.bz2": bz2.compress(notes),
                           "page.xml": b"<html><body>a web page</body></html>\n",
+                          "blank.xml": b'<?xml version="1.0"?>\n<!-- nothing yet -->\n',
+                          "cut.xml.bz2": sample_dump.read_bytes()[:100_000],  # inside its first bz2 block
                           "damaged.xml.bz2": b"BZh9" + notes}.get(name, notes))
     for text_dir in ([], ["--text_dir", str(tmp_path / "text")]):
         with pytest.raises(SystemExit) as exc:
