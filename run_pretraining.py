@@ -811,14 +811,13 @@ def _try_lock(path: Path) -> tuple[lockfile.Held | None, str | None]:
                       "(or free space there), or pass another --output_dir")
 
 
-def write_run_files(output_dir: Path, input_dir: Path, config: BertConfig, lower_case: bool | None) -> None:
-    """What export_hf needs beside the checkpoints: the model config, the vocabulary of the shards under
-    `input_dir` and, when the shards say it (`lower_case`), whether their text was lower-cased."""
+def write_run_files(output_dir: Path, vocab: Path | None, config: BertConfig, lower_case: bool | None) -> None:
+    """What export_hf needs beside the checkpoints: the model config, a copy of the shards' vocabulary (`vocab`,
+    training.loader.shard_vocab) and, when the shards say it (`lower_case`), whether their text was lower-cased."""
     output_dir.mkdir(parents=True, exist_ok=True)
     for name in ("model_config.json", "run_info.json", "starts.jsonl", TOKENIZATION):  # a killed run's temporaries
         remove_stale_temporaries(output_dir / name)
     config.to_json_file(output_dir / "model_config.json")
-    vocab = shard_vocab(input_dir)
     if vocab is not None:
         tmp = output_dir / ".vocab.txt.tmp"
         shutil.copyfile(vocab, tmp)
@@ -849,8 +848,9 @@ def shard_dirs(dataset, input_dir: Path) -> str:
     return shown + (f" and {len(dirs) - 3} more directories" if len(dirs) > 3 else "")
 
 
-def start_lines(info: dict, args: TrainArgs, train_set, eval_set) -> list[str]:
-    """What this start runs, for the console: ranks, batch, model, data, where it starts."""
+def start_lines(info: dict, args: TrainArgs, train_set, eval_set, vocab: Path | None) -> list[str]:
+    """What this start runs, for the console: ranks, batch, model, data (`vocab`: the shards' vocabulary, if
+    any), where it starts."""
     world = plural(info["world_size"], "rank")
     precision = (f"bf16 with fp32 master weights and {info['grad_accum_dtype']} gradient accumulation"
                  if info["bf16"] else "fp32")
@@ -867,7 +867,6 @@ def start_lines(info: dict, args: TrainArgs, train_set, eval_set) -> list[str]:
         f"{plural(len(train_set.shards), 'shard')} under {shard_dirs(train_set, args.input_dir)}, "
         f"{'static masks' if train_set.shards[0].static_masks else 'masked at load time'}",
     ]
-    vocab = shard_vocab(args.input_dir)
     lines.append(f"vocabulary: {vocab}" if vocab is not None else
                  f"vocabulary: none in {args.input_dir}, so the run keeps none (scripts/export_hf.py will need "
                  "--vocab_file) and a phase 2 cannot compare it with its own")
@@ -928,6 +927,7 @@ def train(args: TrainArgs) -> dict:
                              f"{config.max_position_embeddings} of {args.config_file}")
     train_set, eval_set = open_data(args, config.vocab_size)
     lower_case = tokenization_case(train_set, eval_set)
+    vocab = shard_vocab(args.input_dir)  # copied into the run, compared with a phase-2 start's, named at the start
     identity = run_identity(args, train_set, sizes, config, bool(ds_config.get("bf16", {}).get("enabled")))
 
     with lock_output_dir(args.output_dir):
@@ -952,7 +952,7 @@ def train(args: TrainArgs) -> dict:
         model = BertForPreTraining(config, checkpointing=checkpointing)
         init_from = None
         if args.phase2 and resume is None:
-            init_from = load_initial_weights(model, args.init_checkpoint, shard_vocab(args.input_dir), lower_case)
+            init_from = load_initial_weights(model, args.init_checkpoint, vocab, lower_case)
         # A bf16 engine replaces each parameter's data by a bf16 copy; these references keep the fp32
         # values (no copy is made) for the fp32 master weights of a run that does not resume.
         fp32_start = None if resume is not None else {name: p.data for name, p in model.named_parameters()}
@@ -986,7 +986,7 @@ def train(args: TrainArgs) -> dict:
                 raise CheckpointError(f"{ckpt_dir / tag}: lr schedule is at step {scheduler.step_count} but the run "
                                       f"state says {step}; the checkpoint is inconsistent")
         if rank == 0:
-            write_run_files(args.output_dir, args.input_dir, config, lower_case)
+            write_run_files(args.output_dir, vocab, config, lower_case)
 
         info = {
             "world_size": world, "accelerator": acc.name, "backend": acc.backend, "device_name": acc.device_name,
@@ -1009,7 +1009,7 @@ def train(args: TrainArgs) -> dict:
         flops_per_seq = training_flops_per_sequence(config, args.max_seq_length, args.max_predictions_per_seq)
         peak = peak_tflops(acc.device_name, "bf16" if engine.bfloat16_enabled() else "fp32")
         writer = MetricsWriter(args.output_dir, args.max_steps, step, enabled=rank == 0)
-        for line in start_lines(info, args, train_set, eval_set):
+        for line in start_lines(info, args, train_set, eval_set, vocab):
             writer.note(line)
         meter = Throughput(warmup=2)
         last_saved = step

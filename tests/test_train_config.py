@@ -29,7 +29,7 @@ from run_pretraining import (
     write_run_files,
 )
 from tests.conftest import drain, no_workers_left, to_reference_format
-from training.loader import ShardInfo
+from training.loader import ShardInfo, shard_vocab
 
 
 @pytest.mark.parametrize("config, world, expected", [
@@ -589,37 +589,35 @@ def test_the_start_names_each_directory_its_shards_come_from(tmp_path: Path):
 
 def test_the_start_says_how_often_it_evaluates_in_words(tmp_path: Path):
     """--eval_freq 1 read "every 1 steps"."""
-    lines = start_lines(*_start(tmp_path, eval_freq=1), _dataset(tmp_path, 50), _dataset(tmp_path, 5))
+    lines = start_lines(*_start(tmp_path, eval_freq=1), _dataset(tmp_path, 50), _dataset(tmp_path, 5), None)
     assert lines[5].endswith("the first 4 evaluated every 1 step and at the end"), lines[5]
-    lines = start_lines(*_start(tmp_path, eval_freq=8), _dataset(tmp_path, 50), _dataset(tmp_path, 5))
+    lines = start_lines(*_start(tmp_path, eval_freq=8), _dataset(tmp_path, 50), _dataset(tmp_path, 5), None)
     assert lines[5].endswith("evaluated every 8 steps and at the end"), lines[5]
 
 
 def test_the_start_caps_the_evaluated_samples_and_names_another_world_size_only(tmp_path: Path):
     info, args = _start(tmp_path, world_size=2, micro_batch=4, start_step=4, resumed_from="step00000004",
                         resumed_world_size=2, start_consumed_samples=32, num_eval_samples=1024)
-    lines = start_lines(info, args, _dataset(tmp_path, 50), _dataset(tmp_path, 2))
+    lines = start_lines(info, args, _dataset(tmp_path, 50), _dataset(tmp_path, 2), None)
     assert "; the first 4 evaluated at the end" in lines[5], lines[5]
     assert lines[6].endswith(", resumed from step00000004 at sequence 32"), lines[6]
     info["resumed_world_size"] = 4
-    assert start_lines(info, args, _dataset(tmp_path, 50), _dataset(tmp_path, 2))[6].endswith(
+    assert start_lines(info, args, _dataset(tmp_path, 50), _dataset(tmp_path, 2), None)[6].endswith(
         " at sequence 32 of a 4-rank run")
 
 
 def test_the_vocab_of_data_prepares_hdf5_directory_is_the_one_beside_it(tmp_path: Path, bert_vocab):
     """--input_dir <data.prepare output>/hdf5 (which the no-shards error suggests) found no vocab.txt: the run kept
     none and a phase 2 skipped its vocabulary check, without a word."""
-    from training.loader import shard_vocab
-
     (tmp_path / "hdf5").mkdir()
     info, args = _start(tmp_path / "hdf5")
     assert shard_vocab(tmp_path / "hdf5") is None
-    assert start_lines(info, args, _dataset(tmp_path / "hdf5", 50), None)[4] == (
+    assert start_lines(info, args, _dataset(tmp_path / "hdf5", 50), None, shard_vocab(tmp_path / "hdf5"))[4] == (
         f"vocabulary: none in {tmp_path / 'hdf5'}, so the run keeps none (scripts/export_hf.py will need --vocab_file) "
         "and a phase 2 cannot compare it with its own")
     (tmp_path / "vocab.txt").write_bytes(bert_vocab.read_bytes())
     assert shard_vocab(tmp_path / "hdf5") == shard_vocab(tmp_path) == tmp_path / "vocab.txt"
-    assert start_lines(info, args, _dataset(tmp_path / "hdf5", 50), None)[4] == f"vocabulary: {tmp_path / 'vocab.txt'}"
+    assert start_lines(info, args, _dataset(tmp_path / "hdf5", 50), None, shard_vocab(tmp_path / "hdf5"))[4] == f"vocabulary: {tmp_path / 'vocab.txt'}"
     (tmp_path / "hdf5" / "vocab.txt").write_text("[PAD]\n")  # the shards' own directory comes first
     assert shard_vocab(tmp_path / "hdf5") == tmp_path / "hdf5" / "vocab.txt"
     (tmp_path / "data").mkdir()
@@ -636,11 +634,11 @@ def test_the_run_keeps_its_shards_case_beside_its_vocab_and_drops_a_stale_record
     (data / "vocab.txt").write_bytes(bert_vocab.read_bytes())
     run = tmp_path / "run"
     config = BertConfig.from_dict(TINY_MODEL)
-    write_run_files(run, data, config, False)
+    write_run_files(run, shard_vocab(data), config, False)
     assert json.loads((run / "tokenization.json").read_text()) == {"lower_case": False}
     assert (run / "vocab.txt").read_bytes() == bert_vocab.read_bytes()
-    write_run_files(run, data, config, True)
+    write_run_files(run, shard_vocab(data), config, True)
     assert json.loads((run / "tokenization.json").read_text()) == {"lower_case": True}
-    write_run_files(run, data, config, None)
+    write_run_files(run, shard_vocab(data), config, None)
     assert not (run / "tokenization.json").exists()
     assert sorted(p.name for p in run.iterdir()) == ["model_config.json", "vocab.txt"]

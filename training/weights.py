@@ -233,11 +233,11 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
         except ValueError as e:
             raise CheckpointError(f"{source}: not a tokenizer.json ({e}); restore it from where the model came from, "
                                   "or put the model's vocab.txt beside it") from e
-        model = tokenizer.get("model") if isinstance(tokenizer, dict) else None
-        vocab = model.get("vocab") if isinstance(model, dict) else None
         if not isinstance(tokenizer, dict):
             raise CheckpointError(f"{source}: not a tokenizer.json (a JSON object); restore it from where the model "
                                   "came from, or put the model's vocab.txt beside it")
+        model = tokenizer.get("model")
+        vocab = model.get("vocab") if isinstance(model, dict) else None
         if not isinstance(vocab, dict):
             return  # not a WordPiece tokenizer: no vocab to compare
         theirs = sorted(vocab, key=vocab.get)
