@@ -61,6 +61,7 @@ from training.loader import (
     tokenization_case,
 )
 from training.metrics import MetricsWriter, Throughput, peak_tflops
+from training.moments import open_phase1_moments, set_phase1_moments
 from training.planner import training_flops_per_sequence
 from training.schedule import DECAY_STYLES, ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay
 from training.weights import load_initial_weights, set_fp32_masters
@@ -107,6 +108,7 @@ class TrainArgs:
     max_nonfinite_steps: int = 10
     phase2: bool = False
     init_checkpoint: Path | None = None
+    init_optimizer_moments: bool = False
     num_steps_per_checkpoint: int = 200
     keep_checkpoints: int = 3
     steps_this_run: int | None = None
@@ -201,15 +203,20 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
                         "consecutive optimizer steps with non-finite gradients")
     g = p.add_argument_group("phases and checkpoints")
     g.add_argument("--phase2", action="store_true",
-                   help="start from --init_checkpoint's weights with a fresh optimizer and schedule (NVIDIA's flag, "
-                        "whose phase 2 keeps phase 1's optimizer moments: docs/TRAINING.md, Phase 2; required with "
-                        "--init_checkpoint)")
+                   help="start from --init_checkpoint's weights with a fresh optimizer and schedule (NVIDIA's flag; "
+                        "their phase 2 keeps phase 1's optimizer moments, as --init_optimizer_moments does; "
+                        "required with --init_checkpoint)")
     g.add_argument("--init_checkpoint", type=Path,
                    help="--output_dir of the phase-1 run, a Hugging Face BERT directory, NVIDIA's/Habana's "
                         "ckpt_<step>.pt (or its directory: the highest step; --config_file must match their "
                         "bert_config.json), or a DeepSpeed checkpoint folder of Habana's deepspeed-bert (the tag "
                         "its 'latest' names, or one tag's directory; --config_file must describe their model) "
                         "(with --phase2)")
+    g.add_argument("--init_optimizer_moments", action="store_true",
+                   help="with --phase2 from a run of this project: start from its optimizer moments (Adam m and v of "
+                        "lamb, lans or adamw, the same --optimizer), with the step count at 0 so that the bias "
+                        "correction starts again, as NVIDIA's and Habana's phase 2 do; without it the moments start "
+                        "at zero, as in Google's BERT")
     g.add_argument("--num_steps_per_checkpoint", type=int,
                    help="save a checkpoint every N steps (and at the last step, or on SIGTERM/SIGINT)")
     g.add_argument("--keep_checkpoints", type=int, help="how many newest checkpoints to keep")
@@ -245,6 +252,9 @@ def check_args(args: TrainArgs) -> None:
     if args.phase2 != (args.init_checkpoint is not None):
         raise RunConfigError("--phase2 and --init_checkpoint go together: phase 2 starts from the phase-1 "
                              "run given by --init_checkpoint")
+    if args.init_optimizer_moments and not args.phase2:
+        raise RunConfigError("--init_optimizer_moments starts phase 2 from phase 1's optimizer moments; it needs "
+                             "--phase2 --init_checkpoint <phase-1 --output_dir>")
     check_output_dir(args.output_dir)
     if args.init_checkpoint is not None and args.init_checkpoint.resolve() == args.output_dir.resolve():
         raise RunConfigError("--init_checkpoint must be the phase-1 run, not this run's --output_dir")
@@ -885,6 +895,8 @@ def start_lines(info: dict, args: TrainArgs, train_set, eval_set, vocab: Path | 
             start += f" of a {info['resumed_world_size']}-rank run"
     elif info["init_checkpoint"]:
         start += f", weights from {info['init_checkpoint']}"
+        if info["init_optimizer_moments"]:
+            start += " with its optimizer moments (step count 0)"
     return [*lines, start]
 
 
@@ -950,9 +962,15 @@ def train(args: TrainArgs) -> dict:
         torch.manual_seed(args.seed)  # identical initial weights on every rank
         checkpointing = ActivationCheckpointing(args.checkpoint_activations, args.checkpoint_activations_interval)
         model = BertForPreTraining(config, checkpointing=checkpointing)
-        init_from = None
+        init_from, moments = None, None
         if args.phase2 and resume is None:
+            if args.init_optimizer_moments:  # refused here, before any weight is read, if it cannot be done
+                moments = open_phase1_moments(args.init_checkpoint, args.optimizer)
             init_from = load_initial_weights(model, args.init_checkpoint, vocab, lower_case)
+            if moments is not None and init_from != str(moments.tag_dir):
+                raise CheckpointError(f"--init_checkpoint {args.init_checkpoint}: its latest checkpoint moved from "
+                                      f"{moments.tag_dir.name} to {Path(init_from).name} as phase 2 started; is "
+                                      "phase 1 still running? Start phase 2 once it has finished")
         # A bf16 engine replaces each parameter's data by a bf16 copy; these references keep the fp32
         # values (no copy is made) for the fp32 master weights of a run that does not resume.
         fp32_start = None if resume is not None else {name: p.data for name, p in model.named_parameters()}
@@ -967,6 +985,9 @@ def train(args: TrainArgs) -> dict:
             from training.lamb import bind_to_deepspeed
 
             bind_to_deepspeed(engine)
+        if moments is not None:
+            set_phase1_moments(engine, moments)
+            del moments  # its memory maps of phase 1's partitions
         accum_dtype = check_fp32_accumulation(engine)
         compiled = acc.compile_engine(engine)
 
@@ -998,6 +1019,7 @@ def train(args: TrainArgs) -> dict:
             "optimizer": args.optimizer, "optimizer_wrapper": type(engine.optimizer).__name__,
             "parameters": count_parameters(model), "resumed_from": resume[0] if resume else None,
             "resumed_world_size": resume[1].world_size if resume else None, "init_checkpoint": init_from,
+            "init_optimizer_moments": args.init_optimizer_moments and init_from is not None,
             "start_step": step, "start_consumed_samples": consumed,
         }
         if rank == 0:

@@ -841,3 +841,35 @@ def test_a_prune_that_fails_after_the_commit_is_a_warning_and_the_save_stands(tm
     monkeypatch.setattr(shutil, "rmtree", real_rmtree)
     _save(tmp_path, 40, keep=1)
     assert complete_tags(tmp_path) == ["step00000040"]
+
+
+def test_phase1_moments_are_refused_where_they_cannot_be_read(tmp_path):
+    """--init_optimizer_moments is refused before any weight is read: a directory that is not a run of this
+    project (a Hugging Face export holds no optimizer state), a run without checkpoints, a run that trained
+    with another optimizer (LANS moments are of normalised gradients), partitions that are not DeepSpeed's."""
+    from training.moments import open_phase1_moments
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "ckpt_7038.pt").write_bytes(b"NVIDIA's phase 1")
+    for source in (tmp_path / "hf", tmp_path / "ckpt_7038.pt"):
+        with pytest.raises(CheckpointError, match=re.escape(
+                "--init_optimizer_moments reads phase 1's optimizer moments from a run of this project (its "
+                f"--output_dir, with checkpoints/ in it); {source} is not one. A Hugging Face directory holds no "
+                "optimizer state, and that of NVIDIA's or Habana's ckpt_<step>.pt or Habana's DeepSpeed folder is "
+                "not read. Drop --init_optimizer_moments (scripts/launch.sh: --set init_optimizer_moments=false): "
+                "the moments then start at zero")):
+            open_phase1_moments(source, "lamb")
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match=f"^--init_optimizer_moments: no checkpoint under {run / 'checkpoints'}$"):
+        open_phase1_moments(run, "lamb")
+    _save(run / "checkpoints", 10)  # trained with lamb; its files are DeepSpeed's names, not its contents
+    with pytest.raises(CheckpointError, match=re.escape(
+            f"--init_optimizer_moments: {run / 'checkpoints' / 'step00000010'} was trained with --optimizer lamb, "
+            "whose moments are not those of --optimizer lans. Pass --optimizer lamb, or drop "
+            "--init_optimizer_moments")):
+        open_phase1_moments(run, "lans")
+    with pytest.raises(CheckpointError, match=r"step00000010: cannot read its optimizer moments \(.*\); the "
+                                              r"checkpoint is damaged or was not written by this project$"):
+        open_phase1_moments(run, "lamb")

@@ -104,6 +104,11 @@ def test_nvidia_bert_large_phase2_figures(tmp_path: Path):
     assert (preset.max_seq_length, preset.max_predictions_per_seq, preset.max_steps) == (512, 80, 1563)
     with pytest.raises(PresetError, match="phase-2 recipe; pass the phase-1 output"):
         run.run_args(tmp_path / "ds.json")
+    # NVIDIA's phase 2 loads phase 1's optimizer state with its step set to 0: the moments carry over
+    assert run.run_args(tmp_path / "ds.json", init_checkpoint="p1")[-4:] == \
+        ["--phase2", "--init_checkpoint", "p1", "--init_optimizer_moments"]
+    fresh = resolve(load_preset("bert-large-phase2", {"init_optimizer_moments": False}), 1)
+    assert "--init_optimizer_moments" not in fresh.run_args(tmp_path / "ds.json", init_checkpoint="p1")
     phase1 = resolve(load_preset("bert-large-phase1"), 1)
     with pytest.raises(PresetError, match="is phase 1 and starts from scratch; --init_checkpoint is only for phase-2"):
         phase1.run_args(tmp_path / "ds.json", init_checkpoint=str(tmp_path))
@@ -158,6 +163,9 @@ def _write(tmp_path: Path, **changes) -> Path:
     ({"micro_batch_per_device": {"default": 0}}, "micro_batch_per_device.default", "positive integer"),
     ({"optimizer": "sgd"}, "optimizer", "must be one of lamb, lans, adamw"),
     ({"phase": 3}, "phase", "must be 1 or 2"),
+    ({"init_optimizer_moments": "yes"}, "init_optimizer_moments", "must be true or false, got 'yes'"),
+    ({"init_optimizer_moments": True}, "init_optimizer_moments",
+     "is true in a phase-1 preset, which starts from scratch; it is for phase 2"),
     ({"source": []}, "source", "must name where the recipe comes from"),
     ({"max_seq_length": 1024}, "max_seq_length", "max_position_embeddings 512"),
 ])
@@ -301,7 +309,7 @@ def test_run_pretraining_accepts_every_preset_flag(path: Path, tmp_path: Path):
     assert preset.lr_decay_style == ("nvidia" if path.stem.startswith("bert-large") else "habana")
     assert (ns.optimizer, ns.num_steps_per_checkpoint, ns.checkpoint_activations, ns.phase2) == \
         (preset.optimizer, preset.num_steps_per_checkpoint, preset.checkpoint_activations, preset.phase == 2)
-    assert ns.init_checkpoint == init
+    assert ns.init_checkpoint == init and ns.init_optimizer_moments == preset.init_optimizer_moments
 
 
 def test_a_deepspeed_json_that_does_not_fit_is_one_line_and_the_old_one_stays(tmp_path: Path):

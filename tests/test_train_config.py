@@ -287,6 +287,8 @@ def test_counts_below_one_are_refused(flag):
     (["--phase2"], "--phase2 and --init_checkpoint go together"),
     (["--init_checkpoint", "x"], "--phase2 and --init_checkpoint go together"),
     (["--phase2", "--init_checkpoint", "out"], "must be the phase-1 run"),
+    (["--init_optimizer_moments"], r"^--init_optimizer_moments starts phase 2 from phase 1's optimizer moments; it "
+                                   r"needs --phase2 --init_checkpoint <phase-1 --output_dir>$"),
     (["--log_freq", "0"], "--log_freq must be >= 1"),
     (["--num_workers", "-1"], "--num_workers must be >= 0"),
     (["--seed", "-1"], "--seed must be >= 0"),  # numpy's seed sequences take no negative numbers

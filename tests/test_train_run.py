@@ -249,6 +249,72 @@ def test_phase2_starts_from_phase1_weights_with_fresh_optimizer(bf16_run, dynami
     assert {p: p.stat().st_mtime_ns for p in bf16_run.rglob("*") if p.is_file()} == phase1_files
 
 
+def universal_moments(tag_dir: Path, out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Each parameter's Adam moments and step count as DeepSpeed's own converter (ds_to_universal) writes
+    them: a reader independent of training/moments.py."""
+    cmd = [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+           "--output_folder", str(out), "--num_extract_workers", "1", "--num_merge_workers", "1"]
+    ok(subprocess.run(cmd, env=command(1, [])[1], capture_output=True, text=True, timeout=300))
+    found = {}
+    for param in sorted(p for p in (out / "zero").iterdir() if p.is_dir()):
+        loaded = {key: torch.load(param / f"{key}.pt", weights_only=False) for key in ("exp_avg", "exp_avg_sq", "step")}
+        found[param.name] = {key: value["param"] if isinstance(value, dict) else value for key, value in loaded.items()}
+    return found
+
+
+def phase2_with_and_without_moments(phase1: Path, nproc: int, tmp_path: Path, args) -> tuple[Path, Path]:
+    """The same one-step phase 2 twice, from the same weights on the same samples: once with phase 1's
+    optimizer moments (--init_optimizer_moments), once without."""
+    outs = []
+    for name, extra in (("fresh", {}), ("kept", {"init_optimizer_moments": True})):
+        out = tmp_path / name
+        console = ok(run(nproc, args(out, num_eval_samples=0, phase2=True, init_checkpoint=phase1, **extra))).stdout
+        info = json.loads((out / "run_info.json").read_text())
+        assert info["init_optimizer_moments"] == bool(extra)
+        assert (f"weights from {info['init_checkpoint']} with its optimizer moments (step count 0)\n" in console) == \
+            bool(extra)
+        outs.append(out)
+    return outs[0], outs[1]
+
+
+def assert_moments_carried(phase1: Path, fresh: Path, kept: Path, tmp_path: Path) -> None:
+    """One step takes the same gradient g in both runs (the loss is the same), so the kept run's moments,
+    m = 0.9 m1 + 0.1 g and v = 0.999 v1 + 0.001 g^2, exceed the fresh run's 0.1 g and 0.001 g^2 by exactly
+    0.9 m1 and 0.999 v1, phase 1's moments, for every parameter; and its step count restarted (bias
+    correction as at a first step), as NVIDIA's phase 2 sets it to 0."""
+    assert records(fresh)[1]["loss"] == records(kept)[1]["loss"]
+    tags = [out / "checkpoints" / read_latest(out / "checkpoints") for out in (phase1, fresh, kept)]
+    then, without, kept_moments = (universal_moments(tag, tmp_path / f"universal_{i}") for i, tag in enumerate(tags))
+    assert set(then) == set(without) == set(kept_moments) and len(then) > 40
+    for name in then:
+        assert int(kept_moments[name]["step"]) == int(without[name]["step"]) == 1, name
+        for key, beta in (("exp_avg", 0.9), ("exp_avg_sq", 0.999)):
+            carried = beta * then[name][key].double()
+            added = kept_moments[name][key].double() - without[name][key].double()
+            scale = carried.abs().max().item()
+            assert scale > 0, (name, key)  # phase 1 left moments to carry
+            assert (added - carried).abs().max().item() < 1e-5 * scale, (name, key)
+
+
+@pytest.mark.slow
+def test_phase2_can_start_from_phase1_optimizer_moments(bf16_run, phase1_shards, tmp_path):
+    """Phase 1 on 2 ranks (bf16, LAMB), phase 2 on 1: each moment is joined from both ranks' partitions."""
+    ds = ds_config(tmp_path / "ds.json", bf16=True, train_batch_size=8, train_micro_batch_size_per_gpu=4)
+
+    def args(out: Path, **extra) -> list[str]:
+        return base_args(phase1_shards, out, bf16_run / "model_config.json", ds, 1, optimizer="lamb",
+                         learning_rate=1e-3, **extra)
+
+    fresh, kept = phase2_with_and_without_moments(bf16_run, 1, tmp_path, args)
+    assert_moments_carried(bf16_run, fresh, kept, tmp_path)
+    # LANS moments are of normalised gradients: refused before any weight is read
+    refused = run(1, base_args(phase1_shards, tmp_path / "lans", bf16_run / "model_config.json", ds, 1,
+                               optimizer="lans", phase2=True, init_checkpoint=bf16_run, init_optimizer_moments=True))
+    assert refused.returncode == 1 and "was trained with --optimizer lamb, whose moments are not those of " \
+        "--optimizer lans. Pass --optimizer lamb, or drop --init_optimizer_moments\n" in refused.stderr
+    assert not (tmp_path / "lans" / "checkpoints").exists()
+
+
 def _largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b)
     return max((a[name].double() - b[name].double()).abs().max().item() for name in a)
@@ -672,6 +738,24 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(fp32_setup, phase1_shards, tmp
         assert widened[step]["consumed_samples"] == ref[step]["consumed_samples"] == step * 8
         # same samples and weights; dropout masks differ with the rank, so losses are close, not equal
         assert widened[step]["loss"] == pytest.approx(ref[step]["loss"], rel=0.1), step
+
+
+@pytest.mark.slow
+def test_phase2_on_two_ranks_can_start_from_one_rank_phase1_moments(fp32_setup, phase1_shards, tmp_path):
+    """Phase 1 on 1 rank (fp32, AdamW, ZeRO-1), phase 2 on 2 (ZeRO-2): each rank takes its slice of every
+    moment, and AdamW's step count (a tensor) starts at 0."""
+    _, reference = fp32_setup
+    ds = write_json(tmp_path / "ds.json", {"gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+                                            "steps_per_print": 10**6, "train_batch_size": 8,
+                                            "train_micro_batch_size_per_gpu": 4})
+
+    def args(out: Path, **extra) -> list[str]:
+        return base_args(phase1_shards, out, reference / "model_config.json", ds, 1, optimizer="adamw",
+                         learning_rate=1e-3, **extra)
+
+    fresh, kept = phase2_with_and_without_moments(reference, 2, tmp_path, args)
+    assert json.loads((kept / "run_info.json").read_text())["zero_stage"] == 2
+    assert_moments_carried(reference, fresh, kept, tmp_path)
 
 
 @pytest.mark.slow

@@ -35,7 +35,7 @@ DEFAULT_KEY = "default"
 # Fields a user may override at launch (--set name=value); the recipe's identity fields are not among them.
 OVERRIDABLE = ("model_config", "deepspeed_config", "max_steps", "num_steps_per_checkpoint", "learning_rate", "micro_batch_per_device",
                "global_batch_size", "warmup_proportion", "constant_proportion", "poly_power", "lr_decay_style",
-               "devices_per_node", "checkpoint_activations", "optimizer")
+               "devices_per_node", "checkpoint_activations", "optimizer", "init_optimizer_moments")
 
 
 class PresetError(ValueError):
@@ -64,6 +64,7 @@ class Preset:
     num_steps_per_checkpoint: int
     optimizer: str
     checkpoint_activations: bool = False
+    init_optimizer_moments: bool = False  # phase 2: start from phase 1's Adam moments (NVIDIA's phase 2)
     lr_decay_style: str = "habana"  # "nvidia" for NVIDIA's recipes (training/schedule.py)
     notes: str = ""
 
@@ -116,6 +117,8 @@ class ResolvedRun:
                 raise PresetError(f"{p.path}: preset '{p.name}' is a phase-2 recipe; pass the phase-1 output "
                                   "directory as init_checkpoint (launch.sh: --init_checkpoint <dir>)")
             args += ["--phase2", "--init_checkpoint", str(init_checkpoint)]
+            if p.init_optimizer_moments:
+                args.append("--init_optimizer_moments")
         elif init_checkpoint:
             raise PresetError(f"{p.path}: preset '{p.name}' is phase 1 and starts from scratch; "
                               "--init_checkpoint is only for phase-2 presets")
@@ -194,7 +197,7 @@ REQUIRED = ("name", "description", "source", "model_config", "deepspeed_config",
             "max_predictions_per_seq", "global_batch_size", "devices_per_node", "micro_batch_per_device",
             "learning_rate", "warmup_proportion", "constant_proportion", "poly_power", "max_steps",
             "num_steps_per_checkpoint", "optimizer")
-OPTIONAL = ("checkpoint_activations", "lr_decay_style", "notes")
+OPTIONAL = ("checkpoint_activations", "init_optimizer_moments", "lr_decay_style", "notes")
 
 
 def preset_from_dict(values: dict, path: Path) -> Preset:
@@ -245,6 +248,12 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
     checkpoint_activations = values.get("checkpoint_activations", False)
     if not isinstance(checkpoint_activations, bool):
         raise _fail(path, "checkpoint_activations", f"must be true or false, got {checkpoint_activations!r}")
+    init_moments = values.get("init_optimizer_moments", False)
+    if not isinstance(init_moments, bool):
+        raise _fail(path, "init_optimizer_moments", f"must be true or false, got {init_moments!r}")
+    if init_moments and phase == 1:
+        raise _fail(path, "init_optimizer_moments", "is true in a phase-1 preset, which starts from scratch; it is "
+                                                    "for phase 2 (phase 1's optimizer moments)")
     notes = values.get("notes", "")
     if not isinstance(notes, str):
         raise _fail(path, "notes", "must be a string")
@@ -261,7 +270,8 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
         poly_power=float(poly_power),
         max_steps=_int(values, path, "max_steps"),
         num_steps_per_checkpoint=_int(values, path, "num_steps_per_checkpoint"),
-        optimizer=optimizer, checkpoint_activations=checkpoint_activations, lr_decay_style=decay_style, notes=notes,
+        optimizer=optimizer, checkpoint_activations=checkpoint_activations, init_optimizer_moments=init_moments,
+        lr_decay_style=decay_style, notes=notes,
     )
     _check_model_fits(preset)
     return preset

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -40,7 +41,7 @@ _PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
 _BF16_PARTITION_PREFIX = "bf16_"  # BF16_Optimizer's files; the ZeRO optimizer's have no prefix
 
 
-def _partition_files(tag_dir: Path) -> list[Path]:
+def partition_files(tag_dir: Path) -> list[Path]:
     """Every rank's optimizer partition, in rank order; a gap is an incomplete checkpoint."""
     files = {int(m.group(1)): p for p in tag_dir.iterdir() if (m := _PARTITION.search(p.name))}
     if files and sorted(files) != list(range(len(files))):
@@ -49,28 +50,46 @@ def _partition_files(tag_dir: Path) -> list[Path]:
     return [files[r] for r in sorted(files)]
 
 
-def _merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, torch.Tensor]:
-    """DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16, which zero_to_fp32 does not read): each rank holds
-    a flat fp32 slice of every parameter group and a map name -> (start, numel) of the fragments in it.
-    The files are memory-mapped: of each, only the fp32 slice is read, not the optimizer moments."""
+def partition_pieces(files: list[Path], flats: Callable[[Path, dict], Sequence[torch.Tensor]]
+                     ) -> dict[str, list[torch.Tensor]]:
+    """Parameter name -> its pieces in rank order, cut from flat per-group tensors of ZeRO-1/2 or BF16_Optimizer
+    partitions (`flats(path, optimizer_state_dict)`: one per parameter group, in the layout of the rank's fp32
+    slice). Each file holds a map name -> (start, numel) of the fragments in its slice. The files are
+    memory-mapped and the pieces are views: only what a caller joins is read."""
     pieces: dict[str, list[torch.Tensor]] = {}
     for path in files:
         state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
-        for flat, mapping in zip(state["single_partition_of_fp32_groups"], state["param_slice_mappings"]):
+        for flat, mapping in zip(flats(path, state), state["param_slice_mappings"], strict=True):
             for name, fragment in mapping.items():
                 pieces.setdefault(name, []).append(flat[fragment.start:fragment.start + fragment.numel])
-    shapes = {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
-    weights = {}
-    for name, shape in shapes.items():
-        if name not in pieces:
-            raise CheckpointError(f"{files[0].parent}: parameter {name} is in no rank's partition; the "
-                                  "checkpoint is incomplete")
-        flat = torch.cat(pieces.pop(name))
-        if flat.numel() != shape.numel():
-            raise CheckpointError(f"{files[0].parent}: parameter {name} has {flat.numel()} values in the "
-                                  f"partitions but shape {tuple(shape)}; the checkpoint is inconsistent")
-        weights[name] = flat.view(shape)
-    return weights
+    return pieces
+
+
+def join_pieces(tag_dir: Path, name: str, pieces: dict[str, list[torch.Tensor]], shape: torch.Size,
+                what: str = "values") -> torch.Tensor:
+    """One parameter's tensor of `shape`, joined from its pieces (partition_pieces)."""
+    if name not in pieces:
+        raise CheckpointError(f"{tag_dir}: parameter {name} is in no rank's partition; the checkpoint is "
+                              "incomplete")
+    flat = torch.cat(pieces[name])
+    if flat.numel() != shape.numel():
+        raise CheckpointError(f"{tag_dir}: parameter {name} has {flat.numel()} {what} in the partitions but "
+                              f"shape {tuple(shape)}; the checkpoint is inconsistent")
+    return flat.view(shape)
+
+
+def parameter_shapes(model_states: dict) -> dict[str, torch.Size]:
+    """The optimizer's parameters (tied weights once) and their shapes, from a tag's model states."""
+    return {name: shape for group in model_states["param_shapes"] for name, shape in group.items()}
+
+
+def _merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, torch.Tensor]:
+    """DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16, which zero_to_fp32 does not read): the fp32 master
+    weights, from each rank's fp32 slice; the optimizer moments beside them are not read."""
+    pieces = partition_pieces(files, lambda _, state: state["single_partition_of_fp32_groups"])
+    tag_dir = files[0].parent
+    return {name: join_pieces(tag_dir, name, pieces, shape)
+            for name, shape in parameter_shapes(model_states).items()}
 
 
 def read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool = False) -> tuple[dict[str, torch.Tensor], str]:
@@ -103,7 +122,7 @@ def _read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool) -> tuple[dict[
     module = model_states.get("module") if isinstance(model_states, dict) else None
     if not isinstance(module, dict):
         raise CheckpointError(f"{tag_dir / MODEL_STATES}: no 'module' weights in it")
-    files = _partition_files(tag_dir)
+    files = partition_files(tag_dir)
     if fp32_module_suffices and all(v.dtype == torch.float32 for v in module.values() if v.is_floating_point()):
         files = []
     if files and files[0].name.startswith(_BF16_PARTITION_PREFIX):
