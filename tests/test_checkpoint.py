@@ -873,3 +873,20 @@ def test_phase1_moments_are_refused_where_they_cannot_be_read(tmp_path):
     with pytest.raises(CheckpointError, match=r"step00000010: cannot read its optimizer moments \(.*\); the "
                                               r"checkpoint is damaged or was not written by this project$"):
         open_phase1_moments(run, "lamb")
+
+
+def test_a_rank_reads_its_fragment_of_a_moment_across_phase1_ranks_pieces(tmp_path):
+    """Phase 1's ranks each hold a piece of a parameter; a phase-2 rank's fragment may span them."""
+    from training.moments import Phase1Moments
+
+    values = torch.arange(10.0)
+    moments = Phase1Moments(tmp_path, {"exp_avg": {"w": [values[:4], values[4:]]}, "exp_avg_sq": {}},
+                            {"w": torch.Size([2, 5])})
+    for start, numel in [(0, 10), (0, 4), (4, 6), (3, 2), (5, 3), (9, 1)]:
+        assert torch.equal(moments.fragment("exp_avg", "w", start, numel), values[start:start + numel])
+    with pytest.raises(CheckpointError, match=r": parameter w is in no rank's partition; the checkpoint is incomplete"):
+        moments.fragment("exp_avg_sq", "w", 0, 10)
+    short = Phase1Moments(tmp_path, {"exp_avg": {"w": [values[:4]]}}, {"w": torch.Size([2, 5])})
+    with pytest.raises(CheckpointError, match=r"parameter w has 4 exp_avg values in the partitions but shape \(2, 5\); "
+                                              r"the checkpoint is inconsistent"):
+        short.fragment("exp_avg", "w", 0, 4)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from training.checkpoint import LOAD_ERRORS, MODEL_STATES, CheckpointError, checkpoint_dir, find_resume
-from training.weights import join_pieces, parameter_shapes, partition_files, partition_pieces
+from training.weights import checked_pieces, parameter_shapes, partition_files, partition_pieces
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the Adam moments of Lamb, Lans and torch's AdamW
 
@@ -27,9 +27,16 @@ class Phase1Moments:
     pieces: dict[str, dict[str, list[torch.Tensor]]]  # moment -> parameter name -> pieces (memory-mapped views)
     shapes: dict[str, torch.Size]
 
-    def full(self, moment: str, name: str) -> torch.Tensor:
-        """One parameter's moment, whole, in fp32."""
-        return join_pieces(self.tag_dir, name, self.pieces[moment], self.shapes[name], what=f"{moment} values")
+    def fragment(self, moment: str, name: str, start: int, numel: int) -> torch.Tensor:
+        """Elements [start, start + numel) of one parameter's flattened moment, in fp32. Only the pieces that
+        hold them are read: a rank reads its slice of phase 1's moments, not all of them."""
+        taken, position = [], 0
+        for piece in checked_pieces(self.tag_dir, name, self.pieces[moment], self.shapes[name], f"{moment} values"):
+            low, high = max(start, position), min(start + numel, position + piece.numel())
+            if low < high:
+                taken.append(piece[low - position:high - position])
+            position += piece.numel()
+        return torch.cat(taken)
 
 
 def open_phase1_moments(init_dir: Path, optimizer: str) -> Phase1Moments:
@@ -116,10 +123,12 @@ def set_phase1_moments(engine, moments: Phase1Moments) -> None:
             if mapping is None:
                 continue
             target, source = mapping.get_hp_fragment_address(), mapping.lp_fragment_address
+            if target.numel != source.numel:
+                raise RuntimeError(f"{names[id(lp)]}: DeepSpeed links {source.numel} elements of the parameter to "
+                                   f"{target.numel} of the partition")
             for moment in MOMENTS:
-                values = moments.full(moment, names[id(lp)]).reshape(-1)
                 state[moment].narrow(0, target.start, target.numel).copy_(
-                    values.narrow(0, source.start, source.numel))
+                    moments.fragment(moment, names[id(lp)], source.start, source.numel))
         client.state[flat] = {"step": _step_zero(client), **state}
 
 

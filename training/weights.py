@@ -65,17 +65,17 @@ def partition_pieces(files: list[Path], flats: Callable[[Path, dict], Sequence[t
     return pieces
 
 
-def join_pieces(tag_dir: Path, name: str, pieces: dict[str, list[torch.Tensor]], shape: torch.Size,
-                what: str = "values") -> torch.Tensor:
-    """One parameter's tensor of `shape`, joined from its pieces (partition_pieces)."""
+def checked_pieces(tag_dir: Path, name: str, pieces: dict[str, list[torch.Tensor]], shape: torch.Size,
+                   what: str) -> list[torch.Tensor]:
+    """One parameter's pieces (partition_pieces), checked to hold exactly its elements."""
     if name not in pieces:
         raise CheckpointError(f"{tag_dir}: parameter {name} is in no rank's partition; the checkpoint is "
                               "incomplete")
-    flat = torch.cat(pieces[name])
-    if flat.numel() != shape.numel():
-        raise CheckpointError(f"{tag_dir}: parameter {name} has {flat.numel()} {what} in the partitions but "
-                              f"shape {tuple(shape)}; the checkpoint is inconsistent")
-    return flat.view(shape)
+    total = sum(piece.numel() for piece in pieces[name])
+    if total != shape.numel():
+        raise CheckpointError(f"{tag_dir}: parameter {name} has {total} {what} in the partitions but shape "
+                              f"{tuple(shape)}; the checkpoint is inconsistent")
+    return pieces[name]
 
 
 def parameter_shapes(model_states: dict) -> dict[str, torch.Size]:
@@ -88,7 +88,7 @@ def _merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, t
     weights, from each rank's fp32 slice; the optimizer moments beside them are not read."""
     pieces = partition_pieces(files, lambda _, state: state["single_partition_of_fp32_groups"])
     tag_dir = files[0].parent
-    return {name: join_pieces(tag_dir, name, pieces, shape)
+    return {name: torch.cat(checked_pieces(tag_dir, name, pieces, shape, "fp32 values")).view(shape)
             for name, shape in parameter_shapes(model_states).items()}
 
 
