@@ -16,7 +16,13 @@ from pathlib import Path
 import torch
 
 from training.checkpoint import LOAD_ERRORS, MODEL_STATES, CheckpointError, checkpoint_dir, find_resume
-from training.weights import checked_pieces, parameter_shapes, partition_files, partition_pieces
+from training.weights import (
+    checked_pieces,
+    load_partitions,
+    parameter_shapes,
+    partition_files,
+    partition_pieces,
+)
 
 MOMENTS = ("exp_avg", "exp_avg_sq")  # the Adam moments of Lamb, Lans and torch's AdamW
 
@@ -68,7 +74,8 @@ def open_phase1_moments(init_dir: Path, optimizer: str) -> Phase1Moments:
     try:
         shapes = parameter_shapes(torch.load(tag_dir / MODEL_STATES, map_location="cpu", mmap=True,
                                              weights_only=False))
-        pieces = {moment: partition_pieces(files, lambda path, opt_state, m=moment: _flats(path, opt_state, m))
+        partitions = load_partitions(files)
+        pieces = {moment: partition_pieces(partitions, lambda path, opt_state, m=moment: _flats(path, opt_state, m))
                   for moment in MOMENTS}
     except CheckpointError:
         raise

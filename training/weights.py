@@ -50,15 +50,20 @@ def partition_files(tag_dir: Path) -> list[Path]:
     return [files[r] for r in sorted(files)]
 
 
-def partition_pieces(files: list[Path], flats: Callable[[Path, dict], Sequence[torch.Tensor]]
+def load_partitions(files: list[Path]) -> list[tuple[Path, dict]]:
+    """Each partition file with its optimizer_state_dict, memory-mapped: its tensors are read only where used."""
+    return [(path, torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"])
+            for path in files]
+
+
+def partition_pieces(partitions: list[tuple[Path, dict]], flats: Callable[[Path, dict], Sequence[torch.Tensor]]
                      ) -> dict[str, list[torch.Tensor]]:
     """Parameter name -> its pieces in rank order, cut from flat per-group tensors of ZeRO-1/2 or BF16_Optimizer
-    partitions (`flats(path, optimizer_state_dict)`: one per parameter group, in the layout of the rank's fp32
-    slice). Each file holds a map name -> (start, numel) of the fragments in its slice. The files are
-    memory-mapped and the pieces are views: only what a caller joins is read."""
+    partitions (load_partitions; `flats(path, optimizer_state_dict)`: one per parameter group, in the layout of
+    the rank's fp32 slice). Each file holds a map name -> (start, numel) of the fragments in its slice. The
+    pieces are views of the memory-mapped files: only what a caller joins is read."""
     pieces: dict[str, list[torch.Tensor]] = {}
-    for path in files:
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=False)["optimizer_state_dict"]
+    for path, state in partitions:
         for flat, mapping in zip(flats(path, state), state["param_slice_mappings"], strict=True):
             for name, fragment in mapping.items():
                 pieces.setdefault(name, []).append(flat[fragment.start:fragment.start + fragment.numel])
@@ -86,7 +91,7 @@ def parameter_shapes(model_states: dict) -> dict[str, torch.Size]:
 def _merge_bf16_partitions(files: list[Path], model_states: dict) -> dict[str, torch.Tensor]:
     """DeepSpeed's BF16_Optimizer (ZeRO-1 with bf16, which zero_to_fp32 does not read): the fp32 master
     weights, from each rank's fp32 slice; the optimizer moments beside them are not read."""
-    pieces = partition_pieces(files, lambda _, state: state["single_partition_of_fp32_groups"])
+    pieces = partition_pieces(load_partitions(files), lambda _, state: state["single_partition_of_fp32_groups"])
     tag_dir = files[0].parent
     return {name: torch.cat(checked_pieces(tag_dir, name, pieces, shape, "fp32 values")).view(shape)
             for name, shape in parameter_shapes(model_states).items()}
