@@ -53,7 +53,7 @@ def test_every_preset_loads_and_resolves(path: Path, tmp_path: Path):
 def test_gaudi_1_5b_recipe_figures():
     preset = load_preset("bert-1.5b-phase1")
     assert (preset.max_seq_length, preset.max_predictions_per_seq, preset.global_batch_size) == (128, 20, 12288)
-    assert (preset.warmup_proportion, preset.constant_proportion) == (0.05, 0.30)
+    assert (preset.warmup_proportion, preset.constant_proportion) == (0.05, 0.25)  # Habana's flags
     # The blog's figure: 384 sequences per device per step = micro batch 16 x 24 accumulation steps,
     # on 32 first-generation Gaudi devices (4 nodes).
     blog = resolve(preset, 4, device_kind="gaudi1")
@@ -152,7 +152,8 @@ def _write(tmp_path: Path, **changes) -> Path:
     ({"lr_decay_style": "nvidia", "warmup_proportion": 0.05, "constant_proportion": 0.3}, "lr_decay_style",
      "whose scheduler has no constant phase, but constant_proportion is 0.3"),
     ({"warmup_proportion": 1.5}, "warmup_proportion", "in [0, 1]"),
-    ({"warmup_proportion": 0.1, "constant_proportion": 0.05}, "constant_proportion", "where the constant phase ENDS"),
+    ({"warmup_proportion": 0.1, "constant_proportion": 0.95}, "constant_proportion",
+     "is 0.95, and with warmup_proportion 0.1 more than all of max_steps: it is the constant phase's length AFTER"),
     # the removed per-node-count form: the message says why and what to write instead
     ({"learning_rate": {"default": 0.0015, "16": 0.003}}, "learning_rate",
      "one learning rate per node count; the global batch is the same on every node count, so the learning rate "
@@ -178,12 +179,12 @@ def test_bad_presets_name_file_and_field(tmp_path: Path, changes: dict, field: s
 
 
 def test_boundary_values_that_are_valid(tmp_path: Path):
-    """The limits themselves load: every maskable token predicted, a constant phase that ends with the warm-up
-    (no constant phase)."""
+    """The limits themselves load: every maskable token predicted, a warm-up and constant phase that take
+    every step."""
     preset = load_preset(_write(tmp_path, max_predictions_per_seq=125))
     assert (preset.max_seq_length, preset.max_predictions_per_seq) == (128, 125)
-    preset = load_preset(_write(tmp_path, warmup_proportion=0.1, constant_proportion=0.1))
-    assert (preset.warmup_proportion, preset.constant_proportion) == (0.1, 0.1)
+    preset = load_preset(_write(tmp_path, warmup_proportion=0.1, constant_proportion=0.9, lr_decay_style="habana"))
+    assert (preset.warmup_proportion, preset.constant_proportion) == (0.1, 0.9)
 
 
 def test_bad_json_and_unknown_names(tmp_path: Path):

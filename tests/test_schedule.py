@@ -5,11 +5,17 @@ import dataclasses
 import pytest
 import torch
 
-from training.schedule import ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay, lr_at
+from training.schedule import (
+    ScheduleConfig,
+    ScheduleMismatchError,
+    WarmupConstantDecay,
+    lr_at,
+    saved_schedule,
+)
 
 
 def test_gaudi_1p5b_shape_warmup_constant_linear_decay():
-    cfg = ScheduleConfig(base_lr=1e-3, total_steps=1000, warmup_proportion=0.05, constant_proportion=0.3, power=1.0)
+    cfg = ScheduleConfig(base_lr=1e-3, total_steps=1000, warmup_proportion=0.05, constant_proportion=0.25, power=1.0)
     assert cfg.warmup_steps == 50 and cfg.constant_end == 300
     assert lr_at(cfg, 0) == pytest.approx(1e-3 / 50)
     assert lr_at(cfg, 24) == pytest.approx(1e-3 * 25 / 50)
@@ -39,7 +45,35 @@ def _preset_schedule(preset: str) -> ScheduleConfig:
     values = json.loads((Path(__file__).resolve().parents[1] / "configs" / "presets" / f"{preset}.json").read_text())
     return ScheduleConfig(base_lr=values["learning_rate"], total_steps=values["max_steps"],
                           warmup_proportion=values["warmup_proportion"], power=values["poly_power"],
+                          constant_proportion=values["constant_proportion"],
                           decay_style=values.get("lr_decay_style", "habana"))
+
+
+def _habana_poly_warmup(base_lr: float, warmup: float, constant: float, total_steps: int, degree: float,
+                        last_epoch: int) -> float:
+    """Habana deepspeed-bert's PolyWarmUpScheduler.get_lr (schedulers.py), which their run_pretraining.py builds
+    from --warmup_proportion, --constant_proportion and --scheduler_degree; last_epoch is the optimizer's step
+    count."""
+    progress = last_epoch / total_steps
+    if progress < warmup:
+        return base_lr * progress / warmup
+    if progress < warmup + constant:
+        return base_lr
+    return base_lr * ((1.0 - progress) / (1.0 - warmup - constant)) ** degree
+
+
+@pytest.mark.parametrize("preset", ["bert-1.5b-phase1", "bert-5b-phase1"])
+def test_habanas_constant_proportion_means_the_same_here(preset):
+    """Habana's scripts pass --warmup_proportion=0.05 --constant_proportion=0.25: the constant phase is a length
+    after the warm-up. Those flags here give Habana's rates once the warm-up is over (the warm-up is NVIDIA's,
+    one step ahead of Habana's: the module docstring), and the peak until 30% of the steps."""
+    cfg = _preset_schedule(preset)
+    assert (cfg.warmup_proportion, cfg.constant_proportion, cfg.decay_style) == (0.05, 0.25, "habana")
+    assert cfg.constant_end == round(0.30 * cfg.total_steps)
+    habana = [_habana_poly_warmup(cfg.base_lr, 0.05, 0.25, cfg.total_steps, cfg.power, s)
+              for s in range(cfg.warmup_steps, cfg.total_steps)]
+    assert [lr_at(cfg, s) for s in range(cfg.warmup_steps, cfg.total_steps)] == pytest.approx(habana, rel=1e-9, abs=0)
+    assert lr_at(cfg, cfg.constant_end - 1) == cfg.base_lr > lr_at(cfg, cfg.constant_end + 1)
 
 
 @pytest.mark.parametrize("preset", ["bert-large-phase1", "bert-large-phase2"])
@@ -86,7 +120,8 @@ def test_warmup_steps_round_to_the_nearest_step():
     assert lr_at(cfg, 0) == pytest.approx(6e-3 / 2001)
     assert lr_at(cfg, 2000) == 6e-3
     assert ScheduleConfig(base_lr=1.0, total_steps=16, warmup_proportion=0.1).warmup_steps == 2  # 1.6
-    assert ScheduleConfig(base_lr=1.0, total_steps=10, constant_proportion=0.36).constant_end == 4  # 3.6
+    assert ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.0, constant_proportion=0.36).constant_end == 4  # 3.6
+    assert ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.1, constant_proportion=0.24).constant_end == 3
 
 
 def test_polynomial_power_and_no_constant_phase():
@@ -96,10 +131,18 @@ def test_polynomial_power_and_no_constant_phase():
     assert lr_at(cfg, 75) == pytest.approx(2.0 * 0.25**0.5)
 
 
-def test_constant_proportion_below_warmup_means_no_constant_phase():
+def test_constant_proportion_is_a_length_after_the_warmup():
+    """Habana's meaning: a constant_proportion below the warm-up's is not swallowed by it (the meaning before
+    2026-11-25 was where the constant phase ends)."""
     cfg = ScheduleConfig(base_lr=1.0, total_steps=100, warmup_proportion=0.2, constant_proportion=0.1)
-    assert cfg.constant_end == 20
-    assert lr_at(cfg, 60) == pytest.approx(0.5)
+    assert (cfg.warmup_steps, cfg.constant_end) == (20, 30)
+    assert lr_at(cfg, 29) == 1.0
+    assert lr_at(cfg, 65) == pytest.approx(0.5)
+    full = ScheduleConfig(base_lr=1.0, total_steps=100, warmup_proportion=0.3, constant_proportion=0.7)
+    assert full.constant_end == 100 and lr_at(full, 99) == 1.0
+    with pytest.raises(ValueError, match=r"^--warmup_proportion 0.3 \+ --constant_proportion 0.75 is more than all "
+                                         r"of --max_steps: the constant phase is its length after the warm-up"):
+        ScheduleConfig(base_lr=1.0, total_steps=100, warmup_proportion=0.3, constant_proportion=0.75)
 
 
 @pytest.mark.parametrize("kwargs, flag", [
@@ -118,7 +161,7 @@ def _optimizer():
 
 
 def test_scheduler_drives_the_optimizer_and_round_trips():
-    cfg = ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.2, constant_proportion=0.5)
+    cfg = ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.2, constant_proportion=0.3)
     opt = _optimizer()
     sched = WarmupConstantDecay(opt, cfg)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.5)  # step 0 of a 2-step warm-up
@@ -145,7 +188,7 @@ def test_resuming_with_another_schedule_is_an_error():
 @pytest.mark.parametrize("field, flag", [("base_lr", "--learning_rate"), ("warmup_proportion", "--warmup_proportion"),
                                          ("constant_proportion", "--constant_proportion"), ("power", "--poly_power")])
 def test_every_schedule_field_is_checked_on_resume(field, flag):
-    cfg = ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.1, constant_proportion=0.3, power=1.0)
+    cfg = ScheduleConfig(base_lr=1.0, total_steps=10, warmup_proportion=0.1, constant_proportion=0.2, power=1.0)
     state = WarmupConstantDecay(_optimizer(), cfg).state_dict()
     changed = dataclasses.replace(cfg, **{field: getattr(cfg, field) + 0.1})
     with pytest.raises(ScheduleMismatchError, match=f"schedule: {flag} [0-9.]+ \\(the checkpoint's: "):
@@ -160,3 +203,26 @@ def test_a_checkpoint_saved_before_the_decay_style_existed_resumes_as_habana_and
     resumed.load_state_dict(state)
     with pytest.raises(ScheduleMismatchError, match=r"schedule: --lr_decay_style 'nvidia' \(the checkpoint's: 'habana'\)"):
         WarmupConstantDecay(_optimizer(), dataclasses.replace(cfg, decay_style="nvidia")).load_state_dict(state)
+
+
+def test_a_checkpoint_saved_when_constant_proportion_was_the_end_resumes_on_the_same_steps():
+    """Schedules saved before 2026-11-25 (no "format") held the fraction where the constant phase ends. Read
+    in today's meaning they keep their steps: resuming needs today's number, and the refusal of the old one
+    says why."""
+    old = {"step_count": 7, "config": {"base_lr": 1.0, "total_steps": 1000, "warmup_proportion": 0.05,
+                                       "constant_proportion": 0.3, "power": 1.0, "decay_style": "habana"}}
+    converted, note = saved_schedule(old)
+    assert converted.constant_proportion == 0.25 and converted.constant_end == 300
+    assert "its 0.3 is 0.25 now" in note
+    resumed = WarmupConstantDecay(_optimizer(), converted)
+    resumed.load_state_dict(old)
+    assert resumed.step_count == 7
+    as_before = dataclasses.replace(converted, constant_proportion=0.3)
+    with pytest.raises(ScheduleMismatchError, match=r"--constant_proportion 0.3 \(the checkpoint's: 0.25\)\. \(This "
+                                                    r"checkpoint was saved when --constant_proportion was where the "
+                                                    r"constant phase ends: its 0.3 is 0.25 now"):
+        WarmupConstantDecay(_optimizer(), as_before).load_state_dict(old)
+    # inside the warm-up it meant no constant phase, as 0 does now; and today's states are read as they are
+    assert saved_schedule({"config": old["config"] | {"constant_proportion": 0.04}})[0].constant_proportion == 0.0
+    state = resumed.state_dict()
+    assert state["format"] == 2 and saved_schedule(state) == (converted, "")

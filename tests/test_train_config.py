@@ -303,9 +303,10 @@ def test_counts_below_one_are_refused(flag):
     (["--eval_freq", "2", "--num_eval_samples", "0"], "evaluates nothing"),
     (["--checkpoint_activations_interval", "2"], "does nothing without --checkpoint_activations"),
     (["--checkpoint_activations_interval", "1"], "does nothing without --checkpoint_activations"),  # the default
-    (["--warmup_proportion", "0.2", "--constant_proportion", "0.1"],
-     r"--constant_proportion 0.1 is inside the warm-up \(--warmup_proportion 0.2\): it is where the constant phase "
-     r"ends \(0.3 = the peak until 30% of the steps\); pass 0 for no constant phase"),
+    (["--warmup_proportion", "0.2", "--constant_proportion", "0.9"],
+     r"^--warmup_proportion 0.2 \+ --constant_proportion 0.9 is more than all of --max_steps: the constant phase is "
+     r"its length after the warm-up \(Habana's meaning: 0.25 after a warm-up of 0.05 holds the peak until 30% of the "
+     r"steps\)$"),
     (["--checkpoint_activations", "--checkpoint_activations_interval", "0"], "must be >= 1, got 0"),
 ])
 def test_bad_flag_combinations(extra, message):

@@ -229,17 +229,18 @@ def preset_from_dict(values: dict, path: Path) -> Preset:
                     f"is {preds}, more than a sequence of {seq} can hold ({seq - 3} maskable tokens)")
     warmup = _proportion(values, path, "warmup_proportion")
     constant = _proportion(values, path, "constant_proportion")
-    if 0.0 < constant < warmup:
+    if warmup + constant > 1.0 + 1e-9:
         raise _fail(path, "constant_proportion",
-                    f"is {constant}, inside the warm-up ({warmup}): it is where the constant phase ENDS "
-                    "(0.30 = constant until 30% of the steps; see training/schedule.py); use 0 for no constant phase")
+                    f"is {constant}, and with warmup_proportion {warmup} more than all of max_steps: it is the "
+                    "constant phase's length AFTER the warm-up, as Habana's --constant_proportion (0.25 after a "
+                    "warm-up of 0.05 = the peak until 30% of the steps; see training/schedule.py)")
     poly_power = values["poly_power"]
     if isinstance(poly_power, bool) or not isinstance(poly_power, (int, float)) or poly_power <= 0:
         raise _fail(path, "poly_power", f"must be a number > 0 (1 = linear decay), got {poly_power!r}")
     decay_style = values.get("lr_decay_style", "habana")
     if decay_style not in DECAY_STYLES:
         raise _fail(path, "lr_decay_style", f"must be one of {', '.join(DECAY_STYLES)}, got {decay_style!r}")
-    if decay_style == "nvidia" and constant > warmup:
+    if decay_style == "nvidia" and constant > 0:
         raise _fail(path, "lr_decay_style", f"is 'nvidia', whose scheduler has no constant phase, but "
                                             f"constant_proportion is {constant}; set it to 0, or use 'habana'")
     optimizer = values["optimizer"]

@@ -1,6 +1,9 @@
 """Learning rate: linear warm-up, an optional constant phase, then polynomial decay to zero.
 
-The Gaudi BERT-1.5B recipe is warm-up 5%, constant to 30%, linear decay (power 1.0).
+The Gaudi BERT-1.5B recipe is warm-up 5%, then constant for 25% (to 30% of the steps), linear decay
+(power 1.0). `constant_proportion` is the constant phase's length after the warm-up, as Habana's
+`--constant_proportion` is ("Proportion of training to perform constant learning rate after the learning
+rate warmup phase"): the decay starts at `warmup_proportion + constant_proportion` of the steps.
 Two forms of the decay (`decay_style`), as the two reference implementations have them:
   habana  the decay is rescaled to run from the peak, where warm-up or constant phase ends, to 0 at
           step `total` (the last step, total - 1, runs at peak / decay steps):
@@ -30,7 +33,7 @@ class ScheduleConfig:
     base_lr: float
     total_steps: int
     warmup_proportion: float = 0.01
-    constant_proportion: float = 0.0  # hold the peak until this fraction of total_steps
+    constant_proportion: float = 0.0  # hold the peak for this fraction of total_steps after the warm-up
     power: float = 1.0  # 1.0 = linear decay; NVIDIA's phase-1 recipe uses 0.5
     decay_style: str = "habana"  # or "nvidia" (see the module docstring)
 
@@ -43,11 +46,16 @@ class ScheduleConfig:
             raise ValueError(f"--warmup_proportion must be in [0, 1], got {self.warmup_proportion}")
         if not 0.0 <= self.constant_proportion <= 1.0:
             raise ValueError(f"--constant_proportion must be in [0, 1], got {self.constant_proportion}")
+        if self.warmup_proportion + self.constant_proportion > 1.0 + 1e-9:
+            raise ValueError(f"--warmup_proportion {self.warmup_proportion} + --constant_proportion "
+                             f"{self.constant_proportion} is more than all of --max_steps: the constant phase is "
+                             "its length after the warm-up (Habana's meaning: 0.25 after a warm-up of 0.05 holds "
+                             "the peak until 30% of the steps)")
         if not (math.isfinite(self.power) and self.power > 0):
             raise ValueError(f"--poly_power must be > 0 and finite, got {self.power}")
         if self.decay_style not in DECAY_STYLES:
             raise ValueError(f"--lr_decay_style must be one of {', '.join(DECAY_STYLES)}, got {self.decay_style!r}")
-        if self.decay_style == "nvidia" and self.constant_proportion > self.warmup_proportion:
+        if self.decay_style == "nvidia" and self.constant_proportion > 0:
             raise ValueError(f"--constant_proportion {self.constant_proportion} with --lr_decay_style nvidia: NVIDIA's "
                              "scheduler has no constant phase; pass --constant_proportion 0, or --lr_decay_style habana")
 
@@ -57,8 +65,11 @@ class ScheduleConfig:
 
     @property
     def constant_end(self) -> int:
-        """First step of the decay phase."""
-        return max(self.warmup_steps, int(round(self.constant_proportion * self.total_steps)))
+        """First step of the decay phase: at warm-up + constant of the steps, as Habana's scheduler decays
+        from progress = warm-up + constant."""
+        if self.constant_proportion == 0:
+            return self.warmup_steps
+        return min(self.total_steps, int(round((self.warmup_proportion + self.constant_proportion) * self.total_steps)))
 
 
 def lr_at(cfg: ScheduleConfig, step: int) -> float:
@@ -111,17 +122,35 @@ class WarmupConstantDecay:
         return [group["lr"] for group in self.optimizer.param_groups]
 
     def state_dict(self) -> dict:
-        return {"step_count": self.step_count, "config": asdict(self.cfg)}
+        return {"step_count": self.step_count, "config": asdict(self.cfg), "format": STATE_FORMAT}
 
     def load_state_dict(self, state: dict) -> None:
-        saved = ScheduleConfig(**state["config"])
+        saved, note = saved_schedule(state)
         if saved != self.cfg:
             diff = ", ".join(f"{FLAGS[k]} {getattr(self.cfg, k)!r} (the checkpoint's: {v!r})"
                              for k, v in asdict(saved).items() if getattr(self.cfg, k) != v)
             raise ScheduleMismatchError(
-                f"this command line changes the checkpoint's learning-rate schedule: {diff}. The checkpoint "
+                f"this command line changes the checkpoint's learning-rate schedule: {diff}.{note} The checkpoint "
                 "is fine: resume with the checkpoint's values, or start a new phase in another --output_dir "
                 "with --phase2 --init_checkpoint."
             )
         self.step_count = int(state["step_count"])
         self._apply()
+
+
+# 2: constant_proportion is the constant phase's length after the warm-up (Habana's meaning). States
+# without a format (1) were saved when it was the fraction of the steps where the constant phase ends.
+STATE_FORMAT = 2
+
+
+def saved_schedule(state: dict) -> tuple[ScheduleConfig, str]:
+    """The schedule a checkpoint's scheduler state was saved with, in today's meaning, and a note for an
+    error message when it was converted from the older one (the same steps, other numbers)."""
+    config = dict(state["config"])
+    if state.get("format", 1) == 1 and config.get("constant_proportion", 0.0) > 0:
+        end = config["constant_proportion"]
+        config["constant_proportion"] = round(max(0.0, end - config["warmup_proportion"]), 12)
+        return ScheduleConfig(**config), (
+            f" (This checkpoint was saved when --constant_proportion was where the constant phase ends: its {end!r} "
+            f"is {config['constant_proportion']!r} now, the length after the warm-up, as Habana's flag.)")
+    return ScheduleConfig(**config), ""
