@@ -3,8 +3,9 @@
 #
 #   scripts/launch.sh --preset NAME --nodes N --input_dir DIR --output_dir DIR [options] [-- extra run_pretraining flags]
 #
-# Relative paths, in the options and in run_pretraining.py's path flags after '--', are relative to the
-# directory launch.sh is called from.
+# Relative paths in the options (and in --set model_config=/deepspeed_config=) are relative to the directory
+# launch.sh is called from. After '--' go run_pretraining.py flags the preset does not set (--log_freq, --seed,
+# --num_workers, ...); one that it sets is refused, naming the --set field that changes it.
 #
 # Launchers (--launcher):
 #   deepspeed  (default) Run once, on the first node. DeepSpeed's launcher starts every node over pdsh/ssh
@@ -198,17 +199,6 @@ if [[ -z "$MASTER_ADDR_ARG" ]]; then
   MASTER_ADDR_ARG="127.0.0.1"
 fi
 
-# run_pretraining.py's path flags after '--' are relative to where launch.sh was called, like its own
-# path options: made absolute before the cd below.
-for ((i = 0; i < ${#EXTRA[@]}; i++)); do
-  case "${EXTRA[i]}" in
-    --config_file|--deepspeed_config|--init_checkpoint|--input_dir|--output_dir)
-      if ((i + 1 < ${#EXTRA[@]})); then EXTRA[i + 1]="$(abspath "${EXTRA[i + 1]}")"; i=$((i + 1)); fi ;;
-    --config_file=*|--deepspeed_config=*|--init_checkpoint=*|--input_dir=*|--output_dir=*)
-      EXTRA[i]="${EXTRA[i]%%=*}=$(abspath "${EXTRA[i]#*=}")" ;;
-  esac
-done
-
 cd "$ROOT"  # the deepspeed launcher starts remote ranks in the same directory, so it must be the project root
 
 # ---- the preset, resolved for this cluster ----------------------------------------------------------------
@@ -216,6 +206,7 @@ RESOLVE=("$PYTHON" -m training.presets resolve --preset "$PRESET" --num_nodes "$
          --deepspeed_config_out "$LAUNCH_DIR/deepspeed_config.json" --format shell "${OVERRIDES[@]}")
 [[ -z "$DEVICES" ]] || RESOLVE+=(--devices_per_node "$DEVICES")
 [[ -z "$INIT_CHECKPOINT" ]] || RESOLVE+=(--init_checkpoint "$INIT_CHECKPOINT")
+RESOLVE+=(-- "${EXTRA[@]}")  # refused where they repeat a flag the launch gives (training/presets.py)
 RESOLVED="$("${RESOLVE[@]}")" || die "could not resolve preset '$PRESET' (message above)"
 DEVICES_PER_NODE="" RUN_ARGS=()
 eval "$RESOLVED"  # sets DEVICES_PER_NODE and RUN_ARGS, shell-quoted by training/presets.py

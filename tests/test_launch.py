@@ -159,19 +159,29 @@ def test_hostfile_comments_and_blank_lines_are_skipped(tmp_path: Path):
     assert (_flag(cmd, "--master_port"), _flag(cmd, "--ssh_port")) == ("31337", "2222")
 
 
-def test_path_flags_after_the_separator_are_relative_to_the_callers_directory(tmp_path: Path):
-    """launch.sh changes to the project root before it starts anything; run_pretraining.py's path flags
-    given after '--' are made absolute first, as its own --input_dir and --output_dir are."""
-    caller = tmp_path / "caller"
-    (caller / "shards").mkdir(parents=True)
-    proc = subprocess.run(["bash", str(LAUNCH), "--preset", "demo", "--nodes", "1", "--input_dir", "shards",
-                           "--output_dir", "run", "--dry_run", "--", "--config_file", "model.json",
-                           "--deepspeed_config=ds.json", "--log_freq", "5"],
-                          capture_output=True, text=True, env=_env(), cwd=caller, timeout=120)
-    run_args = _command(proc)
-    assert _flag(run_args, "--input_dir") == str(caller / "shards")
-    assert run_args[-5:-3] == ["--config_file", str(caller / "model.json")]  # after the preset's: it wins
-    assert f"--deepspeed_config={caller / 'ds.json'}" in run_args and run_args[-2:] == ["--log_freq", "5"]
+@pytest.mark.parametrize("extra, refused", [
+    (["--max_steps", "5"], "--max_steps (change it with --set max_steps=<N>)"),
+    (["--max_st=5"], "--max_steps (change it with --set max_steps=<N>)"),  # argparse's abbreviations count
+    (["--log_freq", "5", "--config_file", "model.json"], "--config_file (change it with --set model_config=<file>)"),
+    (["--deepspeed_config=ds.json"], "--deepspeed_config (change it with --set deepspeed_config=<file>)"),
+    (["--output_dir", "elsewhere"], "--output_dir (change it with launch.sh's --output_dir)"),
+])
+def test_flags_after_the_separator_may_not_repeat_the_launchs(tmp_path: Path, extra: list[str], refused: str):
+    """run_pretraining.py keeps the last of a repeated flag: '-- --max_steps 5' replaced the preset's 300 without
+    the preset's checks, while the launch's summary line still showed the preset's values."""
+    proc = _launch(["--preset", "demo", "--nodes", "1", "--input_dir", str(tmp_path), "--output_dir",
+                    str(tmp_path / "run"), "--dry_run", "--", *extra])
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"error: the launch already gives run_pretraining.py {refused}: after '--', pass only flags the preset " \
+           "does not set (--log_freq, --seed, ...)" in proc.stderr
+    assert not (tmp_path / "run" / "launch" / "deepspeed_config.json").exists()  # refused before anything is written
+    ambiguous = _launch(["--preset", "demo", "--nodes", "1", "--input_dir", str(tmp_path), "--output_dir",
+                         str(tmp_path / "run"), "--dry_run", "--", "--l", "3"])
+    assert "run_pretraining.py flags after '--': ambiguous option: --l could match --learning_rate, " \
+           "--lr_decay_style" in ambiguous.stderr
+    own = _command(_launch(["--preset", "demo", "--nodes", "1", "--input_dir", str(tmp_path), "--output_dir",
+                            str(tmp_path / "run"), "--dry_run", "--", "--log_freq", "5", "--seed", "7"]))
+    assert own[-4:] == ["--log_freq", "5", "--seed", "7"] and own.count("--max_steps") == 1
 
 
 def test_a_preset_file_is_relative_to_the_callers_directory(tmp_path: Path):

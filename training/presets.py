@@ -22,6 +22,7 @@ import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 from data.cli import file_in_the_way
 from data.stage import disk_error
@@ -408,6 +409,44 @@ def _table(paths: list[Path]) -> str:
     return "\n".join(rows)
 
 
+# How to change what a run flag given after launch.sh's '--' would repeat: the preset's field, or launch.sh's
+# own option. run_pretraining.py's argparse keeps the last of a repeated flag, so a repeat would replace the
+# recipe's value without its checks, and the launch's summary line would show the preset's.
+REPEATED_FLAG_FIX = {
+    "--config_file": "--set model_config=<file>", "--deepspeed_config": "--set deepspeed_config=<file>",
+    "--max_steps": "--set max_steps=<N>", "--learning_rate": "--set learning_rate=<lr>",
+    "--warmup_proportion": "--set warmup_proportion=<p>", "--constant_proportion": "--set constant_proportion=<p>",
+    "--poly_power": "--set poly_power=<power>", "--lr_decay_style": "--set lr_decay_style=<style>",
+    "--num_steps_per_checkpoint": "--set num_steps_per_checkpoint=<N>", "--optimizer": "--set optimizer=<name>",
+    "--checkpoint_activations": "--set checkpoint_activations=true|false",
+    "--init_optimizer_moments": "--set init_optimizer_moments=true|false",
+    "--max_seq_length": "a preset of the other phase, or a preset file of your own",
+    "--max_predictions_per_seq": "a preset of the other phase, or a preset file of your own",
+    "--phase2": "a phase-2 preset", "--init_checkpoint": "launch.sh's --init_checkpoint",
+    "--input_dir": "launch.sh's --input_dir", "--output_dir": "launch.sh's --output_dir",
+    "--deepspeed": "nothing: drop it",
+}
+
+
+class _FlagProbe(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise PresetError(f"run_pretraining.py flags after '--': {message}")
+
+
+def refuse_repeated_flags(run_flags: list[str], extra: list[str]) -> None:
+    """Refuse a flag after launch.sh's '--' that the launch already gives run_pretraining.py (the preset's
+    flags and launch.sh's --input_dir/--output_dir), abbreviated or not, naming what changes it instead."""
+    given = [flag for flag in run_flags if flag.startswith("--")] + ["--input_dir", "--output_dir"]
+    probe = _FlagProbe(add_help=False, prog="launch.sh")
+    for flag in dict.fromkeys(given):
+        probe.add_argument(flag, nargs="?", const=True, default=argparse.SUPPRESS)
+    repeated = sorted(vars(probe.parse_known_args(extra)[0]))
+    if repeated:
+        raise PresetError("the launch already gives run_pretraining.py " + "; ".join(
+            f"--{name} (change it with {REPEATED_FLAG_FIX.get('--' + name, 'the preset')})" for name in repeated)
+            + ": after '--', pass only flags the preset does not set (--log_freq, --seed, ...)")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m training.presets", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -425,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="args: the run flags on one line; shell: DEVICES_PER_NODE=... and RUN_ARGS=(...) for eval")
     res.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                      help=f"override a preset field; one of {', '.join(OVERRIDABLE)}")
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    extra = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
     try:
         if args.command == "list":
             print(_table(list_presets()))
@@ -441,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
             raise PresetError(f"--devices_per_node {args.devices_per_node} and --set devices_per_node="
                               f"{overrides['devices_per_node']} disagree; give one of them")
         run = resolve(load_preset(args.preset, overrides), args.num_nodes, args.devices_per_node, args.device_kind)
+        refuse_repeated_flags(run.run_args(args.deepspeed_config_out, args.init_checkpoint), extra)
         blocker = file_in_the_way(args.deepspeed_config_out.parent)
         if blocker is not None:
             raise PresetError(f"--deepspeed_config_out {args.deepspeed_config_out}: {blocker} is a file, not a "
