@@ -170,8 +170,11 @@ def _require_file(path: Path) -> None:
 def _dump_form(path: Path) -> str:
     """"bz2" or "xml", from the first bytes; anything else is refused."""
     _require_file(path)
-    with path.open("rb") as f:
-        head = f.read(3)
+    try:
+        with path.open("rb") as f:
+            head = f.read(3)
+    except OSError as exc:
+        raise stage.unreadable_input(path, exc, "--input") from exc
     if not head:
         raise PipelineError(f"{path} is empty (0 bytes), not a dump; download or copy the dump again "
                             "(python -m data.download resumes and checks the checksum)")
@@ -239,6 +242,8 @@ def _read_pages(path: Path, root_only: bool) -> Iterator[tuple[str, tuple[str, s
             "Download it again (python -m data.download resumes and checks the checksum)."
         ) from exc
     except OSError as exc:
+        if exc.errno is not None:  # the file's or the disk's (bz2's own data errors have none)
+            raise stage.unreadable_input(path, exc, "--input") from exc
         raise PipelineError(f"{path} is not a readable bz2 file ({exc}); download it again") from exc
     except ET.ParseError as exc:
         if root is None and exc.code == _NO_ELEMENTS:  # nothing, or only white space, comments and <?xml ...?>

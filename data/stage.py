@@ -444,6 +444,15 @@ def disk_error(exc: OSError, output_dir: Path | None) -> str:
     return f"error: {f'{where}: ' if where else ''}{reason}; {fix} and rerun the same command to continue where it stopped"
 
 
+def unreadable_input(path: Path, exc: OSError, flag: str) -> PipelineError:
+    """The error for an input file this process cannot read (its permissions, an I/O error): it names the
+    file and the reason, where `disk_error` would have sent the user to the output directory."""
+    reason = os.strerror(exc.errno) if exc.errno else str(exc)
+    fix = ("make it readable by the user running this (e.g. chmod a+r), or pass a copy that is"
+           if exc.errno in _DENIED else "check the file and the disk it is on, or pass a copy of it")
+    return PipelineError(f"{flag} {path}: cannot read it ({reason}); {fix}")
+
+
 def file_identity(path: Path, sample_bytes: int = 1 << 20) -> dict[str, Any]:
     """What identifies an input file for the skip logic: its name, size and the sha1 of its first and
     last `sample_bytes` (not its directory, so that a moved or copied output directory still resumes;

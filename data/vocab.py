@@ -80,6 +80,8 @@ def load_vocab(path: Path) -> Vocab:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise PipelineError(f"{path} is not UTF-8 text; a vocab.txt has one token per line") from exc
+    except OSError as exc:
+        raise stage.unreadable_input(path, exc, "--vocab_file") from exc
     if text.startswith(_BOM):
         # Refused, not stripped: the file would still carry it to the other readers, which keep it (the Rust
         # tokenizer reads '\ufeff[PAD]'; the export's tokenizer then finds no [PAD] and adds one).

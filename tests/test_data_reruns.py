@@ -547,6 +547,43 @@ def test_an_output_directory_without_write_permission_is_a_one_line_error(sample
         subprocess.run(unlock, check=True)
 
 
+@pytest.mark.parametrize("which", ["vocab", "dump", "xml"])
+def test_an_input_file_that_cannot_be_read_is_named_with_its_flag(sample_dump, bert_vocab, which):
+    """A vocab without read permission was "Permission denied; make it writable (or pass another output
+    directory)", and a dump "not a readable bz2 file ...; download it again", a plain .xml one too. Run as a
+    user without the permission: root reads any file, so as root the command runs as nobody (setpriv), in a
+    directory that user may enter."""
+    import tempfile
+
+    work = Path(tempfile.mkdtemp(prefix="unreadable-"))
+    try:
+        work.chmod(0o777)
+        vocab, dump = work / "vocab.txt", work / ("dump.xml" if which == "xml" else "dump.xml.bz2")
+        shutil.copyfile(bert_vocab, vocab)
+        if which == "xml":
+            import bz2
+
+            dump.write_bytes(bz2.decompress(sample_dump.read_bytes()))
+        else:
+            shutil.copyfile(sample_dump, dump)
+        unreadable = vocab if which == "vocab" else dump
+        unreadable.chmod(0)
+        for readable in {vocab, dump} - {unreadable}:
+            readable.chmod(0o644)
+        as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+        proc = subprocess.run([*as_user, sys.executable, "-m", "data.prepare", "--input", str(dump), "--vocab_file",
+                               str(vocab), "--output_dir", str(work / "out"), "--workers", "1"],
+                              capture_output=True, text=True, cwd=ROOT, timeout=120)
+        flag = "--vocab_file" if which == "vocab" else "--input"
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"error: {flag} {unreadable}: cannot read it (Permission denied); make it readable by the user running "
+            "this (e.g. chmod a+r), or pass a copy that is")
+        assert not (work / "out").exists()
+    finally:
+        shutil.rmtree(work)
+
+
 # --- 7: no more worker processes than tasks ---------------------------------------------------------------------
 
 
