@@ -245,7 +245,10 @@ def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 continue
-            raise PipelineError(f"{sums_url}: HTTP {exc.code} {exc.reason} while fetching the checksum file") from exc
+            hint = ("; a mirror that publishes no checksum file may answer 403 for it (S3 does for a missing file): "
+                    "then --no_verify downloads without the check" if exc.code in (401, 403) else "")
+            raise PipelineError(f"{sums_url}: HTTP {exc.code} {exc.reason} while fetching the checksum file"
+                                f"{hint}") from exc
         for line in text.splitlines():
             parts = line.split()
             if len(parts) == 2 and parts[1].lstrip("*") == name:
@@ -499,8 +502,8 @@ def _download_verified(cfg: DownloadConfig, part: Path, final: Path) -> None:
                 f"{cfg.url}: the server sent no length and ignores Range requests, and no checksum file is "
                 f"published, so the {part.stat().st_size} bytes in {part} may be a cut-off transfer. Fetch "
                 "the file another way (or from another --mirror) and pass its path to --input")
-        if cfg.verify:
-            print(f"download: no checksum file published beside {cfg.url}; the file is not verified")
+        print(f"download: no checksum file published beside {cfg.url}; the file is not verified" if cfg.verify
+              else f"download: {cfg.url} is not verified (--no_verify)")
     else:
         _verify(cfg, part, *checksum)
     with part.open("rb") as f:
@@ -553,6 +556,12 @@ def _exclusive(lock_path: Path, what: str) -> Iterator[None]:
         lock.release()
 
 
+def add_no_verify_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no_verify", action="store_true",
+                        help="download without the check against the dump's published checksum file, for a mirror "
+                             "that publishes none and answers 403 for it; the file is then not verified")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group()
@@ -564,11 +573,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--retries", type=non_negative_int, default=5,
                    help="retries in a row after a network error, 408, 429 or 5xx (an attempt that gets further "
                         "into the file starts the count again); 0: a single attempt (default: %(default)s)")
+    add_no_verify_argument(p)
     a = p.parse_args(argv)
     if a.url and "mirror" in given_options(p, argv):
         p.error("--mirror applies to --dump_date; with --url, put the mirror in the URL")
     path = cli_call(lambda args: download(DownloadConfig(args.url or dump_url(args.mirror, args.dump_date),
-                                                        args.output_dir, retries=args.retries)), a)
+                                                        args.output_dir, retries=args.retries,
+                                                        verify=not args.no_verify)), a)
     print(f"download: {path} ({path.stat().st_size / 1e9:.2f} GB)")
 
 

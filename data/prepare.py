@@ -44,10 +44,12 @@ from data.download import (
     DEFAULT_DUMP_DATE,
     DEFAULT_MIRROR,
     DownloadConfig,
+    add_no_verify_argument,
     download,
     dump_source,
     dump_url,
     file_name,
+    is_http,
 )
 from data.extract import ExtractConfig, ExtractResult, check_dump, extract
 from data.segment import SegmentConfig, SegmentResult, segment
@@ -103,6 +105,7 @@ class PrepareConfig:
     articles_per_part: int = 2000
     name: str = "wikicorpus_en"
     hdf5_compression: str | None = None
+    verify_download: bool = True  # check a downloaded dump against its published checksum file
 
 
 # What a stage did in this run: all of its work, the rest of the work of an interrupted run, or nothing
@@ -304,7 +307,7 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
     if isinstance(dump, str):
         target = text_dir / "download" / file_name(dump)
         dump = timed("download", _file_state(target, target.with_name(f"{target.name}.part")), download,
-                     DownloadConfig(url=dump, output_dir=text_dir / "download"),
+                     DownloadConfig(url=dump, output_dir=text_dir / "download", verify=cfg.verify_download),
                      lambda path: f"{path} ({path.stat().st_size / 1e9:.2f} GB)")
     ex = timed("extract", text_dir / "extracted", extract,
                ExtractConfig(dump, text_dir / "extracted", cfg.workers, cfg.articles_per_part), ExtractResult.line)
@@ -350,7 +353,8 @@ def prepare_from_args(a: argparse.Namespace) -> PrepareResult:
         whole_word_masking=a.whole_word_masking, static_masking=not a.dynamic_masking,
         test_fraction=a.test_fraction, lower_case=a.lower_case, vocab_size=a.vocab_size,
         min_frequency=a.min_frequency, limit_alphabet=a.limit_alphabet,
-        articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression)))
+        articles_per_part=a.articles_per_part, name=a.name, hdf5_compression=compression_filter(a.hdf5_compression),
+        verify_download=not a.no_verify))
 
 
 def preset_predictions_problem(a: argparse.Namespace) -> str | None:
@@ -370,6 +374,7 @@ def main(argv: list[str] | None = None) -> None:
     src.add_argument("--dump_date",
                      help=f"download enwiki-<date>-pages-articles-multistream.xml.bz2, e.g. {DEFAULT_DUMP_DATE}")
     p.add_argument("--mirror", default=DEFAULT_MIRROR, help="dump mirror used with --dump_date")
+    add_no_verify_argument(p)
     p.add_argument("--output_dir", type=Path, required=True, help="hdf5/{training,test}/, vocab.txt, instances/")
     p.add_argument("--text_dir", type=Path, help="where text stages go (default <output_dir>/text)")
     p.add_argument("--vocab_file", type=Path, help="BERT vocab.txt; without it a WordPiece vocab is trained")
@@ -390,6 +395,9 @@ def main(argv: list[str] | None = None) -> None:
     given = given_options(p, argv)
     if a.input and "mirror" in given:
         p.error("--mirror applies to --dump_date; with --input, put the mirror in the URL")
+    if a.no_verify and a.input and not is_http(a.input):
+        p.error("--no_verify applies to a dump this command downloads (--dump_date or an http(s) --input); a local "
+                "--input is read as it is")
     if a.vocab_file and given & TRAINING_OPTIONS:
         p.error("--vocab_size, --min_frequency and --limit_alphabet apply when a vocab is trained; they cannot change "
                 "the given --vocab_file")

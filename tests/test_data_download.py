@@ -165,6 +165,48 @@ def test_an_unconfirmable_end_without_a_checksum_is_an_error(wiki_mirror, multis
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
 
 
+def test_a_checksum_file_answered_403_says_how_to_download_without_the_check(wiki_mirror, multistream_sample,
+                                                                             tmp_path, capsys):
+    """S3-like mirrors answer 403, not 404, for a file they do not hold: the download stopped with no way past the
+    check (DownloadConfig.verify had no flag). --no_verify downloads without fetching any checksum file."""
+    mirror, site = wiki_mirror
+    site.statuses[_sums_path()] = [403]
+    with pytest.raises(SystemExit) as exc:
+        download_main(["--url", dump_url(mirror, DATE), "--output_dir", str(tmp_path)])
+    assert exc.value.code == (f"error: {mirror}{_sums_path()}: HTTP 403 Forbidden while fetching the checksum file; "
+                              "a mirror that publishes no checksum file may answer 403 for it (S3 does for a missing "
+                              "file): then --no_verify downloads without the check")
+    assert list(tmp_path.iterdir()) == []
+    site.requests.clear()
+    site.statuses[_sums_path()] = [403]
+    download_main(["--url", dump_url(mirror, DATE), "--output_dir", str(tmp_path), "--no_verify"])
+    assert (tmp_path / NAME).read_bytes() == multistream_sample.read_bytes()
+    assert [p for p, _ in site.requests] == [_dump_path()]  # no checksum file asked for
+    out = capsys.readouterr().out
+    assert f"download: {dump_url(mirror, DATE)} is not verified (--no_verify)" in out
+
+
+def test_prepare_downloads_without_the_check_with_no_verify_and_refuses_it_for_a_local_dump(wiki_mirror, bert_vocab,
+                                                                                             sample_dump, tmp_path,
+                                                                                             capsys):
+    from data.prepare import main as prepare_main
+
+    mirror, site = wiki_mirror
+    with pytest.raises(SystemExit) as exc:
+        prepare_main(["--input", str(sample_dump), "--no_verify", "--output_dir", str(tmp_path / "o"),
+                      "--vocab_file", str(bert_vocab)])
+    assert exc.value.code == 2 and not (tmp_path / "o").exists()
+    assert ("error: --no_verify applies to a dump this command downloads (--dump_date or an http(s) --input); a "
+            "local --input is read as it is") in capsys.readouterr().err
+    site.statuses[_sums_path()] = [403]
+    prepare_main(["--dump_date", DATE, "--mirror", mirror, "--no_verify", "--output_dir", str(tmp_path / "o"),
+                  "--vocab_file", str(bert_vocab), "--num_shards", "2", "--workers", "1"])
+    assert (tmp_path / "o" / "text" / "download" / NAME).is_file()
+    assert _sums_path() not in [p for p, _ in site.requests]
+    assert sorted(p.name for p in (tmp_path / "o" / "hdf5" / "training").iterdir()) == [
+        "wikicorpus_en_training_0.hdf5", "wikicorpus_en_training_1.hdf5"]
+
+
 def test_only_the_newest_mismatching_download_is_kept(wiki_mirror, multistream_sample, tmp_path):
     """Each kept copy is a whole dump (22 GB): a second mismatch with other bytes replaces the first."""
     mirror, site = wiki_mirror
