@@ -8,8 +8,10 @@
 # the corpus has no more pairs of pieces seen twice or more to merge; data.prepare's vocab line then says so).
 # Environment (all optional):
 #   DUMP_DATE   enwiki dump date, YYYYMMDD (default 20261101; never "latest")
-#   DUMP        a local dump file or URL instead of downloading DUMP_DATE (then set neither that nor MIRROR)
+#   DUMP        a local dump file (a path or file:// URL) or an http(s) URL instead of downloading DUMP_DATE
+#               (then set neither that nor MIRROR)
 #   MIRROR      dump mirror (default https://dumps.wikimedia.org)
+#   NO_VERIFY   1: download without the check against the published checksum file (a mirror that has none)
 #   WORKERS     worker processes (default: all cores)
 #   NUM_SHARDS  training shards per phase (default 256); TEST_SHARDS (default 8)
 #   TEST_FRACTION  documents held out for the test shards (default 0.02; 0 together with TEST_SHARDS=0)
@@ -19,7 +21,7 @@
 # Text (download, extraction, segmentation, tokens) is shared by both phases in OUTPUT_DIR/text.
 set -euo pipefail
 
-usage() { sed -n '2,19p' "$0"; }
+usage() { sed -n '2,21p' "$0"; }
 case ${1:-} in
     -h|--help) usage; exit 0 ;;
     -*) echo "error: unknown option $1 (this script takes OUTPUT_DIR [VOCAB_FILE]; settings are environment variables)" >&2
@@ -30,7 +32,8 @@ if [[ $# -lt 1 || $# -gt 2 ]]; then
     exit 2
 fi
 # Relative paths are the caller's: resolve them before moving to the repository root.
-absolute() { if [[ $1 == /* || $1 =~ ^https?:// ]]; then printf '%s' "$1"; else printf '%s/%s' "$PWD" "$1"; fi; }
+# A URL of any scheme (http, https, file) is passed as it is.
+absolute() { if [[ $1 == /* || $1 =~ ^[A-Za-z][A-Za-z0-9+.-]*:// ]]; then printf '%s' "$1"; else printf '%s/%s' "$PWD" "$1"; fi; }
 OUT=$(absolute "$1")
 VOCAB=${2:+$(absolute "$2")}
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -63,6 +66,14 @@ if [[ -n ${DUMP:-} ]]; then
 else
     source_args=(--dump_date "${DUMP_DATE:-20261101}" --mirror "${MIRROR:-https://dumps.wikimedia.org}")
 fi
+case ${NO_VERIFY:-} in
+    ""|0) ;;
+    1) if [[ -n ${DUMP:-} && ! ${DUMP,,} =~ ^https?:// ]]; then
+           env_error NO_VERIFY "applies to a dump this script downloads, and DUMP=$DUMP is a local file; unset NO_VERIFY"
+       fi
+       source_args+=(--no_verify) ;;
+    *) env_error NO_VERIFY "must be 1 or 0, got '$NO_VERIFY'" ;;
+esac
 vocab_args=()
 if [[ -n $VOCAB ]]; then vocab_args=(--vocab_file "$VOCAB"); fi
 

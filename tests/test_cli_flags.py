@@ -217,6 +217,31 @@ def test_prepare_wikicorpus_script_passes_its_settings_to_both_phases(tmp_path):
                      for phase, vocab in ((1, tmp_path / "my-vocab.txt"), (2, out / "phase1" / "vocab.txt"))]
 
 
+@pytest.mark.parametrize("dump, no_verify, passed", [
+    ("file:///data/enwiki.xml.bz2", "", ["--input", "file:///data/enwiki.xml.bz2"]),  # was "$PWD/file:/data/..."
+    ("HTTPS://mirror.example/enwiki.xml.bz2", "1", ["--input", "HTTPS://mirror.example/enwiki.xml.bz2", "--no_verify"]),
+    ("", "1", ["--dump_date", "20261101", "--mirror", "https://dumps.wikimedia.org", "--no_verify"]),
+    ("dump.xml.bz2", "1", "error: environment variable NO_VERIFY applies to a dump this script downloads, and "
+                          "DUMP=dump.xml.bz2 is a local file; unset NO_VERIFY\n"),
+    ("", "yes", "error: environment variable NO_VERIFY must be 1 or 0, got 'yes'\n"),
+])
+def test_prepare_wikicorpus_script_passes_dump_urls_as_they_are_and_no_verify(tmp_path, dump, no_verify, passed):
+    record = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {record}\necho "---" >> {record}\n')
+    stub.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("DUMP", "DUMP_DATE", "MIRROR", "NO_VERIFY")}
+    env |= {"PYTHON": str(stub), "DUMP": dump, "NO_VERIFY": no_verify}
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "prepare_wikicorpus.sh"), "out"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=60)
+    if isinstance(passed, str):
+        assert (proc.returncode, proc.stderr) == (2, passed) and not record.exists()
+        return
+    assert proc.returncode == 0, proc.stderr
+    calls = [call.strip("\n").split("\n") for call in record.read_text().split("---\n") if call]
+    assert len(calls) == 2 and all(call[2:2 + len(passed)] == passed for call in calls)
+
+
 @pytest.mark.parametrize("var, value", [("DUMP_DATE", "20240101"), ("MIRROR", "https://mirror.example")])
 def test_prepare_wikicorpus_script_refuses_download_settings_beside_a_given_dump(tmp_path, var, value):
     """They were dropped without a word (data.prepare refuses --mirror beside --input the same way)."""
