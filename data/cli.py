@@ -59,8 +59,17 @@ def file_in_the_way(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
+def usable_cores() -> int:
+    """The CPUs this process may run on: its affinity mask, which a cgroup, Slurm allocation or taskset narrows,
+    not os.cpu_count()'s every CPU of the machine (128 workers on a node where the job was given 4)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def add_workers_argument(
     parser: argparse.ArgumentParser,
-    help: str = "worker processes (default: the cores, %(default)s here); the output does not depend on it",
+    help: str = "worker processes (default: the cores this process may use, %(default)s here); the output does "
+                "not depend on it",
 ) -> None:
-    parser.add_argument("--workers", type=positive_int, default=os.cpu_count() or 1, help=help)
+    parser.add_argument("--workers", type=positive_int, default=usable_cores(), help=help)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -30,7 +29,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from data import stage
-from data.cli import HelpFormatter, add_workers_argument, given_options
+from data.cli import HelpFormatter, add_workers_argument, given_options, usable_cores
 from data.create import (
     CreateConfig,
     add_masking_arguments,
@@ -91,7 +90,7 @@ class PrepareConfig:
     num_shards: int = 256
     num_test_shards: int = 1
     seed: int = 12345
-    workers: int = field(default_factory=lambda: os.cpu_count() or 1)
+    workers: int = field(default_factory=usable_cores)
     text_dir: Path | None = None
     short_seq_prob: float = 0.1
     masked_lm_prob: float = 0.15

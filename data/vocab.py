@@ -355,7 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     add_training_arguments(p)
     p.add_argument("--no_lower_case", dest="lower_case", action="store_false",
                    help="keep case (and accents) when training the vocab; data.tokens needs the same flag")
-    add_workers_argument(p, help="processes counting characters (default: the cores, %(default)s here)")
+    add_workers_argument(p, help="processes counting characters (default: the cores this process may use, %(default)s here)")
     a = p.parse_args(argv)
     if a.vocab_file is not None and given_options(p, argv) & (TRAINING_OPTIONS | {"lower_case", "workers"}):
         p.error("--vocab_size, --min_frequency, --limit_alphabet, --no_lower_case and --workers apply when "

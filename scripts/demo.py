@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.cli import HelpFormatter, file_in_the_way, positive_int
+from data.cli import HelpFormatter, file_in_the_way, positive_int, usable_cores
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "configs" / "models" / "bert-demo.json"
@@ -77,7 +77,7 @@ def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
     data_dir = cfg.output_dir / "data"
     result = prepare(PrepareConfig(input=dump, output_dir=data_dir, vocab_file=None, vocab_size=cfg.vocab_size,
                                    max_seq_length=128, max_predictions_per_seq=20, dupe_factor=5, num_shards=2,
-                                   num_test_shards=1, seed=cfg.seed, workers=min(2, os.cpu_count() or 1),
+                                   num_test_shards=1, seed=cfg.seed, workers=min(2, usable_cores()),
                                    test_fraction=0.05, articles_per_part=400))
     # The model's vocab is the vocab the pipeline trained (a small corpus may give fewer tokens than asked).
     model = BertConfig.from_json_file(DEMO_MODEL).to_dict()

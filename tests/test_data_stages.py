@@ -22,6 +22,7 @@ import pytest
 
 from data import shard as shard_stage
 from data import stage
+from data.cli import usable_cores
 from data.create import DTYPES
 from data.extract import ExtractConfig, extract
 from data.prepare import PrepareConfig, duration, long_duration, prepare, preset_predictions_problem
@@ -483,8 +484,20 @@ def test_help_gives_the_defaults_that_say_something(capsys):
     assert "--whole_word_masking mask all pieces of a word together --dynamic_masking write no static masks (no " \
            "masked_lm_* keys); the loader masks at load time --test_fraction" in text
     assert "--output_dir OUTPUT_DIR hdf5/{training,test}/, vocab.txt, instances/ --text_dir" in text
-    assert f"--workers WORKERS worker processes (default: the cores, {os.cpu_count()} here); the output does not " \
-           "depend on it" in text and text.count("(default: ") == 16
+    assert f"--workers WORKERS worker processes (default: the cores this process may use, {usable_cores()} here); " \
+           "the output does not depend on it" in text and text.count("(default: ") == 16
+
+
+def test_the_default_workers_are_the_cores_this_process_may_use():
+    """os.cpu_count() counts every CPU of the machine: in a job given 1 of them (cgroup, Slurm, taskset) each stage
+    forked one worker per CPU of the node."""
+    script = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+              "from data.prepare import PrepareConfig, main; from pathlib import Path; "
+              "print(PrepareConfig(input=Path('d'), output_dir=Path('o')).workers); main(['--help'])")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "1"
+    assert "(default: the cores this process may use, 1 here)" in " ".join(proc.stdout.split())
 
 
 def test_another_dump_of_the_same_name_and_size_is_not_taken_for_the_extracted_one(tmp_path):
