@@ -60,7 +60,7 @@ def file_in_the_way(path: Path) -> Path | None:
 
 
 def usable_cores() -> int:
-    """The CPUs this process may run on: its affinity mask, which a cgroup, Slurm allocation or taskset narrows,
+    """The CPUs this process may run on: its affinity mask, which a cpuset cgroup, Slurm allocation or taskset narrows,
     not os.cpu_count()'s every CPU of the machine (128 workers on a node where the job was given 4)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))

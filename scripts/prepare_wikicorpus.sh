@@ -12,7 +12,7 @@
 #               (then set neither that nor MIRROR)
 #   MIRROR      dump mirror (default https://dumps.wikimedia.org)
 #   NO_VERIFY   1: download without the check against the published checksum file (a mirror that has none)
-#   WORKERS     worker processes (default: all cores)
+#   WORKERS     worker processes (default: the cores this process may use, nproc)
 #   NUM_SHARDS  training shards per phase (default 256); TEST_SHARDS (default 8)
 #   TEST_FRACTION  documents held out for the test shards (default 0.02; 0 together with TEST_SHARDS=0)
 #   PYTHON      interpreter (default: .venv/bin/python if present, else python3)
