@@ -69,8 +69,9 @@ def test_download_flags_reach_its_config(monkeypatch, tmp_path):
                                     "--retries", "2"])
     assert cfg == download.DownloadConfig("https://example.org/d.xml.bz2", tmp_path, retries=2)
     cfg = config_of(download.main, ["--dump_date", "20240101", "--mirror", "https://mirror.example/", "--output_dir",
-                                    str(tmp_path)])
+                                    str(tmp_path), "--no_verify"])
     assert cfg.url == "https://mirror.example/enwiki/20240101/enwiki-20240101-pages-articles-multistream.xml.bz2"
+    assert not cfg.verify
 
 
 def test_extract_segment_and_tokens_flags_reach_their_configs(monkeypatch):
@@ -137,11 +138,11 @@ def test_prepare_flags_reach_its_config(monkeypatch):
         articles_per_part=33, name="wiki", hdf5_compression="lzf")
     trained = config_of(prepare.main, ["--dump_date", "20240101", "--mirror", "https://mirror.example",
                                        "--output_dir", "out", "--vocab_size", "3000", "--min_frequency", "5",
-                                       "--limit_alphabet", "50", "--no_lower_case", "--phase", "2"])
+                                       "--limit_alphabet", "50", "--no_lower_case", "--phase", "2", "--no_verify"])
     assert trained == PrepareConfig(
         "https://mirror.example/enwiki/20240101/enwiki-20240101-pages-articles-multistream.xml.bz2", Path("out"),
         max_seq_length=512, max_predictions_per_seq=80, lower_case=False, vocab_size=3000, min_frequency=5,
-        limit_alphabet=50)
+        limit_alphabet=50, verify_download=False)
     # between them, every setting was given a value other than its default
     default = PrepareConfig(Path("d.xml.bz2"), Path("out"))
     assert changed(given, default) | changed(trained, default) == {f.name for f in dataclasses.fields(PrepareConfig)
