@@ -160,11 +160,11 @@ def test_hostfile_comments_and_blank_lines_are_skipped(tmp_path: Path):
 
 
 @pytest.mark.parametrize("extra, refused", [
-    (["--max_steps", "5"], "--max_steps (change it with --set max_steps=<N>)"),
-    (["--max_st=5"], "--max_steps (change it with --set max_steps=<N>)"),  # argparse's abbreviations count
+    (["--max_steps", "5"], "--max_steps (change it with --set max_steps=<value>)"),
+    (["--max_st=5"], "--max_steps (change it with --set max_steps=<value>)"),  # argparse's abbreviations count
     (["--log_freq", "5", "--config_file", "model.json"], "--config_file (change it with --set model_config=<file>)"),
     (["--deepspeed_config=ds.json"], "--deepspeed_config (change it with --set deepspeed_config=<file>)"),
-    (["--output_dir", "elsewhere"], "--output_dir (change it with launch.sh's --output_dir)"),
+    (["--output_dir", "elsewhere"], "--output_dir (give it as launch.sh's --output_dir)"),
 ])
 def test_flags_after_the_separator_may_not_repeat_the_launchs(tmp_path: Path, extra: list[str], refused: str):
     """run_pretraining.py keeps the last of a repeated flag: '-- --max_steps 5' replaced the preset's 300 without

@@ -331,3 +331,17 @@ def test_a_deepspeed_json_that_does_not_fit_is_one_line_and_the_old_one_stays(tm
     assert result.stderr == (f"error: {out}: File too large; free space there and rerun the same command to continue "
                              "where it stopped\n")
     assert out.read_text() == '{"old": true}\n' and [p.name for p in out.parent.iterdir()] == [out.name]
+
+
+def test_every_flag_a_launch_gives_has_its_fix_named_when_repeated(tmp_path: Path):
+    """launch.sh refuses a flag after '--' that the launch already gives; the refusal names how to change each
+    (tests/test_launch.py runs it), so every flag of every preset, both phases, has an entry."""
+    for path in presets.list_presets():
+        preset = load_preset(str(path), {"checkpoint_activations": True} | (
+            {"init_optimizer_moments": True} if load_preset(str(path)).phase == 2 else {}))
+        flags = resolve(preset, 1).run_args(tmp_path / "ds.json", str(tmp_path) if preset.phase == 2 else None)
+        for flag in [f for f in flags if f.startswith("--")] + ["--input_dir", "--output_dir"]:
+            assert flag in presets.REPEATED_FLAG_FIX, (path.name, flag)
+            with pytest.raises(PresetError, match=f"^the launch already gives run_pretraining.py {flag} \\("):
+                presets.refuse_repeated_flags(flags, [flag, "1"])
+    presets.refuse_repeated_flags(flags, ["--log_freq", "5", "--seed=7", "--num_workers", "0"])  # not the launch's

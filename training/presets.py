@@ -413,18 +413,19 @@ def _table(paths: list[Path]) -> str:
 # own option. run_pretraining.py's argparse keeps the last of a repeated flag, so a repeat would replace the
 # recipe's value without its checks, and the launch's summary line would show the preset's.
 REPEATED_FLAG_FIX = {
-    "--config_file": "--set model_config=<file>", "--deepspeed_config": "--set deepspeed_config=<file>",
-    "--max_steps": "--set max_steps=<N>", "--learning_rate": "--set learning_rate=<lr>",
-    "--warmup_proportion": "--set warmup_proportion=<p>", "--constant_proportion": "--set constant_proportion=<p>",
-    "--poly_power": "--set poly_power=<power>", "--lr_decay_style": "--set lr_decay_style=<style>",
-    "--num_steps_per_checkpoint": "--set num_steps_per_checkpoint=<N>", "--optimizer": "--set optimizer=<name>",
-    "--checkpoint_activations": "--set checkpoint_activations=true|false",
-    "--init_optimizer_moments": "--set init_optimizer_moments=true|false",
-    "--max_seq_length": "a preset of the other phase, or a preset file of your own",
-    "--max_predictions_per_seq": "a preset of the other phase, or a preset file of your own",
-    "--phase2": "a phase-2 preset", "--init_checkpoint": "launch.sh's --init_checkpoint",
-    "--input_dir": "launch.sh's --input_dir", "--output_dir": "launch.sh's --output_dir",
-    "--deepspeed": "nothing: drop it",
+    "--config_file": "change it with --set model_config=<file>",
+    "--deepspeed_config": "change it with --set deepspeed_config=<file>",
+    **{flag: f"change it with --set {flag[2:]}=<value>" for flag in (
+        "--max_steps", "--learning_rate", "--warmup_proportion", "--constant_proportion", "--poly_power",
+        "--lr_decay_style", "--num_steps_per_checkpoint", "--optimizer")},
+    "--checkpoint_activations": "change it with --set checkpoint_activations=true|false",
+    "--init_optimizer_moments": "change it with --set init_optimizer_moments=true|false",
+    "--max_seq_length": "the preset's phase sets it: pick a preset of the other phase, or write a preset file",
+    "--max_predictions_per_seq": "the preset's phase sets it: pick a preset of the other phase, or write a preset file",
+    "--phase2": "the preset's phase sets it: pick a phase-2 preset",
+    "--init_checkpoint": "give it as launch.sh's --init_checkpoint",
+    "--input_dir": "give it as launch.sh's --input_dir", "--output_dir": "give it as launch.sh's --output_dir",
+    "--deepspeed": "drop it: the launch always gives it",
 }
 
 
@@ -443,7 +444,7 @@ def refuse_repeated_flags(run_flags: list[str], extra: list[str]) -> None:
     repeated = sorted(vars(probe.parse_known_args(extra)[0]))
     if repeated:
         raise PresetError("the launch already gives run_pretraining.py " + "; ".join(
-            f"--{name} (change it with {REPEATED_FLAG_FIX.get('--' + name, 'the preset')})" for name in repeated)
+            f"--{name} ({REPEATED_FLAG_FIX.get('--' + name, 'change it in the preset')})" for name in repeated)
             + ": after '--', pass only flags the preset does not set (--log_freq, --seed, ...)")
 
 
