@@ -3,6 +3,7 @@ what the messages say. The settings are the `phase1_shards` fixture's, whose out
 
 from __future__ import annotations
 
+import bz2
 import json
 import os
 import re
@@ -10,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -553,16 +555,12 @@ def test_an_input_file_that_cannot_be_read_is_named_with_its_flag(sample_dump, b
     directory)", and a dump "not a readable bz2 file ...; download it again", a plain .xml one too. Run as a
     user without the permission: root reads any file, so as root the command runs as nobody (setpriv), in a
     directory that user may enter."""
-    import tempfile
-
     work = Path(tempfile.mkdtemp(prefix="unreadable-"))
     try:
         work.chmod(0o777)
         vocab, dump = work / "vocab.txt", work / ("dump.xml" if which == "xml" else "dump.xml.bz2")
         shutil.copyfile(bert_vocab, vocab)
         if which == "xml":
-            import bz2
-
             dump.write_bytes(bz2.decompress(sample_dump.read_bytes()))
         else:
             shutil.copyfile(sample_dump, dump)

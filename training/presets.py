@@ -420,8 +420,8 @@ REPEATED_FLAG_FIX = {
         "--lr_decay_style", "--num_steps_per_checkpoint", "--optimizer")},
     "--checkpoint_activations": "change it with --set checkpoint_activations=true|false",
     "--init_optimizer_moments": "change it with --set init_optimizer_moments=true|false",
-    "--max_seq_length": "the preset's phase sets it: pick a preset of the other phase, or write a preset file",
-    "--max_predictions_per_seq": "the preset's phase sets it: pick a preset of the other phase, or write a preset file",
+    **dict.fromkeys(("--max_seq_length", "--max_predictions_per_seq"),
+                    "the preset's phase sets it: pick a preset of the other phase, or write a preset file"),
     "--phase2": "the preset's phase sets it: pick a phase-2 preset",
     "--init_checkpoint": "give it as launch.sh's --init_checkpoint",
     "--input_dir": "give it as launch.sh's --input_dir", "--output_dir": "give it as launch.sh's --output_dir",
@@ -466,8 +466,8 @@ def main(argv: list[str] | None = None) -> int:
     res.add_argument("--set", dest="overrides", action="append", default=[], metavar="FIELD=VALUE",
                      help=f"override a preset field; one of {', '.join(OVERRIDABLE)}")
     argv = sys.argv[1:] if argv is None else argv
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = parser.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)  # after it: launch.sh's flags for run_pretraining.py
+    args, extra = parser.parse_args(argv[:cut]), argv[cut + 1:]
     try:
         if args.command == "list":
             print(_table(list_presets()))
