@@ -64,7 +64,7 @@ from training.metrics import MetricsWriter, Throughput, peak_tflops
 from training.moments import open_phase1_moments, set_phase1_moments
 from training.planner import training_flops_per_sequence
 from training.schedule import DECAY_STYLES, ScheduleConfig, ScheduleMismatchError, WarmupConstantDecay
-from training.weights import load_initial_weights, set_fp32_masters
+from training.weights import check_resumed_vocab, load_initial_weights, set_fp32_masters
 
 ROOT = Path(__file__).resolve().parent
 DEFAULT_DS_CONFIG = ROOT / "configs" / "deepspeed" / "zero1-bf16.json"
@@ -947,6 +947,7 @@ def train(args: TrainArgs) -> dict:
                                  f"--seed {args.seed} would change the data order. Pass --seed {resume[1].seed}")
         if resume is not None:
             check_resume_identity(ckpt_dir / resume[0], resume[1].identity, identity, args.input_dir)
+            check_resumed_vocab(args.output_dir / "vocab.txt", vocab)
         # A finished run's rerun trains nothing: on another world size it needs the weights (for a
         # missing final evaluation), not the optimizer partitions, so no universal conversion. (A
         # --max_steps below the checkpoint's step takes the full load, whose schedule check refuses it.)

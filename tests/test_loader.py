@@ -101,6 +101,35 @@ def test_shards_are_found_by_name_or_by_directory(tmp_path):
         find_shards(tmp_path, "training")
 
 
+def test_symlinked_directories_are_searched_once_and_the_input_dir_can_be_a_split(tmp_path):
+    """rglob (Python < 3.13) skipped symlinked directories: `training/more -> elsewhere` trained on part of the
+    data, a symlinked `training/` found none. `--input_dir shards/training` found none of its part-*.hdf5."""
+    elsewhere = tmp_path / "elsewhere"
+    for rel in ("root/training/a_0.hdf5", "root/test/part-0.hdf5", "elsewhere/b_0.hdf5", "elsewhere/b_1.hdf5",
+                "tests/part-0.hdf5"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).touch()
+    root = tmp_path / "root"
+    (root / "training" / "more").symlink_to(elsewhere)
+    (root / "training" / "loop").symlink_to(root)  # a cycle: its shards are not listed again
+    (root / "test2").symlink_to(tmp_path / "tests")
+    assert [str(p.relative_to(root)) for p in find_shards(root, "training")] == [
+        "training/a_0.hdf5", "training/more/b_0.hdf5", "training/more/b_1.hdf5"]
+    assert [str(p.relative_to(root)) for p in find_shards(root, "test")] == ["test/part-0.hdf5"]
+    (root / "test").rename(tmp_path / "t")
+    (root / "test").symlink_to(tmp_path / "t")  # a symlinked split directory
+    assert [str(p.relative_to(root)) for p in find_shards(root, "test")] == ["test/part-0.hdf5"]
+    # the input_dir named after a split, symlinked or not
+    assert [p.name for p in find_shards(root / "test", "test")] == ["part-0.hdf5"]
+    assert find_shards(root / "test", "training") == []
+    assert [str(p.relative_to(root / "training")) for p in find_shards(root / "training", "training")] == [
+        "a_0.hdf5", "more/b_0.hdf5", "more/b_1.hdf5"]
+    (root / "training" / "gone_0.hdf5").symlink_to(tmp_path / "nowhere.hdf5")
+    with pytest.raises(DataConfigError, match=r"training/gone_0\.hdf5: a symbolic link to \S+nowhere\.hdf5, which "
+                                              r"does not exist; restore the shard there or remove the link"):
+        find_shards(root, "training")
+
+
 def test_an_input_dir_that_is_missing_or_a_file_says_so(tmp_path):
     """Not "no training shards found under it", which sends one looking for misnamed shards."""
     with pytest.raises(DataConfigError, match=f"^--input_dir {re.escape(str(tmp_path / 'typo'))} does not exist; "
@@ -160,7 +189,7 @@ def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
     assert not ds.shards[0].static_masks
     vocab = (dynamic_shards / "vocab.txt").read_text().split("\n")
     cls_id, sep_id, mask_id = vocab.index("[CLS]"), vocab.index("[SEP]"), vocab.index("[MASK]")
-    replaced_by_mask = total = 0
+    replaced_by_mask = unchanged = total = 0
     again = training_set(dynamic_shards)
     for position in range(200):
         sample = ds[position]
@@ -178,11 +207,36 @@ def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
         unmasked = np.setdiff1d(np.arange(128), slots)
         assert np.array_equal(sample["input_ids"][unmasked], original[unmasked])
         replaced_by_mask += int((sample["input_ids"][slots] == mask_id).sum())
+        unchanged += int((sample["input_ids"][slots] == original[slots]).sum())
         # A random replacement is never a special token, as in static masks.
         assert not np.isin(sample["input_ids"][slots], [0, 100, cls_id, sep_id]).any()
         total += count
         assert all(np.array_equal(sample[k], again[position][k]) for k in sample)
-    assert 0.72 < replaced_by_mask / total < 0.88  # 80% [MASK], 10% random, 10% unchanged
+    # 80% [MASK], 10% random, 10% unchanged (a random draw of the token itself counts as unchanged: 1 in 30k)
+    assert total > 2000
+    assert 0.75 < replaced_by_mask / total < 0.85
+    assert 0.065 < unchanged / total < 0.135 and 0.065 < (total - replaced_by_mask - unchanged) / total < 0.135
+
+
+def test_dynamic_masking_refuses_a_vocab_that_is_not_the_shards(dynamic_shards, tmp_path):
+    """Dynamic masks take [CLS], [SEP], [MASK] and the random replacements from the vocab.txt beside the shards:
+    one with more tokens than the model fed it ids without an embedding; one with other special ids masked
+    [CLS] and [SEP] (122 of 300 rows, with [CLS]/[SEP] swapped with [unused0]/[unused1])."""
+    (tmp_path / "hdf5").symlink_to(dynamic_shards / "hdf5")
+    tokens = (dynamic_shards / "vocab.txt").read_text().splitlines()
+    (tmp_path / "vocab.txt").write_text("\n".join(tokens + ["[extra]"]) + "\n")
+    with pytest.raises(DataConfigError, match=rf"vocab\.txt: holds {VOCAB + 1} tokens but the model config has "
+                                              rf"vocab_size {VOCAB}; dynamic masking would feed the model ids it has no "
+                                              rf"embedding for: set vocab_size to at least {VOCAB + 1}"):
+        training_set(tmp_path)
+    cls_id, unused = tokens.index("[CLS]"), tokens.index("[unused0]")
+    tokens[cls_id], tokens[unused] = tokens[unused], tokens[cls_id]
+    (tmp_path / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    ds = training_set(tmp_path)
+    shard, row = ds.locate(7)
+    with pytest.raises(DataConfigError, match=rf"wikicorpus_en_training_{shard}\.hdf5: row {row} begins with id "
+                                              rf"{cls_id}, but \[CLS\] is {unused} in the vocab\.txt beside the shards"):
+        ds[7]
 
 
 def test_dynamic_masks_of_a_row_differ_from_epoch_to_epoch(dynamic_shards):
@@ -534,8 +588,9 @@ def test_workers_prefetch_the_same_batches(phase1_shards):
 
 
 def test_workers_reading_ahead_give_the_same_batches(phase1_shards, tmp_path):
-    """Across a switch between compressed shards: the main process reading ahead (a thread running when the
-    workers fork), forked workers reading ahead, and uncompressed shards read as they are entered, alike."""
+    """Across a switch between compressed shards: the main process reading ahead, workers forked from it after
+    that (holding its shards, which they drop: another pid) reading ahead themselves, and uncompressed shards
+    read as they are entered, alike."""
     ds = training_set(_gzip_shards(phase1_shards, tmp_path / "gz", copies=1))
     boundary = int(ds.sizes[ds.locate(0)[0]])
     batches = {}
@@ -663,6 +718,27 @@ def test_static_masks_outside_the_sequence_or_vocabulary_name_the_row(phase1_sha
             bad.__getitems__([2, 1, 0, 3])  # within a batch, as a DataLoader reads
 
 
+@pytest.mark.parametrize("key, value", [("segment_ids", 2), ("input_mask", 2), ("next_sentence_labels", 2),
+                                        ("segment_ids", -1)])
+def test_segment_ids_input_mask_and_labels_other_than_0_and_1_name_the_row(phase1_shards, tmp_path, key, value):
+    """Only ids and masks were checked: a segment id or NSP label of 2 was an index error inside the model naming
+    no file (an embedding lookup, the NSP loss), an input_mask of 2 a wrong attention bias without an error."""
+    shard, row = training_set(phase1_shards).locate(0)
+    for i, path in enumerate(find_shards(phase1_shards, "training")):
+        with h5py.File(path, "r") as fin, h5py.File(tmp_path / path.name, "w") as fout:
+            for k in fin:
+                data = fin[k][()]
+                if k == key and i == shard:
+                    data[row, ...] = value
+                fout[k] = data
+            fout.attrs.update(fin.attrs)
+    bad = training_set(tmp_path)
+    bad[1]
+    with pytest.raises(DataConfigError, match=rf"wikicorpus_en_training_{shard}\.hdf5: row {row} holds {key} {value}; "
+                                              "they are 0 or 1 in a pretraining shard"):
+        bad.__getitems__([2, 1, 0, 3])
+
+
 def test_static_and_dynamic_shards_are_not_mixed(phase1_shards, dynamic_shards, tmp_path):
     (tmp_path / "training").mkdir()
     (tmp_path / "training" / "a_training_0.hdf5").write_bytes(find_shards(phase1_shards, "training")[0].read_bytes())
@@ -734,6 +810,19 @@ def test_missing_dataset_and_non_integer_dtype_are_clear(tmp_path):
             f[key] = np.zeros((2, 128), np.float32)
         f["next_sentence_labels"] = np.zeros(2, np.int8)
     with pytest.raises(DataConfigError, match="'input_ids' has dtype float32; expected an integer dtype"):
+        training_set(tmp_path)
+    # a group where a dataset belongs, a single value: were an AttributeError and an IndexError naming no file
+    with h5py.File(tmp_path / "a_training_0.hdf5", "w") as f:
+        f.create_group("input_ids")
+        for key in ("input_mask", "segment_ids", "next_sentence_labels"):
+            f[key] = np.zeros((2, 128), np.int8)
+    with pytest.raises(DataConfigError, match=r"a_training_0\.hdf5: 'input_ids' is an HDF5 group, not a dataset"):
+        training_set(tmp_path)
+    with h5py.File(tmp_path / "a_training_0.hdf5", "w") as f:
+        for key in ("input_ids", "input_mask", "segment_ids"):
+            f[key] = np.zeros((2, 128), np.int8)
+        f["next_sentence_labels"] = np.int8(0)
+    with pytest.raises(DataConfigError, match=r"a_training_0\.hdf5: dataset 'next_sentence_labels' is a single value"):
         training_set(tmp_path)
 
 

@@ -645,6 +645,17 @@ def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shard
     next((fewer / "training").glob("*_1.hdf5")).unlink()
     result = run(1, args(fewer, out))
     assert result.returncode == 1 and "consumed_samples would index another sample stream" in result.stderr
+    # Another vocab.txt beside the same shards: other dynamic masks, and the run's copy (the export's) replaced.
+    revocab = tmp_path / "other_vocab"
+    shutil.copytree(phase1_shards / "hdf5", revocab / "hdf5")
+    tokens = (phase1_shards / "vocab.txt").read_text().splitlines()
+    tokens[1000], tokens[1001] = tokens[1001], tokens[1000]
+    (revocab / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    result = run(1, args(revocab, out))
+    assert result.returncode == 1
+    assert (f"{revocab / 'vocab.txt'} is not the vocabulary this run trained with ({out / 'vocab.txt'}, 30522 tokens, "
+            f"against 30522): token id 1000 is {tokens[1001]!r} there, {tokens[1000]!r} here") in result.stderr
+    assert (out / "vocab.txt").read_bytes() == (phase1_shards / "vocab.txt").read_bytes()
     relu = write_json(tmp_path / "relu.json", TINY | {"hidden_act": "relu"})
     result = run(1, with_flag(args(phase1_shards, out), "--config_file", str(relu)))
     assert result.returncode == 1

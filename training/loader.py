@@ -64,10 +64,11 @@ class ShardInfo:
 
 
 def find_shards(input_dir: Path, split: str) -> list[Path]:
-    """The split's `.hdf5` files under input_dir (recursively), sorted by path: those inside a
-    directory named after a split (`training/`, `test/`) belong to it; any other file belongs to the
-    split whose name is a word of its file name (`wikicorpus_en_training_0.hdf5`), where words are
-    separated by `_`, `-` or `.` (so "latest" or "pretraining" name no split)."""
+    """The split's `.hdf5` files under input_dir (recursively, into symlinked directories too), sorted by
+    path: those inside a directory named after a split (`training/`, `test/`, input_dir itself included)
+    belong to it; any other file belongs to the split whose name is a word of its file name
+    (`wikicorpus_en_training_0.hdf5`), where words are separated by `_`, `-` or `.` (so "latest" or
+    "pretraining" name no split)."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     root = Path(input_dir)
@@ -75,11 +76,10 @@ def find_shards(input_dir: Path, split: str) -> list[Path]:
         what = "is a file, not a directory" if root.exists() else "does not exist"
         raise DataConfigError(f"--input_dir {root} {what}; pass the directory that holds the shards "
                               "(data.prepare's --output_dir, or its hdf5/ directory)")
+    own = Path(os.path.abspath(root)).name  # as given: `--input_dir shards/training` holds training shards
     found = []
-    for path in root.rglob("*.hdf5"):
-        if not path.is_file():
-            continue
-        in_dirs = [d for d in path.relative_to(root).parts[:-1] if d in SPLITS]
+    for path in _hdf5_files(root):
+        in_dirs = [d for d in (own, *path.relative_to(root).parts[:-1]) if d in SPLITS]
         if in_dirs:
             if in_dirs[-1] == split:
                 found.append(path)
@@ -91,6 +91,30 @@ def find_shards(input_dir: Path, split: str) -> list[Path]:
         if named == {split}:
             found.append(path)
     return sorted(found)
+
+
+def _hdf5_files(root: Path) -> Iterator[Path]:
+    """The `.hdf5` files under root. Path.rglob before Python 3.13 does not enter symlinked directories
+    (a `training/more -> /data/shards` was skipped without a word); os.walk follows them, each directory
+    once (two links to one place would list its files twice), none that holds root (a link back up would
+    list root's files again, or those around it)."""
+    top = os.path.realpath(root)
+    seen: set[str] = set()
+    for where, dirs, files in os.walk(root, followlinks=True):
+        real = os.path.realpath(where)
+        if real in seen or real != top and os.path.commonpath([real, top]) == real:
+            dirs.clear()
+            continue
+        seen.add(real)
+        dirs.sort()
+        for name in files:
+            if name.endswith(".hdf5"):
+                path = Path(where, name)
+                if not path.exists():
+                    raise DataConfigError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist; "
+                                          "restore the shard there or remove the link")
+                if path.is_file():
+                    yield path
 
 
 def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_size: int) -> ShardInfo:
@@ -110,6 +134,13 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
                                   f"{' and '.join(MASK_KEYS)}")
         static = len(present) == 2
         keys = REQUIRED_KEYS + tuple(present)  # those the loader reads
+        for key in keys:
+            if not isinstance(f[key], h5py.Dataset):
+                raise DataConfigError(f"{path}: '{key}' is an HDF5 {type(f[key]).__name__.lower()}, not a dataset; "
+                                      "a pretraining shard holds one dataset per key")
+            if f[key].ndim == 0:
+                raise DataConfigError(f"{path}: dataset '{key}' is a single value (shape ()); expected one row per "
+                                      "sequence")
         n = f["input_ids"].shape[0]
         for key in keys:
             ds = f[key]
@@ -358,8 +389,9 @@ class PretrainingDataset(Dataset):
 
     def _read_rows(self, shard: int, rows: np.ndarray, position: int) -> dict[str, np.ndarray]:
         """The rows of a shard as a block per sample key (int64, first axis: rows), checked: an id outside
-        the vocabulary or a masked position outside the sequence is an index error in the model (a
-        device-side assert on a GPU), hence an error here that names the file and row. position: one of the
+        the vocabulary, a masked position outside the sequence, or a segment id or NSP label other than 0 and
+        1 is an index error in the model (a device-side assert on a GPU), an input_mask value other than 0
+        and 1 a wrong attention bias; hence an error here that names the file and row. position: one of the
         rows' stream positions."""
         data = self._shard_data(shard, position)
         # astype copies: no sample holds a view of a shard's map or array.
@@ -369,7 +401,8 @@ class PretrainingDataset(Dataset):
                  "next_sentence_labels": data["next_sentence_labels"][rows].astype(np.int64)}
         seq = block["input_ids"].shape[1]
         # Each bound is one comparison: a negative value viewed as unsigned is above any bound.
-        checks = [(block["input_ids"], self.vocab_size, "token id")]
+        checks = [(block["input_ids"], self.vocab_size, "token id"), (block["token_type_ids"], 2, "segment_ids"),
+                  (block["attention_mask"], 2, "input_mask"), (block["next_sentence_labels"], 2, "next_sentence_labels")]
         if self.shards[shard].static_masks:
             block["masked_lm_positions"] = data["masked_lm_positions"][rows].astype(np.int64)
             ids = data["masked_lm_ids"][rows].astype(np.int64)
@@ -388,6 +421,9 @@ class PretrainingDataset(Dataset):
             raise DataConfigError(f"{path}: row {row} holds masked_lm_positions {int(values.min())}...{int(values.max())}, "
                                   f"outside its {seq} positions; the shard is corrupt, recreate it")
         bad = int(values.min()) if values.min() < 0 else int(values.max())
+        if what in ("segment_ids", "input_mask", "next_sentence_labels"):
+            raise DataConfigError(f"{path}: row {row} holds {what} {bad}; they are 0 or 1 in a pretraining shard: the "
+                                  "shard is corrupt or not one, recreate it")
         raise DataConfigError(
             f"{path}: row {row} holds {what} {bad}, outside the model's vocab_size {self.vocab_size}; the shards were "
             "made with another vocabulary, set vocab_size in --config_file to match it")
@@ -398,6 +434,10 @@ class PretrainingDataset(Dataset):
         assert self.vocab is not None
         info = self.shards[shard]
         ids = sample["input_ids"][None, :].copy()
+        if ids[0, 0] != self.vocab.cls:  # every sequence begins with [CLS]: another vocab.txt would mask specials
+            raise DataConfigError(
+                f"{info.path}: row {self.locate(position)[1]} begins with id {int(ids[0, 0])}, but [CLS] is {self.vocab.cls} in the vocab.txt "
+                "beside the shards; it is not the vocabulary they were made with: put that one there")
         real = sample["attention_mask"][None, :] == 1
         candidates = real & (ids != self.vocab.cls) & (ids != self.vocab.sep)
         positions, labels = mask_rows(ids, candidates, real.sum(axis=1), self.max_predictions, info.masked_lm_prob,
@@ -571,6 +611,11 @@ def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions
             masking_vocab = MaskingVocab.from_file(vocab)
         except PipelineError as e:
             raise DataConfigError(str(e)) from e
+        if masking_vocab.size > vocab_size:  # a random replacement may be any of its tokens
+            raise DataConfigError(f"{vocab}: holds {masking_vocab.size} tokens but the model config has vocab_size "
+                                  f"{vocab_size}; dynamic masking would feed the model ids it has no embedding for: "
+                                  f"set vocab_size to at least {masking_vocab.size} in --config_file, or put the "
+                                  "vocabulary the shards were made with there")
     stream_end = None if eval_samples is None else min(eval_samples, sum(s.num_samples for s in shards))
     return PretrainingDataset(shards, seed=seed, max_predictions=max_predictions, vocab_size=vocab_size,
                               vocab=masking_vocab, shuffle=shuffle, read_ahead=read_ahead, stream_end=stream_end)

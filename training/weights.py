@@ -270,13 +270,33 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
     ours = _vocab_tokens(vocab_file)
     if theirs == ours:
         return
-    first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
-    there = repr(theirs[first]) if first < len(theirs) else "absent"
-    here = repr(ours[first]) if first < len(ours) else "absent"
+    first, there, here = _first_difference(theirs, ours)
     raise CheckpointError(f"--init_checkpoint {init_dir}: its vocabulary ({source.name}, {len(theirs)} tokens) is not "
                           f"the shards' {vocab_file} ({len(ours)} tokens): token id {first} is {there} there, {here} "
                           "in the shards, so its embeddings would be trained on other tokens' text; make the shards "
                           "with that vocabulary (data.prepare --vocab_file)")
+
+
+def check_resumed_vocab(run_vocab: Path, vocab_file: Path | None) -> None:
+    """A resumed run's copy of its shards' vocab.txt (`run_vocab`, written at its first start) against the shards'
+    vocab.txt now: dynamic masking draws its special tokens and replacements from it, and the export ships the
+    run's copy, which this start would replace."""
+    if vocab_file is None or not run_vocab.is_file():
+        return
+    theirs, ours = _vocab_tokens(run_vocab), _vocab_tokens(vocab_file)
+    if theirs == ours:
+        return
+    first, there, here = _first_difference(theirs, ours)
+    raise CheckpointError(f"{vocab_file} is not the vocabulary this run trained with ({run_vocab}, {len(theirs)} tokens, "
+                          f"against {len(ours)}): token id {first} is {there} there, {here} here. Put the run's "
+                          "vocab.txt back beside the shards, or train on these shards in another --output_dir")
+
+
+def _first_difference(theirs: list[str], ours: list[str]) -> tuple[int, str, str]:
+    """The first id where two token lists differ, and its token in each (repr, or "absent")."""
+    first = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), min(len(theirs), len(ours)))
+    return (first, repr(theirs[first]) if first < len(theirs) else "absent",
+            repr(ours[first]) if first < len(ours) else "absent")
 
 
 def _check_case(record: Path, key: str, lower_case: bool | None) -> None:
