@@ -3,7 +3,7 @@
 #
 #   Gaudi:  docker build -t bert-pretraining .
 #   NVIDIA: docker build -t bert-pretraining:cuda \
-#             --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:24.10-py3 --build-arg DEEPSPEED_SPEC=deepspeed==0.19.8 .
+#             --build-arg BASE_IMAGE=nvcr.io/nvidia/pytorch:25.05-py3 --build-arg DEEPSPEED_SPEC=deepspeed==0.19.8 .
 #   CPU:    docker build -t bert-pretraining:cpu --build-arg BASE_IMAGE=python:3.11-slim \
 #             --build-arg DEEPSPEED_SPEC=deepspeed==0.19.8 --build-arg PROJECT_EXTRAS=cpu \
 #             --build-arg PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu .
@@ -16,11 +16,12 @@
 # Gaudi also needs `--runtime habana -e HABANA_VISIBLE_DEVICES=all -e OMPI_MCA_btl_vader_single_copy_mechanism=none
 # --cap-add sys_nice`; NVIDIA needs `--gpus all`. See README.md, "The container".
 
-ARG BASE_IMAGE=vault.habana.ai/gaudi-docker/1.18.0/ubuntu22.04/habanalabs/pytorch-installer-2.4.0:latest
+# torch 2.6 or later: transformers 5, which pip picks, runs its models (the Hugging Face export) on no older one.
+ARG BASE_IMAGE=vault.habana.ai/gaudi-docker/1.21.0/ubuntu22.04/habanalabs/pytorch-installer-2.6.0:latest
 FROM ${BASE_IMAGE}
 
 # The Habana fork of DeepSpeed, at the tag matching the Gaudi software in BASE_IMAGE.
-ARG DEEPSPEED_SPEC=git+https://github.com/HabanaAI/DeepSpeed.git@1.18.0
+ARG DEEPSPEED_SPEC=git+https://github.com/HabanaAI/DeepSpeed.git@1.21.0
 # Extras of this project to install: empty for Gaudi and NVIDIA (torch comes from the base image),
 # "cpu" to pin the CPU-verified set (then point PIP_EXTRA_INDEX_URL at the CPU wheels of torch).
 ARG PROJECT_EXTRAS=""
@@ -63,8 +64,10 @@ ENV PIP_NO_CACHE_DIR=1 \
 
 # DeepSpeed first, so that the project's `deepspeed>=0.14` range is met by the fork and never replaced.
 # The spec is a build argument (a fork tag or an exact version), so DL3013's pinning is done there.
+# The CPU variant installs it with the project's `cpu` pins below, in one resolution: alone, it would pull
+# the newest torch, which the pins then replace (two torch downloads, one left in this layer).
 # hadolint ignore=DL3013
-RUN python -m pip install "${DEEPSPEED_SPEC}"
+RUN if [ "${PROJECT_EXTRAS}" != "cpu" ]; then python -m pip install "${DEEPSPEED_SPEC}"; fi
 
 COPY pyproject.toml README.md ./
 COPY modeling.py run_pretraining.py ./
@@ -73,9 +76,12 @@ COPY training ./training
 COPY configs ./configs
 COPY scripts ./scripts
 # This project from the build context; its dependencies are ranges (or the exact `cpu` pins) in pyproject.toml.
+# The check: transformers must run its models with the base image's torch (modeling.require_transformers_torch).
 # hadolint ignore=DL3013
-RUN python -m pip install ".${PROJECT_EXTRAS:+[${PROJECT_EXTRAS}]}" \
-    && python -c "import deepspeed, modeling, training.presets; print('deepspeed', deepspeed.__version__)"
+RUN if [ "${PROJECT_EXTRAS}" = "cpu" ]; then set -- "${DEEPSPEED_SPEC}"; else set --; fi \
+    && python -m pip install ".${PROJECT_EXTRAS:+[${PROJECT_EXTRAS}]}" "$@" \
+    && python -c "import deepspeed, modeling, training.presets; modeling.require_transformers_torch(); \
+print('deepspeed', deepspeed.__version__)"
 # CPU variant: start a one-rank gloo process group as training does, which compiles the shm op with the compiler
 # installed above (and leaves it built in the image). Gaudi and NVIDIA builds have no device to start one on.
 # MASTER_PORT=0: the one rank's store takes any free port.

@@ -13,6 +13,9 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or run 'make PYTHON=python3.x ...'"; exit 1; }
+	@# DeepSpeed's CPU communication op is compiled at the first training start (a C++ compiler and Python.h).
+	@command -v $${CXX:-c++} >/dev/null || { echo "error: no C++ compiler ($${CXX:-c++}), which DeepSpeed needs to compile its CPU communication op; install one (Debian/Ubuntu: apt-get install g++)"; exit 1; }
+	@$(PYTHON) -c "import os, sysconfig; raise SystemExit(not os.path.isfile(os.path.join(sysconfig.get_paths()['include'], 'Python.h')))" || { echo "error: no Python.h for $(PYTHON), which DeepSpeed needs to compile its CPU communication op; install the headers (Debian/Ubuntu: apt-get install python3.11-dev)"; exit 1; }
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[cpu,dev]'
 	@touch $@

@@ -513,11 +513,27 @@ def check_hf_exportable(config: BertConfig, source: str = "the model config") ->
                           "compute another function of the same weights")
 
 
+def require_transformers_torch() -> None:
+    """transformers 5 runs its models only with torch 2.6 or later: with an older torch (Habana's 1.18 container
+    has 2.4) it imports, reports PyTorch as missing, and its model classes raise an ImportError when used."""
+    import importlib.metadata
+
+    import transformers
+    from transformers.utils import is_torch_available
+
+    if not is_torch_available():
+        raise ConfigError(f"transformers {transformers.__version__} does not run its models with this torch "
+                          f"{importlib.metadata.version('torch')} (it needs torch 2.6 or later), and the Hugging Face export and import "
+                          "need them: use a torch it accepts (Intel Gaudi software 1.21 or later, NVIDIA's PyTorch "
+                          "container 25.05 or later), or export on any machine with pip install '.[cpu]'")
+
+
 def _hf_classes(config: BertConfig):
     """The transformers classes our config maps to: (config class, model class, model_type)."""
     import transformers
 
     check_hf_exportable(config)
+    require_transformers_torch()
     if config.pre_layer_norm:
         cfg_cls, model_type = transformers.MegatronBertConfig, "megatron-bert"
         model_cls = (transformers.MegatronBertForPreTraining if config.next_sentence_prediction
@@ -737,6 +753,7 @@ def load_hf(directory: str | os.PathLike, pad_vocab_size_multiple: int = 8) -> B
     (a bare encoder, a fine-tuned classifier) is refused rather than loaded half random."""
     import transformers
 
+    require_transformers_torch()
     directory = Path(directory)
     if not (directory / "config.json").is_file():
         raise FileNotFoundError(f"{directory}: no config.json; expected a Hugging Face model directory")

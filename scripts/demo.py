@@ -87,6 +87,19 @@ def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
     return dump, data_dir, model_config
 
 
+def micro_batch(processes: int) -> int | None:
+    """The micro batch per process that keeps the demo preset's global batch on `processes` processes: the largest
+    divisor of global_batch_size / processes up to the preset's micro batch (the rest is accumulation); None
+    where `processes` does not divide the global batch."""
+    from training.presets import load_preset
+
+    preset = load_preset("demo")
+    per_process, rem = divmod(preset.global_batch_size, processes)
+    if rem or not per_process:
+        return None
+    return max(m for m in range(1, preset.micro_batch_per_device["default"] + 1) if per_process % m == 0)
+
+
 def train(cfg: DemoConfig, data_dir: Path, model_config: Path) -> Path:
     """Step 3: 2 processes, ZeRO-1 + BF16, through launch.sh's default (DeepSpeed) launcher, as on a cluster."""
     from training.accelerator import free_port
@@ -98,6 +111,10 @@ def train(cfg: DemoConfig, data_dir: Path, model_config: Path) -> Path:
            "--input_dir", str(data_dir), "--output_dir", str(run_dir), "--set", f"model_config={model_config}"]
     if cfg.max_steps is not None:
         cmd += ["--set", f"max_steps={cfg.max_steps}"]
+    micro = micro_batch(cfg.processes)
+    if micro is None:
+        raise DemoError(f"{cfg.processes} processes do not divide the demo preset's global batch")
+    cmd += ["--set", f"micro_batch_per_device={micro}"]
     cmd += ["--", "--log_freq", str(cfg.log_freq), "--eval_freq", str(cfg.log_freq * 10), "--seed", str(cfg.seed),
             "--num_workers", "1"]
     # One thread per rank: 2 ranks on 2 cores. CPU unless the caller chose an accelerator.
@@ -199,13 +216,17 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from training.presets import load_preset
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--output_dir", type=Path, default=DemoConfig.output_dir,
                         help="where the dump, data, run and export go")
     parser.add_argument("--articles", type=int, default=DemoConfig.articles, help="articles in the generated dump")
     parser.add_argument("--vocab_size", type=int, default=DemoConfig.vocab_size, help="WordPiece vocab to train")
     parser.add_argument("--max_steps", type=positive_int, help="training steps (default: the demo preset's)")
-    parser.add_argument("--processes", type=positive_int, default=DemoConfig.processes, help="training processes")
+    parser.add_argument("--processes", type=positive_int, default=DemoConfig.processes,
+                        help="training processes: a divisor of the demo preset's global batch of "
+                             f"{load_preset('demo').global_batch_size} (the micro batch per process follows)")
     parser.add_argument("--seed", type=int, default=DemoConfig.seed, help="dump, data and training seed")
     parser.add_argument("--log_freq", type=positive_int, default=DemoConfig.log_freq,
                         help="steps between logged records; evaluation every 10 records")
@@ -213,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     # Checked before the minutes of data pipeline that would come before the step that fails.
     if args.articles < 4:
         parser.error(f"--articles must be >= 4 (the dump has one article of each kind), got {args.articles}")
+    if micro_batch(args.processes) is None:
+        batch = load_preset("demo").global_batch_size
+        parser.error(f"--processes {args.processes} does not divide the demo preset's global batch of {batch} "
+                     f"sequences; pass one of {', '.join(str(p) for p in range(1, batch + 1) if batch % p == 0)}")
     blocker = file_in_the_way(args.output_dir.resolve())
     if blocker is not None:
         parser.error(f"--output_dir {args.output_dir}: {blocker} is a file, not a directory; pass a directory")

@@ -39,6 +39,7 @@ from modeling import (
     check_export_dir,
     check_hf_exportable,
     check_vocab_size,
+    require_transformers_torch,
     save_hf,
     vocab_lower_cases,
 )
@@ -203,6 +204,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
     loc = None if theirs is not None else locate(checkpoint, tag)
     try:
         check_export_dir(output)  # before the partitions are merged, which takes minutes for a large model
+        require_transformers_torch()
     except ValueError as e:
         raise ExportError(str(e)) from e
     if theirs is not None:

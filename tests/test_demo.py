@@ -84,6 +84,8 @@ def test_check_learning_fails_loudly_when_nothing_is_learned():
     (["--processes", "0"], "argument --processes: must be >= 1, got 0"),
     (["--log_freq", "0"], "argument --log_freq: must be >= 1, got 0"),
     (["--articles", "1"], "--articles must be >= 4 (the dump has one article of each kind), got 1"),
+    (["--processes", "3"], "--processes 3 does not divide the demo preset's global batch of 32 sequences; pass one "
+                           "of 1, 2, 4, 8, 16, 32"),
     (["--output_dir", "{file}/demo"], "{file} is a file, not a directory; pass a directory"),
 ])
 def test_bad_flags_are_refused_before_the_pipeline_runs(args: list[str], message: str, tmp_path: Path,
@@ -103,3 +105,14 @@ def test_bad_flags_are_refused_before_the_pipeline_runs(args: list[str], message
         demo.main(["--output_dir", str(tmp_path / "out")] + [a.format(file=file) for a in args])
     assert exit_info.value.code == 2
     assert message.format(file=file) in capsys.readouterr().err
+
+
+def test_every_process_count_the_demo_takes_keeps_its_global_batch():
+    """--processes 4 ran the data pipeline, then launch.sh refused the preset's micro batch 16 on 4 processes."""
+    from scripts.demo import micro_batch
+    from training.presets import load_preset, resolve
+
+    assert [micro_batch(p) for p in (1, 2, 3, 4, 8, 16, 32, 64)] == [16, 16, None, 8, 4, 2, 1, None]
+    for processes in (1, 2, 4, 8, 16, 32):
+        run = resolve(load_preset("demo", {"micro_batch_per_device": micro_batch(processes)}), 1, processes)
+        assert run.micro_batch_per_device * run.gradient_accumulation_steps * processes == 32

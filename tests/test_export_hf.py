@@ -347,6 +347,44 @@ def test_a_layer_norm_large_model_run_is_refused_before_its_weights_are_read(tmp
     assert not (tmp_path / "hf").exists()
 
 
+def test_a_torch_older_than_transformers_accepts_is_refused_before_the_weights_are_read(tmp_path: Path):
+    """transformers 5 with torch < 2.6 (Habana's 1.18 container: 2.4.0) imports, reports PyTorch missing and
+    raises an ImportError at its first model class: after the partitions were merged, or as a traceback from
+    --init_checkpoint. Here the torch distribution's metadata says 2.4.0, as there (transformers reads it)."""
+    from tests.test_modeling import small_config
+
+    old = tmp_path / "site" / "torch-2.4.0.dist-info"
+    old.mkdir(parents=True)
+    (old / "METADATA").write_text("Metadata-Version: 2.1\nName: torch\nVersion: 2.4.0\n")
+    run = tmp_path / "run"
+    tag_dir = run / "checkpoints" / "step00000002"
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "run_state.json").write_text("not read")  # reading the checkpoint would fail on it
+    (tag_dir.parent / "latest").write_text("step00000002\n")
+    small_config().to_json_file(run / "model_config.json")
+    (run / "vocab.txt").write_text("".join(f"t{i}\n" for i in range(1001)))
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    code = ("import sys; from pathlib import Path; from scripts.export_hf import main; "
+            "from training.weights import load_initial_weights; from modeling import BertForPreTraining, BertConfig\n"
+            "try:\n"
+            f"    load_initial_weights(BertForPreTraining(BertConfig.from_json_file({str(run / 'model_config.json')!r})), "
+            f"Path({str(hf)!r}))\n"
+            "except Exception as e: print(type(e).__name__, e)\n"
+            f"sys.exit(main(['--checkpoint', {str(run)!r}, '--output', {str(tmp_path / 'export')!r}]))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "site"), str(ROOT)])}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    refusal = ("does not run its models with this torch 2.4.0 (it needs torch 2.6 or later), and the Hugging Face "
+               "export and import need them: use a torch it accepts (Intel Gaudi software 1.21 or later, NVIDIA's "
+               "PyTorch container 25.05 or later), or export on any machine with pip install '.[cpu]'")
+    assert result.returncode == 2, result.stderr
+    assert f"CheckpointError --init_checkpoint {hf}: cannot load it as a Hugging Face BERT (ConfigError: " \
+           "transformers " in result.stdout and refusal in result.stdout
+    assert re.search(r"^error: transformers \S+ " + re.escape(refusal) + "$", result.stderr, re.M), result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "export").exists()
+
+
 def test_an_export_to_a_full_disk_says_so_keeps_the_earlier_export_and_leaves_no_staging(zero_run: Path,
                                                                                          zero_export, tmp_path):
     """Writes past 1 MB fail with EFBIG (RLIMIT_FSIZE; Python ignores SIGXFSZ), as on a full disk: safetensors

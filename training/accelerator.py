@@ -138,8 +138,8 @@ def _hpu_lazy_mode() -> bool:
     is_lazy` is what the bridge's package import uses to pick its lazy or eager plugin, and what DeepSpeed's
     HPU FusedAdam asks (it is not in Habana's documented API). PT_HPU_LAZY_MODE's default differs between
     Gaudi releases (1 in the 1.19 runtime-flags table, 0 in the current one), so an unset variable does not
-    tell. Without that function the variable is read as the bridge reads it (lazy unless "0"), with the
-    default of the release the Dockerfile pins (1.18: lazy)."""
+    tell. Without that function the variable is read as the 1.18 and 1.19 bridges read it (lazy unless "0");
+    scripts/hpu_env.sh sets it (1 unless given), so that a launch never leaves it unset."""
     try:
         from habana_frameworks.torch.utils.internal import is_lazy
     except ImportError:
