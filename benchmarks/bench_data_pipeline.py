@@ -25,7 +25,7 @@ the reference alternate, `--repeats` times each, and medians are shown (outside 
    Wikimedia-style multistream dump and as plain XML, each read, parsed and cleaned by the workers
    (by bz2 blocks, bz2 streams and byte ranges), with 1 and 2 workers; the reference is each dump
    read by one process (bz2 and XML parsing), its articles cleaned by the workers, as data.extract
-   read them before. The text must be identical in all ten. Then the serial part of each way, which
+   read them before. The text must be identical in all twelve. Then the serial part of each way, which
    bounds its rate whatever the workers: the one reader's bz2 and XML parsing, and the scan for
    block starts (byte ranges need none).
 """
@@ -318,8 +318,8 @@ def _ours_after_text(text: Path, vocab: Path, out: Path) -> tuple[int, float, fl
 
 
 def _extract_rates(dump: Path, work: Path, scale: int) -> None:
-    """Extraction of the sample repeated `scale` times: the single-stream dump and plain XML read by one
-    process (the references) against the single-stream dump read by blocks, its multistream form
+    """Extraction of the sample repeated `scale` times: each dump form read by one process (the references)
+    against the single-stream dump read by blocks, its multistream form
     read by streams and plain XML read by byte ranges, by 1 and 2 workers."""
     single, mb = _repeat_dump(dump, scale, work / f"x{scale}-single.xml.bz2", multistream=False)
     multi, _ = _repeat_dump(dump, scale, work / f"x{scale}-multistream.xml.bz2", multistream=True)
@@ -331,6 +331,8 @@ def _extract_rates(dump: Path, work: Path, scale: int) -> None:
             ("single-stream, one reader, 2 workers", single, 2, _extract_serial),
             ("single-stream, by blocks, 1 worker", single, 1, extract),
             ("single-stream, by blocks, 2 workers", single, 2, extract),
+            ("multistream, one reader, 1 worker", multi, 1, _extract_serial),
+            ("multistream, one reader, 2 workers", multi, 2, _extract_serial),
             ("multistream, by streams, 1 worker", multi, 1, extract),
             ("multistream, by streams, 2 workers", multi, 2, extract),
             ("plain XML, one reader, 1 worker", plain, 1, _extract_serial),
@@ -338,13 +340,13 @@ def _extract_rates(dump: Path, work: Path, scale: int) -> None:
             ("plain XML, by byte ranges, 1 worker", plain, 1, extract),
             ("plain XML, by byte ranges, 2 workers", plain, 2, extract)]
     texts = []
-    one_reader: dict[tuple[bool, int], float] = {}  # (plain XML, workers) -> the one reader's seconds
+    one_reader: dict[tuple[Path, int], float] = {}  # (dump, workers) -> the one reader's seconds
     for label, path, workers, fn in runs:
         out = work / f"extract-{path.stem}-{workers}-{fn.__name__}"
         out.mkdir(parents=True)
         _, t = _timed(fn, ExtractConfig(path, out, workers, articles_per_part=200, chunk_bytes=1 << 20))
         texts.append([p.read_bytes() for p in sorted(out.glob("part-*.txt"))])
-        key = (path == plain, workers)
+        key = (path, workers)
         if fn is _extract_serial:
             one_reader[key], ratio = t, "reference"
         else:
@@ -366,7 +368,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dump", type=Path, default=SHARED / "enwiki-sample-pages-articles.xml.bz2")
     p.add_argument("--vocab", type=Path, default=SHARED / "bert-base-uncased-vocab.txt")
-    p.add_argument("--work_dir", type=Path, help="default: a temporary directory")
+    p.add_argument("--work_dir", type=Path, help="where a fresh directory for the run's files is made (and removed "
+                   "at the end; our stages would skip work whose output a rerun found there): default, the system's "
+                   "temporary directory")
     p.add_argument("--repeats", type=int, default=3,
                    help="runs of ours (tokens, create, shard) and of the reference, interleaved; medians are shown")
     p.add_argument("--memory_scales", default="1,4",
@@ -374,8 +378,8 @@ def main() -> None:
     p.add_argument("--extract_scale", type=int, default=4,
                    help="part 4: copies of the sample for the extraction comparison (0 skips it)")
     a = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = a.work_dir or Path(tmp)
+    with tempfile.TemporaryDirectory(dir=a.work_dir) as tmp:
+        work = Path(tmp)
         text = work / "text"
         print(f"sample: {a.dump}; seq {SEQ}, {PRED} predictions, dupe_factor {DUPE}; 1 worker, 1 tokenizer thread")
 

@@ -231,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                         "dropout, eager)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = p.parse_args(argv)
+    if args.max_predictions is not None and not 1 <= args.max_predictions <= args.seq_len - 1:
+        p.error(f"--max_predictions must be between 1 and --seq_len - 1 ({args.seq_len - 1}: every position but "
+                f"[CLS] may be masked), got {args.max_predictions}")
 
     device, config = setup(args)
     tokens = args.micro_batch * args.seq_len
