@@ -523,8 +523,8 @@ def require_transformers_torch() -> None:
 
     if not is_torch_available():
         raise ConfigError(f"transformers {transformers.__version__} does not run its models with this torch "
-                          f"{importlib.metadata.version('torch')} (it needs torch 2.6 or later), and the Hugging Face export and import "
-                          "need them: use a torch it accepts (Intel Gaudi software 1.21 or later, NVIDIA's PyTorch "
+                          f"{importlib.metadata.version('torch')} (it needs torch 2.6 or later), and the Hugging "
+                          "Face export and import need them: use a torch it accepts (Intel Gaudi software 1.21 or later, NVIDIA's PyTorch "
                           "container 25.05 or later), or export on any machine with pip install '.[cpu]'")
 
 

@@ -110,7 +110,7 @@ def _hdf5_files(root: Path) -> Iterator[Path]:
         for name in files:
             if name.endswith(".hdf5"):
                 path = Path(where, name)
-                if not path.exists():
+                if path.is_symlink() and not path.exists():
                     raise DataConfigError(f"{path}: a symbolic link to {os.readlink(path)}, which does not exist; "
                                           "restore the shard there or remove the link")
                 if path.is_file():
@@ -435,9 +435,9 @@ class PretrainingDataset(Dataset):
         info = self.shards[shard]
         ids = sample["input_ids"][None, :].copy()
         if ids[0, 0] != self.vocab.cls:  # every sequence begins with [CLS]: another vocab.txt would mask specials
-            raise DataConfigError(
-                f"{info.path}: row {self.locate(position)[1]} begins with id {int(ids[0, 0])}, but [CLS] is {self.vocab.cls} in the vocab.txt "
-                "beside the shards; it is not the vocabulary they were made with: put that one there")
+            raise DataConfigError(f"{info.path}: row {self.locate(position)[1]} begins with id {int(ids[0, 0])}, but "
+                                  f"[CLS] is {self.vocab.cls} in the vocab.txt beside the shards; it is not the "
+                                  "vocabulary they were made with: put that one there")
         real = sample["attention_mask"][None, :] == 1
         candidates = real & (ids != self.vocab.cls) & (ids != self.vocab.sep)
         positions, labels = mask_rows(ids, candidates, real.sum(axis=1), self.max_predictions, info.masked_lm_prob,
