@@ -89,15 +89,13 @@ def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
 
 def micro_batch(processes: int) -> int | None:
     """The micro batch per process that keeps the demo preset's global batch on `processes` processes: the largest
-    divisor of global_batch_size / processes up to the preset's micro batch (the rest is accumulation); None
-    where `processes` does not divide the global batch."""
-    from training.presets import load_preset
+    that fits, up to the preset's micro batch (the rest is accumulation); None where none fits (`processes`
+    does not divide the global batch)."""
+    from training.presets import fitting_micro_batches, load_preset
 
     preset = load_preset("demo")
-    per_process, rem = divmod(preset.global_batch_size, processes)
-    if rem or not per_process:
-        return None
-    return max(m for m in range(1, preset.micro_batch_per_device["default"] + 1) if per_process % m == 0)
+    fits = fitting_micro_batches(preset.global_batch_size, preset.micro_batch_per_device["default"], processes)
+    return fits[-1] if fits else None
 
 
 def train(cfg: DemoConfig, data_dir: Path, model_config: Path) -> Path:

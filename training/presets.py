@@ -347,11 +347,16 @@ def parse_override(text: str) -> tuple[str, object]:
 # Resolution for a cluster shape
 
 
+def fitting_micro_batches(global_batch: int, largest: int, devices: int) -> list[int]:
+    """The micro batches up to `largest` that split the global batch exactly on `devices` devices, ascending."""
+    return [m for m in range(1, largest + 1) if global_batch % (m * devices) == 0]
+
+
 def gradient_accumulation(global_batch: int, micro_batch: int, devices: int, source: str = "preset") -> int:
     """global = micro * devices * accumulation, exactly; anything else is an error with the fix."""
     per_step = micro_batch * devices
     if global_batch % per_step:
-        divisors = [m for m in range(1, micro_batch + 1) if global_batch % (m * devices) == 0]
+        divisors = fitting_micro_batches(global_batch, micro_batch, devices)
         hint = (f"micro batches that divide on {devices} devices: {divisors[-4:]}" if divisors else
                 f"no micro batch divides {global_batch} on {devices} devices; change the node count or the global batch")
         raise PresetError(f"{source}: global batch {global_batch} is not divisible by micro batch {micro_batch} x "
