@@ -35,6 +35,11 @@
 # Environment: PYTHON (default: .venv/bin/python of this checkout if present, else python3) is the interpreter
 # on every node; scripts/hpu_env.sh sets the HPU variables.
 set -euo pipefail
+# Empty arrays under `set -u` need bash 4.4 (2016); older ones stop with "unbound variable" mid-script.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "launch.sh: error: needs bash 4.4 or later; this is bash $BASH_VERSION. Run it with a newer bash (the project's container has one)." >&2
+    exit 2
+fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if [[ -z ${PYTHON:-} ]]; then

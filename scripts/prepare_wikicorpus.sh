@@ -20,6 +20,11 @@
 # Rerun the same command after any interruption: every stage resumes where it stopped.
 # Text (download, extraction, segmentation, tokens) is shared by both phases in OUTPUT_DIR/text.
 set -euo pipefail
+# Empty arrays under `set -u` need bash 4.4 (2016); older ones stop with "unbound variable" mid-script.
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
+    echo "prepare_wikicorpus.sh: error: needs bash 4.4 or later; this is bash $BASH_VERSION. Run it with a newer bash (the project's container has one)." >&2
+    exit 2
+fi
 
 usage() { sed -n '2,21p' "$0"; }
 case ${1:-} in
