@@ -235,9 +235,14 @@ case "$LAUNCHER" in
       listed="$(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l)"
       [[ "$listed" -ge "$NODES" ]] || die "hostfile $HOSTFILE lists $listed host(s), fewer than --nodes $NODES"
       # pdsh starts the remote ranks; DeepSpeed exports the variables named in this file on every node.
+      # An ssh session does not get a container's ENV (Docker gives it to the container's processes, not to
+      # sshd's sessions), so the search paths and the runtime variables Habana's images set are carried too;
+      # every node runs the same image or install, as the interpreter path above already assumes.
+      IMAGE_ENV_VARS=(PATH LD_LIBRARY_PATH LD_PRELOAD GC_KERNEL_PATH HABANA_SCAL_BIN_PATH HABANA_PLUGINS_LIB_PATH
+                      HABANA_LOGS RDMA_CORE_ROOT RDMA_CORE_LIB)
       ENV_FILE="$LAUNCH_DIR/deepspeed_env"
       : >"$ENV_FILE.tmp.$$"
-      for var in "${HPU_ENV_VARS[@]}" PYTHONPATH DS_ACCELERATOR; do
+      for var in "${HPU_ENV_VARS[@]}" PYTHONPATH DS_ACCELERATOR "${IMAGE_ENV_VARS[@]}"; do
         [[ -z "${!var:-}" ]] || echo "$var=${!var}" >>"$ENV_FILE.tmp.$$"
       done
       mv "$ENV_FILE.tmp.$$" "$ENV_FILE"

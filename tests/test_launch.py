@@ -104,9 +104,11 @@ def test_real_two_node_launch_both_ranks_train(two_node_run):
 
 def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     out = tmp_path / "run"
+    env = _env(HCCL_SOCKET_IFNAME="eth7", LD_LIBRARY_PATH="/opt/habanalabs/lib:/usr/lib/habanalabs",
+               GC_KERNEL_PATH="/usr/lib/habanalabs/libtpc_kernels.so")
+    env.pop("LD_PRELOAD", None)
     proc = _launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "gaudi-a,gaudi-b", "--input_dir",
-                    str(tmp_path), "--output_dir", str(out), "--dry_run", "--", "--log_freq", "50"],
-                   env=_env(HCCL_SOCKET_IFNAME="eth7"))
+                    str(tmp_path), "--output_dir", str(out), "--dry_run", "--", "--log_freq", "50"], env=env)
     cmd = _command(proc)
     assert cmd[:3] == [sys.executable, "-m", "deepspeed.launcher.runner"]
     assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--num_gpus"), _flag(cmd, "--master_addr")) == ("2", "8", "gaudi-a")
@@ -117,6 +119,11 @@ def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     env_file = (out / "launch" / "deepspeed_env").read_text().splitlines()
     assert "PT_HPU_LAZY_MODE=1" in env_file
     assert "HCCL_SOCKET_IFNAME=eth7" in env_file  # a site variable the user exported reaches the other nodes
+    # what an ssh session into the image would lack: its search paths and Habana's runtime variables
+    assert f"PATH={os.environ['PATH']}" in env_file
+    assert "LD_LIBRARY_PATH=/opt/habanalabs/lib:/usr/lib/habanalabs" in env_file
+    assert "GC_KERNEL_PATH=/usr/lib/habanalabs/libtpc_kernels.so" in env_file
+    assert not any(line.startswith("LD_PRELOAD=") for line in env_file)  # not set here: not written
     # the recipe cache: on local disk, one directory per user (another user's would not be writable)
     assert f"PT_HPU_RECIPE_CACHE_CONFIG=/tmp/bert_pretraining_recipe_cache_{os.getuid()},false,8192" in env_file
     script = cmd.index(str(ROOT / "run_pretraining.py"))
