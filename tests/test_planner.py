@@ -459,6 +459,8 @@ def test_cli_prints_breakdown_verdict_and_published_mfu(capsys):
                   "activations, checkpointed", "verdict", "FLOPs/seq", "time "):
         assert label in out
     assert "FITS" in out
+    # the BF16_Optimizer's all-reduce at the end of backward sets the peak (docs/PERFORMANCE.md)
+    assert re.search(r"peak at end of backward +14\.38 GiB", out)
     mfu = re.search(r"bert-1\.5b\s+34\.58 seq/s.*MFU ([0-9.]+)%", out)
     assert mfu and 30 < float(mfu.group(1)) < 100
 
@@ -526,14 +528,45 @@ def test_cli_refuses_an_mfu_without_sequences(capsys):
     assert "MFU 90%" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("mfu", ["0", "1.5", "7", "-0.4", "nan"])
+def test_cli_refuses_an_mfu_outside_0_to_1_also_where_no_peak_is_known(mfu: str, capsys):
+    """On a device without a peak figure (cpu) the time is not computed, and an --mfu of 7 passed unchecked."""
+    for device in ("cpu", "h100"):
+        args = ["--config_file", str(ROOT / "configs/models/bert-large.json"), "--micro_batch", "8", "--device",
+                device, "--device_memory", "24GiB", "--sequences", "1e6", "--mfu", mfu]
+        assert planner.main(args) == 2
+        assert capsys.readouterr().err == (f"error: --mfu must be in (0, 1], a fraction of the device's peak (0.4 = "
+                                           f"40%), got {float(mfu)}\n")
+
+
+def test_cli_refuses_a_fraction_of_a_sequence(capsys):
+    """--sequences 0.4 printed a training time of 0 s (the count was truncated)."""
+    args = ["--config_file", str(ROOT / "configs/models/bert-large.json"), "--micro_batch", "8", "--device", "h100"]
+    assert planner.main([*args, "--sequences", "0.4"]) == 2
+    assert capsys.readouterr().err == "error: --sequences must be a whole number of sequences, got 0.4\n"
+    assert planner.main([*args, "--sequences", "4.6e8"]) == 0
+    assert "time         4.6e+08 sequences" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("size", ["0", "0GiB", "0.5", "0.0001KB"])
+def test_cli_refuses_a_device_memory_under_one_byte(size: str, capsys):
+    """It read as 0, which the report took for "no figure given" and asked for --device_memory."""
+    with pytest.raises(SystemExit) as exit_info:
+        planner.main(["--config_file", str(ROOT / "configs/models/bert-large.json"), "--micro_batch", "8",
+                      "--device_memory", size])
+    assert exit_info.value.code == 2
+    assert (f"argument --device_memory: {size!r} is less than one byte; write the device's memory, e.g. 32GiB"
+            in capsys.readouterr().err)
+
+
 def test_cli_refuses_a_reduce_bucket_size_the_optimizer_does_not_use(capsys):
     """It changed nothing under bf16 ZeRO-1 (BF16_Optimizer) and ZeRO-0/3, and was accepted silently."""
     args = ["--config_file", str(ROOT / "configs/models/bert-large.json"), "--micro_batch", "64",
             "--reduce_bucket_size", "100000000"]
     assert planner.main(args) == 2
     assert capsys.readouterr().err == ("error: --reduce_bucket_size 100000000 sizes the ZeRO optimizer's buffer, "
-                                       "which ZeRO-1 with bf16 does not use; drop it, or plan ZeRO-1/2 with fp32 or "
-                                       "fp16 (or ZeRO-2 with bf16)\n")
+                                       "which ZeRO-1 with bf16 does not use; drop it, or plan ZeRO-1/2 with fp32, or "
+                                       "ZeRO-2 with bf16\n")
     assert planner.main([*args, "--zero_stage", "3", "--precision", "fp32"]) == 2
     assert "which ZeRO-3 with fp32 does not use" in capsys.readouterr().err
     buckets = {}

@@ -226,3 +226,22 @@ def test_a_checkpoint_saved_when_constant_proportion_was_the_end_resumes_on_the_
     assert saved_schedule({"config": old["config"] | {"constant_proportion": 0.04}})[0].constant_proportion == 0.0
     state = resumed.state_dict()
     assert state["format"] == 2 and saved_schedule(state) == (converted, "")
+
+
+def test_every_schedule_saved_with_the_old_meaning_keeps_its_decay_step():
+    """The old meaning decayed from max(warm-up steps, round(end x steps)). Converted to today's, the warm-up and
+    the length after it add up to the end again, but 0.1 + (0.3 - 0.1) is not 0.3 in binary: without the sum
+    rounded back to its decimal, 250 of these settings (0.1 and 0.3 on 15 steps among them) decayed a step later."""
+    grid = [k / 100 for k in range(0, 101, 5)] + [0.01, 0.03, 0.07, 0.1, 0.2, 0.3, 0.7, 0.9]
+    for total in range(1, 121):
+        for warmup in grid:
+            for end in grid:
+                old = {"step_count": 0, "config": {"base_lr": 1.0, "total_steps": total, "warmup_proportion": warmup,
+                                                   "constant_proportion": end, "power": 1.0, "decay_style": "habana"}}
+                converted, _ = saved_schedule(old)
+                old_end = max(int(round(warmup * total)), int(round(end * total)))
+                assert converted.constant_end == old_end, (total, warmup, end)
+    cfg = saved_schedule({"config": {"base_lr": 1.0, "total_steps": 15, "warmup_proportion": 0.1,
+                                     "constant_proportion": 0.3, "power": 1.0}})[0]
+    assert cfg.constant_end == 4  # the decay starts at step 4 (at the peak), as it did
+    assert [round(lr_at(cfg, s), 4) for s in range(3, 7)] == [1.0, 1.0, 0.9091, 0.8182]

@@ -205,6 +205,16 @@ def test_a_start_from_scratch_over_an_earlier_runs_records_says_so(tmp_path, cap
         in capsys.readouterr().err
 
 
+def test_a_fresh_start_over_only_a_cut_short_line_drops_it_without_a_warning(tmp_path, capsys):
+    """The warning said records moved to metrics.dropped.jsonl, which was never written: a run killed in its first
+    record leaves only a cut line, which is dropped, not moved."""
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "lo')
+    MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=True).close()
+    assert "warning" not in capsys.readouterr().err
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert not (tmp_path / "metrics.dropped.jsonl").exists()
+
+
 def test_a_rerun_killed_while_dropping_records_keeps_them_aside_once(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n"
                                                     for s in range(1, 7)))

@@ -86,8 +86,8 @@ def drop_records_after(path: Path, step: int, before_dropping=None) -> set[int]:
     """Keep the records of steps <= `step` in a JSON-lines log (and lines that are not records);
     a last line cut short by a kill is dropped. The dropped lines are appended to
     `<name>.dropped.jsonl` first (a rewound run's records are not lost), then the log is rewritten
-    atomically, only when something goes; `before_dropping()` is called first then. Returns the steps
-    of the records kept."""
+    atomically, only when something goes; `before_dropping(n)` is called first then, with the number of
+    records that move (0 when only a cut-short line goes). Returns the steps of the records kept."""
     if not path.is_file():
         return set()
     lines = path.read_text(encoding="utf-8").splitlines()
@@ -108,7 +108,7 @@ def drop_records_after(path: Path, step: int, before_dropping=None) -> set[int]:
                 steps.add(logged)
     if len(kept) != len(lines):
         if before_dropping is not None:
-            before_dropping()
+            before_dropping(len(dropped))
         side, text = path.with_name(f"{path.stem}.dropped.jsonl"), "".join(line + "\n" for line in dropped)
         # Already there when a rerun was killed between this append and the rewrite below.
         if text and not (side.is_file() and side.read_text(encoding="utf-8").endswith(text)):
@@ -191,9 +191,10 @@ class MetricsWriter:
         staging = tb_dir.with_name(f".{tb_dir.name}.tmp")
         dropped = []
 
-        def before_dropping(path: Path) -> None:
+        def before_dropping(path: Path, records: int) -> None:
             staging.mkdir(exist_ok=True)
-            dropped.append(path.name)
+            if records:
+                dropped.append(path.name)
 
         _, self.eval_steps = (drop_records_after(path, start_step, functools.partial(before_dropping, path))
                               for path in paths)

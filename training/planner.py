@@ -51,6 +51,8 @@ class Device:
     mask_bytes: int = 1
 
 
+# Memory is the datasheet's "GB" read as 10^9 bytes. Some of these cards have that many GiB (an A100 80GB
+# has 80 GiB), so the verdict errs on the safe side by up to 7%; --device_memory gives the exact figure.
 DEVICES: dict[str, Device] = {
     # Gaudi 1/2/3: Intel, "Intel Gaudi 3 AI Accelerator: Architected for Gen AI Training and Inference",
     # Hot Chips 2024 (R. Kaplan), product table: peak BF16 60 / 432 / 1835 TFLOPs, HBM 32 / 96 / 128 GB.
@@ -453,7 +455,10 @@ def parse_bytes(text: str) -> int:
     value, unit = float(match.group(1)), (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
-    return int(value * scale)
+    size = int(value * scale)
+    if size < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than one byte; write the device's memory, e.g. 32GiB")
+    return size
 
 
 def positive_float(text: str) -> float:
@@ -518,6 +523,10 @@ def report(args: argparse.Namespace) -> str:
     if args.mfu is not None and args.sequences is None:
         raise ValueError(f"--mfu {args.mfu} applies to --sequences (the time to train them); add --sequences or "
                          "drop --mfu")
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ValueError(f"--mfu must be in (0, 1], a fraction of the device's peak (0.4 = 40%), got {args.mfu}")
+    if args.sequences is not None and not args.sequences.is_integer():
+        raise ValueError(f"--sequences must be a whole number of sequences, got {args.sequences:g}")
     mfu = 0.4 if args.mfu is None else args.mfu
     if args.checkpoint_interval is not None and not args.checkpoint_activations:
         raise ValueError(f"--checkpoint_interval {args.checkpoint_interval} applies to --checkpoint_activations; "
@@ -526,7 +535,7 @@ def report(args: argparse.Namespace) -> str:
                                                 or args.zero_stage not in (1, 2)):
         raise ValueError(f"--reduce_bucket_size {args.reduce_bucket_size} sizes the ZeRO optimizer's buffer, which "
                          f"ZeRO-{args.zero_stage} with {args.precision} does not use; drop it, or plan ZeRO-1/2 "
-                         "with fp32 or fp16 (or ZeRO-2 with bf16)")
+                         "with fp32, or ZeRO-2 with bf16")
     bucket_elements = 500_000_000 if args.reduce_bucket_size is None else args.reduce_bucket_size
     max_predictions = args.max_predictions or default_max_predictions(args.seq_len)
     if max_predictions > args.seq_len - 3:  # [CLS] and two [SEP] are never masked
@@ -560,7 +569,7 @@ def report(args: argparse.Namespace) -> str:
         f"  activations, checkpointed   {_gib(plan.activations_with_checkpointing)}",
         f"  backward transient          {_gib(plan.transient)}",
         f"  peak at start of backward   {_gib(plan.backward_peak)}",
-        f"  peak at optimizer step      {_gib(plan.step_peak)}",
+        f"  peak at end of backward     {_gib(plan.step_peak)}",
         f"  peak                        {_gib(plan.peak)}  of {_gib(memory)} "
         f"({_gib(usable).strip()} usable with {args.headroom:.0%} headroom)",
         f"verdict      {'FITS' if plan.peak <= usable else 'DOES NOT FIT'}; largest micro batch that fits: {best}",

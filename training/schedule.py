@@ -69,7 +69,10 @@ class ScheduleConfig:
         from progress = warm-up + constant."""
         if self.constant_proportion == 0:
             return self.warmup_steps
-        return min(self.total_steps, int(round((self.warmup_proportion + self.constant_proportion) * self.total_steps)))
+        # The sum as the decimal it stands for: 0.1 + 0.2 is 0.30000000000000004 in binary, which would put a
+        # half step (0.3 x 15 = 4.5) on the other side of the rounding than 0.3 itself does.
+        end = round(self.warmup_proportion + self.constant_proportion, 12)
+        return min(self.total_steps, int(round(end * self.total_steps)))
 
 
 def lr_at(cfg: ScheduleConfig, step: int) -> float:
