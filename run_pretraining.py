@@ -550,7 +550,8 @@ def check_resume_clipping(tag_dir: Path, saved_config: dict, clipping: float, ds
 def micro_step_seed(seed: int, position: int, rank: int) -> int:
     """Dropout randomness as a function of (seed, stream position, rank): a resumed run draws
     the same masks as an uninterrupted one without saving generator states."""
-    return int(np.random.SeedSequence([seed, position, rank]).generate_state(1, np.uint64)[0] >> 1)
+    # Shifted as a Python int: NumPy 1.x, which pyproject admits (a platform image may ship it), has no uint64 >> int.
+    return int(np.random.SeedSequence([seed, position, rank]).generate_state(1, np.uint64)[0]) >> 1
 
 
 class StopRequest:

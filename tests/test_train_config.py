@@ -21,6 +21,7 @@ from run_pretraining import (
     TrainArgs,
     check_resume_identity,
     load_ds_config,
+    micro_step_seed,
     open_data,
     parse_args,
     resolve_batch_sizes,
@@ -645,3 +646,11 @@ def test_the_run_keeps_its_shards_case_beside_its_vocab_and_drops_a_stale_record
     write_run_files(run, shard_vocab(data), config, None)
     assert not (run / "tokenization.json").exists()
     assert sorted(p.name for p in run.iterdir()) == ["model_config.json", "vocab.txt"]
+
+
+def test_dropout_seeds_are_fixed_numbers_of_seed_position_and_rank():
+    """A resumed run draws the dropout masks of an uninterrupted one only if these stay the same numbers, on
+    NumPy 1.x too (its uint64 >> int raised a TypeError there at the first step)."""
+    assert [micro_step_seed(s, p, r) for s, p, r in [(42, 0, 0), (42, 4096, 1), (12439, 10**9, 7)]] == [
+        5732826375231505755, 7261701303596047865, 3210812356538674357]
+    assert all(0 <= micro_step_seed(7, p, 0) < 2**63 for p in range(100))  # torch.manual_seed takes them
