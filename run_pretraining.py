@@ -408,6 +408,10 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
     if stage not in (1, 2):
         raise RunConfigError(f"{path}: zero_optimization.stage {stage} is not supported; use \"zero_optimization\": "
                              "{\"stage\": 1} (bf16 or fp32) or stage 2 (fp32)")
+    if isinstance(zero, dict) and zero.get("round_robin_gradients"):
+        raise RunConfigError(f"{path}: remove zero_optimization.round_robin_gradients; DeepSpeed's record of where "
+                             "each parameter lies in the partitions is wrong under it, and a resume on another "
+                             "world size and --init_optimizer_moments read that record (docs/LAMB.md, Limits)")
     if isinstance(zero, dict) and zero.get("compute_grad_norm") is False:
         raise RunConfigError(f"{path}: zero_optimization.compute_grad_norm false turns off DeepSpeed's check for "
                              "non-finite gradients in fp32, which would then reach the weights, and the logged "

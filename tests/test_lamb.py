@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -295,11 +296,28 @@ def test_rejects_bad_hyperparameters():
         Lamb(params, betas=(0.9, 1.0))
     with pytest.raises(ValueError, match="eps"):
         Lans(params, eps=0.0)
-    with pytest.raises(ValueError, match=r"lr must be >= 0, got -0.001"):
+    with pytest.raises(ValueError, match=r"lr must be a finite number >= 0, got -0.001"):
         Lamb(params, lr=-1e-3)
-    with pytest.raises(ValueError, match=r"weight_decay must be >= 0, got -0.01"):
+    with pytest.raises(ValueError, match=r"weight_decay must be a finite number >= 0, got -0.01"):
         Lans(params, weight_decay=-0.01)
     assert math.isclose(Lamb(params).defaults["eps"], 1e-6)
+    # Infinite, missing or mistyped values were accepted (lr=inf) or failed inside a comparison (lr=None).
+    for kwargs, message in [({"lr": math.inf}, "lr must be a finite number >= 0, got inf"),
+                            ({"eps": math.inf}, "eps must be a finite number > 0, got inf"),
+                            ({"weight_decay": math.nan}, "weight_decay must be a finite number >= 0, got nan"),
+                            ({"lr": None}, "lr must be a finite number >= 0, got None"),
+                            ({"betas": 0.9}, r"betas must be two numbers in \[0, 1\), got 0.9")]:
+        with pytest.raises(ValueError, match=f"^{message}$"):
+            Lamb(params, **kwargs)
+    # A group's own values are checked too: betas (0.9, 1.0) in one group stepped its weights to nan.
+    for group, message in [({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\), got \(0.9, 1.0\)"),
+                           ({"lr": -1}, "lr must be a finite number >= 0, got -1"),
+                           ({"weight_decay": -1}, "weight_decay must be a finite number >= 0, got -1")]:
+        with pytest.raises(ValueError, match=f"^parameter group 1: {message}$"):
+            Lans([{"params": params}, {"params": [nn.Parameter(torch.ones(2))], **group}])
+    # NumPy numbers are numbers
+    assert Lamb(params, lr=np.float32(0.5), weight_decay=np.float64(0.01)).defaults["lr"] == 0.5
+    assert build_param_groups(nn.Linear(2, 2), np.float32(0.25))[0]["weight_decay"] == 0.25
 
 
 @pytest.mark.parametrize("cls", [Lamb, Lans])
@@ -673,3 +691,22 @@ if __name__ == "__main__":
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     leave(0)
+
+
+def test_a_layout_that_does_not_match_the_partition_is_refused():
+    """bind_to_deepspeed checks every fragment against the values the partition holds there: a DeepSpeed
+    version that lays partitions out otherwise gets an error, not trust ratios of the wrong elements."""
+    from training.lamb import _piece_tables_from_fragments
+
+    flat = torch.arange(10, dtype=torch.float32)
+    a, b = torch.arange(0, 4, dtype=torch.bfloat16), torch.arange(5, 9, dtype=torch.bfloat16)
+    # a at 0..4, alignment padding at 4, b at 5..9, padding at the end: the layout holds, and padding owns slot 2
+    binding = _piece_tables_from_fragments([flat], [[(5, 4, 1, b), (0, 4, 0, a)]], [2], None)
+    table = binding.pieces[id(flat)]
+    assert (table.lengths, table.owners, binding.num_tensors) == ([4, 1, 4, 1], [0, 2, 1, 2], 2)
+    for fragments in ([(0, 4, 0, a), (4, 4, 1, b)],   # b one element off
+                      [(0, 4, 0, a), (3, 4, 1, b)],   # overlapping a
+                      [(0, 4, 0, a), (8, 4, 1, b)]):  # running past the partition
+        with pytest.raises(RuntimeError, match=r"parameter 1 of group 0 is not where this DeepSpeed version's layout "
+                                               r"says in the optimizer's partition"):
+            _piece_tables_from_fragments([flat], [fragments], [2], None)

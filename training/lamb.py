@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     skips the trust ratio where ``weight_decay`` is 0, as NVIDIA's BERT LAMB does (LANS does not). Tied
     parameters are listed once; frozen ones are left out. Empty groups are dropped.
     """
-    if not (isinstance(weight_decay, int | float) and math.isfinite(weight_decay) and weight_decay >= 0):
+    if not _is_number(weight_decay, lambda v: v >= 0):
         raise ValueError(f"weight_decay must be a finite number >= 0, got {weight_decay!r}")
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
@@ -49,6 +50,23 @@ def build_param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return [group for group in groups if group["params"]]
+
+
+def _is_number(value: object, ok) -> bool:
+    """A finite real number (Python's or NumPy's, not a bool) for which ok(value) holds."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and bool(ok(value)))
+
+
+def _check_hyperparameters(group: dict, where: str) -> None:
+    for name, ok, rule in (("lr", lambda v: v >= 0, ">= 0"), ("eps", lambda v: v > 0, "> 0"),
+                           ("weight_decay", lambda v: v >= 0, ">= 0")):
+        if not _is_number(group[name], ok):
+            raise ValueError(f"{where}{name} must be a finite number {rule}, got {group[name]!r}")
+    betas = group["betas"]
+    if not (isinstance(betas, tuple | list) and len(betas) == 2
+            and all(_is_number(b, lambda v: 0 <= v < 1) for b in betas)):
+        raise ValueError(f"{where}betas must be two numbers in [0, 1), got {betas!r}")
 
 
 @dataclass(frozen=True)
@@ -82,21 +100,17 @@ class _LayerwiseOptimizer(torch.optim.Optimizer, abc.ABC):
         eps: float = 1e-6,
         weight_decay: float = 0.01,
     ):
-        if not lr >= 0.0:
-            raise ValueError(f"lr must be >= 0, got {lr!r}")
-        if not eps > 0.0:
-            raise ValueError(f"eps must be > 0, got {eps!r}")
-        if not (len(betas) == 2 and all(0.0 <= b < 1.0 for b in betas)):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {betas!r}")
-        if not weight_decay >= 0.0:
-            raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        _check_hyperparameters(defaults, "")
+        defaults["betas"] = tuple(betas)
         # Optimizer.__init__ calls add_param_group, which records the tensors we were built with.
         self._constructed: set[int] = set()
         self._binding: _Binding | None = None
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict) -> None:
+        # A group's own values override the defaults: checked as they will be used.
+        _check_hyperparameters({**self.defaults, **param_group}, f"parameter group {len(self.param_groups)}: ")
         super().add_param_group(param_group)
         self._constructed.update(id(p) for p in self.param_groups[-1]["params"])
 
@@ -288,7 +302,9 @@ class Lans(_LayerwiseOptimizer):
     Every tensor's gradient is normalised and every tensor gets both trust ratios, also where weight_decay
     is 0 (biases, LayerNorm): the paper's Algorithm 2, apex ``FusedLANS`` and Habana's ``LANS`` have no
     exemption, unlike apex's LAMB without ``use_nvlamb``. Under ZeRO this takes two small all-reduces per
-    step: the gradient norms are needed before the moments, the update norms after them.
+    client step: the gradient norms are needed before the moments, the update norms after them. DeepSpeed's
+    fp32 ZeRO optimizer steps the client once per parameter group (4 all-reduces with build_param_groups'
+    two groups); BF16_Optimizer steps it once (2).
     """
 
     def _update(self, stepped: list[tuple[dict, list[torch.Tensor]]], table_of: dict[int, _Pieces],
