@@ -945,8 +945,7 @@ def train(args: TrainArgs) -> dict:
 
     with lock_output_dir(args.output_dir):
         ckpt_dir = checkpoint.checkpoint_dir(args.output_dir)
-        checkpoint.finish_interrupted_commit(ckpt_dir, args.keep_checkpoints)
-        resume = checkpoint.find_resume(ckpt_dir)
+        resume = checkpoint.resume_point(ckpt_dir)
         if resume is not None and resume[1].seed != args.seed:
             raise RunConfigError(f"{ckpt_dir / resume[0]} was trained with --seed {resume[1].seed}; resuming with "
                                  f"--seed {args.seed} would change the data order. Pass --seed {resume[1].seed}")
@@ -996,7 +995,7 @@ def train(args: TrainArgs) -> dict:
         step, consumed, skipped_batches, skipped_steps = 0, 0, 0, 0
         if resume is not None:
             tag, state = resume
-            checkpoint.verify_checksums(ckpt_dir, tag, state)
+            checkpoint.verify_checksums(ckpt_dir, tag, state, module_only=module_only)
             if state.world_size != world and not module_only:
                 tag = checkpoint.universal_tag(ckpt_dir, tag)
             saved_config = checkpoint.load(engine, ckpt_dir, tag, module_only=module_only)

@@ -34,11 +34,11 @@ from training.checkpoint import (
 )
 
 
-def _fake_deepspeed_tag(ckpt_dir, step, world_size=2):
+def _fake_deepspeed_tag(ckpt_dir, step, world_size=2, weights=b"m"):
     """The files DeepSpeed writes for one ZeRO-1 bf16 tag."""
     tag_dir = ckpt_dir / tag_for(step)
     tag_dir.mkdir(parents=True)
-    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"m" * (100 + step))
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(weights * (100 + step))
     for rank in range(world_size):
         (tag_dir / f"bf16_zero_pp_rank_{rank}_mp_rank_00_optim_states.pt").write_bytes(b"o" * 50)
     return tag_dir
@@ -168,7 +168,7 @@ def test_crash_debris_of_the_same_name_is_removed_before_saving(tmp_path):
     assert not (tmp_path / "step00000020.abandoned").exists()
 
 
-def _killed_before_latest(ckpt_dir, step, monkeypatch, keep=2):
+def _killed_before_latest(ckpt_dir, step, monkeypatch, keep=2, weights=b"m"):
     """A commit killed after the tag's run_state.json and before `latest` names the tag."""
     real = checkpoint.atomic_write_text
 
@@ -177,7 +177,7 @@ def _killed_before_latest(ckpt_dir, step, monkeypatch, keep=2):
             raise KeyboardInterrupt("killed")
         return real(path, text)
 
-    _fake_deepspeed_tag(ckpt_dir, step)
+    _fake_deepspeed_tag(ckpt_dir, step, weights=weights)
     with monkeypatch.context() as m:
         m.setattr(checkpoint, "atomic_write_text", write)
         with pytest.raises(KeyboardInterrupt):
@@ -188,11 +188,11 @@ def _killed_before_latest(ckpt_dir, step, monkeypatch, keep=2):
 def test_a_first_checkpoint_killed_before_latest_is_committed_on_rerun(tmp_path, monkeypatch):
     _killed_before_latest(tmp_path, 10, monkeypatch)
     assert read_latest(tmp_path) is None
-    assert recover(tmp_path, keep=2) == "step00000010"
+    assert recover(tmp_path) == "step00000010"
     tag, state = find_resume(tmp_path)
     assert tag == "step00000010" and state.step == 10 and state.previous is None
     assert not (tmp_path / tag / COMMIT_PENDING).exists()
-    assert recover(tmp_path, keep=2) is None  # nothing left to finish
+    assert recover(tmp_path) is None  # nothing left to finish
 
 
 def test_a_later_checkpoint_killed_before_latest_is_committed_not_set_aside(tmp_path, monkeypatch):
@@ -201,7 +201,7 @@ def test_a_later_checkpoint_killed_before_latest_is_committed_not_set_aside(tmp_
     _killed_before_latest(tmp_path, 30, monkeypatch)
     (tmp_path / ".latest.4242.0123456789ab.tmp").write_text("step000")  # the kill's other leftover
     assert read_latest(tmp_path) == "step00000020"
-    assert recover(tmp_path, keep=2) == "step00000030"
+    assert recover(tmp_path) == "step00000030"
     assert find_resume(tmp_path)[0] == "step00000030"
     make_room(tmp_path, "step00000040")
     _save(tmp_path, 40)
@@ -214,28 +214,75 @@ def test_recover_leaves_what_the_user_rewound_past(tmp_path, monkeypatch):
         _save(tmp_path, step, keep=3)
     _killed_before_latest(tmp_path, 30, monkeypatch, keep=3)  # saved when `latest` was step 20
     (tmp_path / LATEST).write_text("step00000010\n")  # then the user rewound to step 10
-    assert recover(tmp_path, keep=3) is None
+    assert recover(tmp_path) is None
     assert read_latest(tmp_path) == "step00000010"
     assert complete_tags(tmp_path) == ["step00000010", "step00000020", "step00000030"]
 
 
-def test_recover_does_not_commit_a_tag_whose_files_do_not_check_out(tmp_path, monkeypatch):
+@pytest.mark.parametrize("damage", ["truncated", "overwritten"])
+def test_recover_sets_aside_an_uncommitted_tag_whose_files_do_not_check_out(tmp_path, monkeypatch, capsys, damage):
+    """It was never committed, so the run resumes from `latest`. Before, every rerun stopped with an error that
+    said to point `latest` at an older tag, which it already named."""
     _save(tmp_path, 10)
     _killed_before_latest(tmp_path, 20, monkeypatch)
-    (tmp_path / "step00000020" / "mp_rank_00_model_states.pt").write_bytes(b"m" * 7)  # damaged after the manifest
-    with pytest.raises(CheckpointError, match=r"mp_rank_00_model_states.pt has 7 bytes but was saved with 120"):
-        recover(tmp_path, keep=2)
-    assert read_latest(tmp_path) == "step00000010"
-    assert (tmp_path / "step00000020" / COMMIT_PENDING).exists()
+    model_states = tmp_path / "step00000020" / "mp_rank_00_model_states.pt"
+    model_states.write_bytes(b"m" * 7 if damage == "truncated" else b"x" * 120)  # damaged after the manifest
+    assert recover(tmp_path) is None
+    assert read_latest(tmp_path) == "step00000010" and find_resume(tmp_path)[0] == "step00000010"
+    assert (tmp_path / "step00000020.damaged" / COMMIT_PENDING).exists()  # kept, out of keep-K's reach
+    assert f"warning: {tmp_path / 'step00000020'} was never committed and does not check out (" in capsys.readouterr().err
+
+
+def test_recover_never_commits_a_tag_of_a_timeline_rewound_past(tmp_path, monkeypatch):
+    """Step 30 was saved after step 20 and killed before `latest` named it; the user rewound to step 10, and the
+    rewound run saved step 20 again (other weights: another world size, say). Step 30 recorded its parent by
+    name only, so the next rerun committed it and resumed the abandoned timeline without training 21-30."""
+    for step in (10, 20):
+        _save(tmp_path, step, keep=5)
+    _killed_before_latest(tmp_path, 30, monkeypatch, keep=5)
+    (tmp_path / LATEST).write_text("step00000010\n")  # the rewind
+    assert recover(tmp_path) is None
+    make_room(tmp_path, "step00000020")
+    _fake_deepspeed_tag(tmp_path, 20, weights=b"n")  # other weights
+    commit(tmp_path, "step00000020", _state(20), 5, _describe(tmp_path, 20))
+    assert recover(tmp_path) is None
+    assert read_latest(tmp_path) == "step00000020"
+    # the same when the new step 20 was itself killed before `latest`: one recover met both
+    (tmp_path / LATEST).write_text("step00000010\n")
+    make_room(tmp_path, "step00000020")
+    _killed_before_latest(tmp_path, 20, monkeypatch, keep=5, weights=b"k")
+    assert recover(tmp_path) == "step00000020" and read_latest(tmp_path) == "step00000020"
+    assert (tmp_path / "step00000030" / COMMIT_PENDING).exists()
+    # its parent byte for byte (the same weights: a deterministic rerun) is its parent: then it is committed
+    (tmp_path / LATEST).write_text("step00000010\n")
+    shutil.rmtree(tmp_path / "step00000020")
+    shutil.copytree(tmp_path / "step00000020.abandoned", tmp_path / "step00000020")  # the first step 20
+    (tmp_path / LATEST).write_text("step00000020\n")
+    assert recover(tmp_path) == "step00000030"
+
+
+def test_recover_prunes_no_complete_tag(tmp_path):
+    """It runs before the run has checked that the directory is its own (seed, model, shards): a command with a
+    mistyped --output_dir or --seed, refused a moment later, had already deleted checkpoints down to
+    --keep_checkpoints of its own. Only unfinished tags go; the next save prunes."""
+    for step in (10, 20, 30):
+        _save(tmp_path, step, keep=5)
+    _fake_deepspeed_tag(tmp_path, 40)  # unfinished
+    assert recover(tmp_path) is None
+    assert complete_tags(tmp_path) == ["step00000010", "step00000020", "step00000030"]
+    assert not (tmp_path / "step00000040").exists()
+    _save(tmp_path, 50, keep=2)
+    assert complete_tags(tmp_path) == ["step00000030", "step00000050"]
 
 
 def test_recover_finishes_a_commit_killed_after_latest(tmp_path):
     for step in (10, 20, 30):
         _save(tmp_path, step, keep=3)
     (tmp_path / "step00000030" / COMMIT_PENDING).touch()  # killed before the mark went and before pruning
-    assert recover(tmp_path, keep=2) is None
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000020", "step00000030"]
+    assert recover(tmp_path) is None
     assert not (tmp_path / "step00000030" / COMMIT_PENDING).exists()
+    _save(tmp_path, 40, keep=2)  # the next save prunes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000030", "step00000040"]
 
 
 def test_recover_removes_a_killed_universal_conversion(tmp_path):
@@ -243,9 +290,11 @@ def test_recover_removes_a_killed_universal_conversion(tmp_path):
     _save(tmp_path, 10)
     (tmp_path / ".step00000010_universal.tmp" / "zero").mkdir(parents=True)
     (tmp_path / ".step00000010_universal.failed").write_text("converting ... failed")
+    (tmp_path / "..step00000010_universal.failed.4242.0123456789ab.tmp").write_text("conv")  # the mark's, killed
+    (tmp_path / ".latest_universal.4242.0123456789ab.tmp").write_text("step")  # the pointer's, killed
     # Killed before the pointer was rewritten to the final name, it names the temporary directory.
     (tmp_path / "latest_universal").write_text(".step00000010_universal.tmp\n")
-    assert recover(tmp_path, keep=2) is None
+    assert recover(tmp_path) is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step00000010"]
 
 
@@ -323,6 +372,27 @@ def test_garbled_run_state_is_a_loud_error(tmp_path):
     del saved["skipped_steps"]  # absent before it was counted: still readable
     state_file.write_text(json.dumps(saved | {"identity": {}}))
     assert checkpoint.read_state(tmp_path / "step00000010").skipped_steps == 0
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"files": None}, "field 'files' is not an object of {\"size\": bytes, \"crc32\": checksum} per file"),
+    ({"files": {"mp_rank_00_model_states.pt": {"size": "110"}}},
+     "field 'files' is not an object of {\"size\": bytes, \"crc32\": checksum} per file"),
+    ({"step": "10"}, "field 'step' is '10', not a whole number >= 0"),
+    ({"world_size": True}, "field 'world_size' is True, not a whole number >= 0"),
+    ({"consumed_samples": -16}, "field 'consumed_samples' is -16, not a whole number >= 0"),
+    ({"identity": []}, "field 'identity' is \\[\\], not an object"),
+    ({"previous": 7}, "field 'previous' is 7, not a tag name"),
+])
+def test_a_run_state_field_of_the_wrong_type_is_named(tmp_path, change, message):
+    """"files": null was an AttributeError traceback; "step": "10" said the schedule was at step 10 but the run
+    state at 10."""
+    _save(tmp_path, 10)
+    state_file = tmp_path / "step00000010" / RUN_STATE
+    state_file.write_text(json.dumps(json.loads(state_file.read_text()) | change))
+    with pytest.raises(CheckpointError, match=f"^{re.escape(str(state_file))}: {message}; the file was altered. "
+                                              f"Point {re.escape(str(tmp_path / LATEST))} at an older tag$"):
+        find_resume(tmp_path)
 
 
 def test_checkpoints_without_latest_are_not_silently_ignored(tmp_path):
@@ -461,7 +531,7 @@ def test_a_full_disk_after_the_manifest_keeps_the_tag_for_the_rerun_to_commit(tm
         assert re.fullmatch(_rank_0_disk_full(tmp_path), out), out
     assert read_latest(tmp_path) == "step00000010"
     assert (tmp_path / "step00000020" / RUN_STATE).is_file() and (tmp_path / "step00000020" / COMMIT_PENDING).exists()
-    assert recover(tmp_path, keep=2) == "step00000020" and read_latest(tmp_path) == "step00000020"
+    assert recover(tmp_path) == "step00000020" and read_latest(tmp_path) == "step00000020"
 
 
 def test_a_backend_error_during_the_save_is_not_reported_as_a_write_failure(tmp_path):
@@ -890,3 +960,105 @@ def test_a_rank_reads_its_fragment_of_a_moment_across_phase1_ranks_pieces(tmp_pa
     with pytest.raises(CheckpointError, match=r"parameter w has 4 exp_avg values in the partitions but shape \(2, 5\); "
                                               r"the checkpoint is inconsistent"):
         short.fragment("exp_avg", "w", 0, 4)
+
+
+REUSE_A_UNIVERSAL_COPY = """
+import subprocess
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from training import checkpoint
+from training.accelerator import leave
+
+ckpt_dir, port = Path(sys.argv[1]), sys.argv[2]
+conversions = []
+
+
+def convert(cmd, **kwargs):  # what ds_to_universal writes, the same bytes every time
+    out = Path(cmd[cmd.index("--output_folder") + 1])
+    (out / "zero" / "bert.pooler.dense.weight").mkdir(parents=True)
+    (out / "zero" / "bert.pooler.dense.weight" / "fp32.pt").write_bytes(b"w" * 64)
+    (out / checkpoint.MODEL_STATES).write_bytes(b"m" * 32)
+    conversions.append(out)
+    return subprocess.CompletedProcess(cmd, 0, "", "")
+
+
+checkpoint.subprocess.run = convert
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+weight = ckpt_dir / "step00000010_universal" / "zero" / "bert.pooler.dense.weight" / "fp32.pt"
+try:
+    for damage in (None, None, b"w" * 63 + b"x", b"w" * 10, "manifest"):
+        if damage == "manifest":  # a copy made before copies had one
+            (ckpt_dir / "step00000010_universal" / checkpoint.UNIVERSAL_MANIFEST).unlink()
+        elif damage is not None:
+            weight.write_bytes(damage)
+        assert checkpoint.universal_tag(ckpt_dir, "step00000010", poll_seconds=0.05) == "step00000010_universal"
+        print(len(conversions), weight.read_bytes() == b"w" * 64)
+finally:
+    dist.destroy_process_group()
+leave(0)
+"""
+
+
+def test_a_universal_copy_is_reused_only_if_its_files_check_out(tmp_path):
+    """A universal copy left by an earlier resume was reused after comparing only its copy of run_state.json:
+    a weight file of it altered in place trained on without a word (loss 11.04 where the run had 10.58)."""
+    _save(tmp_path, 10)
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", REUSE_A_UNIVERSAL_COPY, str(tmp_path), str(free_port())], cwd=root,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # converted, reused, converted again after a changed byte, after a truncation, and without a manifest
+    assert proc.stdout.splitlines() == ["1 True", "1 True", "2 True", "3 True", "4 True"]
+    universal = tmp_path / "step00000010_universal"
+    assert proc.stderr.count(f"warning: {universal} does not check out (") == 3
+    assert f"{universal / 'zero' / 'bert.pooler.dense.weight' / 'fp32.pt'} differs from the size or CRC-32" in proc.stderr
+    manifest = json.loads((universal / checkpoint.UNIVERSAL_MANIFEST).read_text())
+    assert manifest == {"mp_rank_00_model_states.pt": {"size": 32, "crc32": zlib.crc32(b"m" * 32)},
+                        "zero/bert.pooler.dense.weight/fp32.pt": {"size": 64, "crc32": zlib.crc32(b"w" * 64)}}
+
+
+VERIFY_ON_ONE_RANK = """
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from training import checkpoint
+from training.accelerator import leave
+
+ckpt_dir, port = Path(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+state = checkpoint.read_state(ckpt_dir / "step00000010")
+for module_only in (True, False):
+    try:
+        checkpoint.verify_checksums(ckpt_dir, "step00000010", state, module_only=module_only)
+        print("ok")
+    except checkpoint.CheckpointError as e:
+        print(e)
+dist.destroy_process_group()
+leave(0)
+"""
+
+
+def test_a_rerun_that_loads_only_the_weights_reads_only_their_file(tmp_path):
+    """A finished run rerun on another world size loads the module weights alone, yet read every optimizer
+    partition for its CRC (about 3x the model for nothing). A changed byte in a partition is not its concern;
+    in the weights' file it is."""
+    _save(tmp_path, 10)
+    partition = tmp_path / "step00000010" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    partition.write_bytes(b"o" * 49 + b"x")  # same size
+    root = Path(__file__).resolve().parents[1]
+
+    def verify() -> list[str]:
+        proc = subprocess.run([sys.executable, "-c", VERIFY_ON_ONE_RANK, str(tmp_path), str(free_port())], cwd=root,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        return proc.stdout.splitlines()
+
+    assert verify() == ["ok", f"{partition}: CRC-32 differs from the one saved: the checkpoint is corrupt. Point "
+                               f"{tmp_path / LATEST} at an older tag"]
+    (tmp_path / "step00000010" / "mp_rank_00_model_states.pt").write_bytes(b"m" * 109 + b"x")
+    assert verify()[0].startswith(f"{tmp_path / 'step00000010' / 'mp_rank_00_model_states.pt'}: CRC-32 differs")

@@ -45,6 +45,7 @@ RUN_STATE = "run_state.json"
 LATEST = "latest"
 MODEL_STATES = "mp_rank_00_model_states.pt"
 COMMIT_PENDING = "commit_pending"  # in a tag from just before its run_state.json until `latest` names it
+UNIVERSAL_MANIFEST = "universal_files.json"  # in a universal copy: size and CRC-32 of each of its files
 UNIVERSAL_SUFFIX = "_universal"
 LATEST_UNIVERSAL = "latest_universal"  # DeepSpeed's pointer to the newest universal copy
 SOURCE_RUN_STATE = "source_run_state.json"  # in a universal copy: the run_state.json it was made from
@@ -65,6 +66,9 @@ class RunState:
     identity: dict  # what a resume must not change (run_pretraining.run_identity): optimizer, batch, shards, model
     files: dict[str, dict]  # relative path -> {"size": bytes, "crc32": checksum}, every file of the tag
     previous: str | None = None  # the tag `latest` named when this one was saved
+    # CRC-32 of that tag's run_state.json then: a tag saved again under the same name after a rewind is
+    # another parent (None: no previous tag, or saved before it was recorded)
+    previous_crc32: int | None = None
     # optimizer steps whose non-finite gradients DeepSpeed skipped. Absent before it was counted: a
     # checkpoint of those versions that passes the resume's schedule check had none.
     skipped_steps: int = 0
@@ -140,6 +144,25 @@ def describe_files(tag_dir: Path, names: list[str]) -> dict[str, dict]:
     return files
 
 
+def _state_crc32(tag_dir: Path) -> int | None:
+    """CRC-32 of a tag's run_state.json; None where it has none."""
+    try:
+        return _crc32(tag_dir / RUN_STATE)
+    except FileNotFoundError:
+        return None
+
+
+def _set_aside(ckpt_dir: Path, tag: str, suffix: str, why: str) -> Path:
+    """Move a tag to `<tag>.<suffix>` (`-2`, `-3`, ... when taken), out of reach of keep-K pruning."""
+    aside, n = ckpt_dir / f"{tag}.{suffix}", 1
+    while aside.exists():
+        n += 1
+        aside = ckpt_dir / f"{tag}.{suffix}-{n}"
+    os.replace(ckpt_dir / tag, aside)
+    print(f"warning: {ckpt_dir / tag} {why}; moved to {aside}", file=sys.stderr)
+    return aside
+
+
 def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int, files: dict[str, dict]) -> RunState:
     """Rank 0, after every rank saved `tag` and the files were described: verify, write the
     manifest, point `latest` at the tag, prune."""
@@ -148,7 +171,9 @@ def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int, files: dict[
     if missing:
         raise CheckpointError(f"{tag_dir}: DeepSpeed did not write {', '.join(missing)}; 'latest' was left "
                               "at the previous checkpoint")
-    state = RunState(**state_fields, files=files, previous=read_latest(ckpt_dir))
+    previous = read_latest(ckpt_dir)
+    state = RunState(**state_fields, files=files, previous=previous,
+                     previous_crc32=_state_crc32(ckpt_dir / previous) if previous else None)
     pending = tag_dir / COMMIT_PENDING
     pending.touch()
     atomic_write_text(tag_dir / RUN_STATE, json.dumps(asdict(state), indent=1) + "\n")
@@ -162,21 +187,25 @@ def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int, files: dict[
     return state
 
 
-def recover(ckpt_dir: Path, keep: int) -> str | None:
+def recover(ckpt_dir: Path) -> str | None:
     """Rank 0, before any rank looks for its checkpoint: finish the commit a kill interrupted.
 
     Killed after a tag's run_state.json and before `latest` names it, the tag is complete and
-    still marked `commit_pending`, and `latest` names the tag it records as `previous`: it is
-    committed now (it would otherwise be taken for a tag the user rewound past, or, for a run's
-    first checkpoint, leave checkpoints without a `latest`). A complete tag beyond `latest`
-    without the mark was committed and later rewound past by the user, and one whose `previous`
-    is not `latest` was saved before the user rewound: both are left to `make_room`. Killed after
-    `latest`, the mark goes, and so do the tags beyond the newest `keep` and `latest`'s temporary
-    files. The temporary directory of a killed universal conversion goes too. Returns the tag
-    committed here, if any."""
+    still marked `commit_pending`, and `latest` names the tag it records as `previous` (the same
+    one: its run_state.json has the CRC-32 recorded): it is committed now (it would otherwise be
+    taken for a tag the user rewound past, or, for a run's first checkpoint, leave checkpoints
+    without a `latest`). One whose files do not check out was never committed: it is set aside as
+    `<tag>.damaged` and the run resumes from `latest`. A complete tag beyond `latest` without the
+    mark was committed and later rewound past by the user, and one whose parent is not `latest`'s
+    tag was saved before the user rewound: both are left to `make_room`. Killed after `latest`, the
+    mark goes. Unfinished tags, the temporary directory of a killed universal conversion and the
+    temporary files of `latest` and `latest_universal` go too. Complete tags are not pruned here,
+    before the run has checked that the directory is its own: the next save prunes them. Returns
+    the tag committed here, if any."""
     if not ckpt_dir.is_dir():
         return None
-    remove_stale_temporaries(ckpt_dir / LATEST)
+    for name in (LATEST, LATEST_UNIVERSAL):
+        remove_stale_temporaries(ckpt_dir / name)
     latest = read_latest(ckpt_dir)
     committed = None
     for tag in complete_tags(ckpt_dir):
@@ -187,34 +216,49 @@ def recover(ckpt_dir: Path, keep: int) -> str | None:
             pending.unlink()
             continue
         state = read_state(ckpt_dir / tag)
-        if state.previous != latest:
+        if state.previous != latest or (state.previous_crc32 is not None
+                                        and state.previous_crc32 != _state_crc32(ckpt_dir / latest)):
             continue
-        verify_files(ckpt_dir / tag, state)
+        try:
+            verify_files(ckpt_dir / tag, state, checksum=list(state.files))
+        except CheckpointError as e:
+            _set_aside(ckpt_dir, tag, "damaged", f"was never committed and does not check out ({e})")
+            continue
         atomic_write_text(ckpt_dir / LATEST, tag + "\n")
         pending.unlink()
         print(f"{ckpt_dir / tag} was saved whole but the run stopped before '{LATEST}' named it; it does now",
               file=sys.stderr)
         latest = committed = tag
-    # A universal conversion killed midway (universal_tag converts again when it is needed);
-    # before `prune`, which drops a `latest_universal` left naming the temporary directory.
+    # A universal conversion killed midway (universal_tag converts again when it is needed).
     for path in ckpt_dir.glob(f".step*{UNIVERSAL_SUFFIX}.*"):
         if path.name.endswith(".tmp") and path.is_dir():
             shutil.rmtree(path)
         elif path.name.endswith(".failed"):
             path.unlink()
-    prune(ckpt_dir, keep)
+    for path in ckpt_dir.glob(f"..step*{UNIVERSAL_SUFFIX}.failed.*.tmp"):  # a failure mark's, cut short
+        path.unlink()
+    remove_unfinished(ckpt_dir)
     return committed
 
 
-def finish_interrupted_commit(ckpt_dir: Path, keep: int) -> None:
-    """Collective: `recover` on rank 0; its error, if any, is raised on every rank."""
-    error = None
+def resume_point(ckpt_dir: Path) -> tuple[str, RunState] | None:
+    """Collective: rank 0 finishes an interrupted commit (`recover`) and finds the tag to resume from
+    (`find_resume`); every rank gets its answer, or its error. Each rank reading `latest` itself could
+    see an older one on a network file system that caches directory entries, just after rank 0 replaced
+    it."""
+    answer: list = [None]
     if dist.get_rank() == 0:
         try:
-            recover(ckpt_dir, keep)
+            recover(ckpt_dir)
+            found = find_resume(ckpt_dir)
+            answer[0] = ("ok", None if found is None else (found[0], asdict(found[1])))
         except (CheckpointError, OSError) as e:
-            error = str(e)
-    _raise_rank0_error(error)
+            answer[0] = ("error", str(e))
+    dist.broadcast_object_list(answer, src=0)
+    kind, value = answer[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return None if value is None else (value[0], RunState(**value[1]))
 
 
 def _raise_rank0_error(error: str | None) -> None:
@@ -233,12 +277,20 @@ def prune(ckpt_dir: Path, keep: int) -> None:
     latest = read_latest(ckpt_dir)
     tags = [t for t in complete_tags(ckpt_dir) if latest is None or t <= latest]
     keep_set = set(tags[-keep:]) | ({latest} if latest else set())
+    for path in ckpt_dir.iterdir():
+        base = path.name.removesuffix(UNIVERSAL_SUFFIX)
+        if _TAG.match(base) and path.is_dir() and base not in keep_set and latest is not None and base < latest:
+            shutil.rmtree(path)
+    remove_unfinished(ckpt_dir)
+
+
+def remove_unfinished(ckpt_dir: Path) -> None:
+    """Drop tags without a run_state.json (a save a crash cut short; never resumable) and their universal
+    copies, and a `latest_universal` naming a copy that is gone."""
     complete = set(complete_tags(ckpt_dir))
     for path in ckpt_dir.iterdir():
         base = path.name.removesuffix(UNIVERSAL_SUFFIX)
-        if not (_TAG.match(base) and path.is_dir()) or base in keep_set:
-            continue
-        if base not in complete or (latest is not None and base < latest):
+        if _TAG.match(base) and path.is_dir() and base not in complete:
             shutil.rmtree(path)
     pointer = ckpt_dir / LATEST_UNIVERSAL
     if pointer.is_file() and not (ckpt_dir / pointer.read_text().strip()).is_dir():
@@ -255,12 +307,7 @@ def make_room(ckpt_dir: Path, tag: str) -> None:
     for old in complete_tags(ckpt_dir):
         if old == tag or (latest is not None and latest < old <= tag):
             shutil.rmtree(ckpt_dir / (old + UNIVERSAL_SUFFIX), ignore_errors=True)
-            aside, n = ckpt_dir / f"{old}.abandoned", 1
-            while aside.exists():
-                n += 1
-                aside = ckpt_dir / f"{old}.abandoned-{n}"
-            os.replace(ckpt_dir / old, aside)
-            print(f"warning: {ckpt_dir / old} belonged to a run rewound past it; moved to {aside}", file=sys.stderr)
+            _set_aside(ckpt_dir, old, "abandoned", "belonged to a run rewound past it")
     shutil.rmtree(ckpt_dir / (tag + UNIVERSAL_SUFFIX), ignore_errors=True)
     if (ckpt_dir / tag).exists():
         shutil.rmtree(ckpt_dir / tag)
@@ -397,7 +444,32 @@ def read_state(tag_dir: Path) -> RunState:
         raise CheckpointError(f"{state_file} was written by another version of run_pretraining.py (fields missing: "
                               f"{', '.join(missing) or 'none'}; unknown: {', '.join(unknown) or 'none'}); resume the "
                               "run with the version that wrote it")
+    problem = _field_problem(data)
+    if problem is not None:
+        raise CheckpointError(f"{state_file}: {problem}; the file was altered. Point {tag_dir.parent / LATEST} at "
+                              "an older tag")
     return RunState(**data)
+
+
+def _field_problem(data: dict) -> str | None:
+    """What is wrong with the types of a run_state.json's fields, None if nothing."""
+    def whole(value: object) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+    for name in ("step", "consumed_samples", "world_size", "seed", "skipped_batches", "skipped_steps"):
+        if name in data and not whole(data[name]):
+            return f"field '{name}' is {data[name]!r}, not a whole number >= 0"
+    if not isinstance(data["identity"], dict):
+        return f"field 'identity' is {data['identity']!r}, not an object"
+    files = data["files"]
+    if not (isinstance(files, dict) and all(isinstance(f, dict) and whole(f.get("size")) and whole(f.get("crc32"))
+                                            for f in files.values())):
+        return "field 'files' is not an object of {\"size\": bytes, \"crc32\": checksum} per file"
+    if data.get("previous") is not None and not isinstance(data["previous"], str):
+        return f"field 'previous' is {data['previous']!r}, not a tag name"
+    if data.get("previous_crc32") is not None and not whole(data["previous_crc32"]):
+        return f"field 'previous_crc32' is {data['previous_crc32']!r}, not a checksum"
+    return None
 
 
 def verify_files(tag_dir: Path, state: RunState, checksum: list[str] | None = None) -> None:
@@ -414,12 +486,14 @@ def verify_files(tag_dir: Path, state: RunState, checksum: list[str] | None = No
                                   f"Point {tag_dir.parent / LATEST} at an older tag")
 
 
-def verify_checksums(ckpt_dir: Path, tag: str, state: RunState) -> None:
-    """Collective: the ranks share the CRC checks of the tag's files; any mismatch fails every rank."""
+def verify_checksums(ckpt_dir: Path, tag: str, state: RunState, module_only: bool = False) -> None:
+    """Collective: the ranks share the CRC checks of the tag's files (with `module_only`, of the model
+    states alone: the optimizer partitions are not read); any mismatch fails every rank."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    names = [MODEL_STATES] if module_only else list(state.files)
     error = None
     try:
-        verify_files(ckpt_dir / tag, state, checksum=list(state.files)[rank::world])
+        verify_files(ckpt_dir / tag, state, checksum=names[rank::world])
     except CheckpointError as e:
         error = str(e)
     errors: list[str | None] = [None] * world
@@ -454,11 +528,28 @@ def load(engine, ckpt_dir: Path, tag: str, module_only: bool = False) -> dict:
     return saved if isinstance(saved, dict) else {}
 
 
+def _universal_damage(target: Path) -> str | None:
+    """What is wrong with a universal copy's files against its manifest, None if nothing."""
+    try:
+        files = json.loads((target / UNIVERSAL_MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        return f"its {UNIVERSAL_MANIFEST} cannot be read: {e}"
+    for name, saved in files.items():
+        path = target / name
+        try:
+            if path.stat().st_size != saved["size"] or _crc32(path) != saved["crc32"]:
+                return f"{path} differs from the size or CRC-32 recorded when it was made"
+        except OSError as e:
+            return f"{path}: {e}"
+    return None
+
+
 def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
     """Collective: convert `tag` to DeepSpeed's universal format once (rank 0), return its tag.
 
     A universal copy is reused only if it was made from this very tag (its copy of the tag's
-    run_state.json is identical), never one left by a timeline that was rewound past `tag`.
+    run_state.json is identical), never one left by a timeline that was rewound past `tag`, and only
+    if every file has the size and CRC-32 recorded when it was made (otherwise it is made again).
     Converting a large model can outlast the process group's timeout, so the other ranks wait
     for the outcome on the checkpoint filesystem (shared by all nodes), not in a collective.
     """
@@ -475,6 +566,11 @@ def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
     rank = dist.get_rank()
     if rank == 0:
         failed.unlink(missing_ok=True)
+        if ready():
+            problem = _universal_damage(target)
+            if problem is not None:
+                print(f"warning: {target} does not check out ({problem}); converting {tag} again", file=sys.stderr)
+                shutil.rmtree(target)
     dist.barrier()  # no rank can see the outcome of an earlier attempt
     if rank == 0 and not ready():
         shutil.rmtree(target, ignore_errors=True)
@@ -491,6 +587,8 @@ def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
                        f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
         else:
             try:
+                files = describe_files(tmp, sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()))
+                atomic_write_text(tmp / UNIVERSAL_MANIFEST, json.dumps(files, indent=1) + "\n")
                 (tmp / SOURCE_RUN_STATE).write_bytes(source)
                 os.replace(tmp, target)
                 # ds_to_universal pointed it at the temporary name
