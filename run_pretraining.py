@@ -718,12 +718,49 @@ def train_step(engine, batches: MicroBatches, consumed: int, sizes: BatchSizes, 
         guard.batch_loss(True, step)
         engine.backward(out.loss)
         acc.mark_step()
-        engine.step()  # DeepSpeed applies the update at the accumulation boundary
+        try:
+            engine.step()  # DeepSpeed applies the update at the accumulation boundary
+        except AssertionError as e:
+            if _bf16_norm_assertion(e):
+                raise DivergedError(_unskipped_message(step, "stops at it with a bare assertion "
+                                                             "(BF16_Optimizer: all_groups_norm > 0); nothing was "
+                                                             "applied")) from e
+            raise
         acc.mark_step()
         totals += flags[3:]
         accepted += 1
     complete = accepted == sizes.grad_accum
-    return StepResult(complete, complete and engine.was_step_applied(), stopped, consumed, totals)
+    applied = complete and engine.was_step_applied()
+    if applied:
+        check_applied_norm(engine.get_global_grad_norm(), step)
+    return StepResult(complete, applied, stopped, consumed, totals)
+
+
+# DeepSpeed 0.19.8 skips an update whose gradient norm is not finite, in bf16 (BF16_Optimizer) and fp32 ZeRO-1/2
+# alike; 0.16.1 to 0.19.7 do not (tests/test_train_run.py's non-finite tests, run against each, 2026-11-25).
+def _unskipped_message(step: int, what: str) -> str:
+    import deepspeed
+
+    return (f"step {step + 1}: the gradient norm is not finite, and DeepSpeed {deepspeed.__version__} {what}. "
+            "DeepSpeed 0.19.8 skips such an update, and this script then takes the step again on the next samples "
+            "(docs/TRAINING.md, Guards). This run stops before any checkpoint holds the step: resume "
+            "from the last one, with DeepSpeed 0.19.8 or later where the platform allows, or start a new phase "
+            "from it with a lower --learning_rate")
+
+
+def _bf16_norm_assertion(e: AssertionError) -> bool:
+    """Whether `e` is BF16_Optimizer's `assert all_groups_norm > 0.` of DeepSpeed before 0.19.8, which a
+    non-finite gradient norm (NaN > 0 is false) trips before anything is applied."""
+    frames = traceback.extract_tb(e.__traceback__)
+    return bool(frames) and Path(frames[-1].filename).name == "bf16_optimizer.py"
+
+
+def check_applied_norm(grad_norm: float | None, step: int) -> None:
+    """After an update DeepSpeed applied: a non-finite gradient norm means its values reached the weights
+    (DeepSpeed before 0.19.8 in fp32), so the run must stop before a checkpoint saves them."""
+    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+        raise DivergedError(_unskipped_message(step, "applied the update anyway: the weights now hold "
+                                                     "non-finite or meaningless values"))
 
 
 def eval_sums(out, inputs: dict) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from run_pretraining import (
     NonFiniteGuard,
     RunConfigError,
     TrainArgs,
+    _bf16_norm_assertion,
+    check_applied_norm,
     check_resume_identity,
     load_ds_config,
     micro_step_seed,
@@ -658,3 +661,33 @@ def test_dropout_seeds_are_fixed_numbers_of_seed_position_and_rank():
     assert [micro_step_seed(s, p, r) for s, p, r in [(42, 0, 0), (42, 4096, 1), (12439, 10**9, 7)]] == [
         5732826375231505755, 7261701303596047865, 3210812356538674357]
     assert all(0 <= micro_step_seed(7, p, 0) < 2**63 for p in range(100))  # torch.manual_seed takes them
+
+
+def test_an_update_deepspeed_applied_with_a_non_finite_norm_stops_the_run():
+    """DeepSpeed before 0.19.8 applies an fp32 ZeRO update whose gradient norm is not finite (measured with
+    0.16.1 to 0.19.7): the run must stop before a checkpoint saves the weights it left."""
+    for norm in (1.5, 0.0, None):  # None: DeepSpeed computed no norm (no clipping configured)
+        check_applied_norm(norm, 4)
+    for norm in (math.inf, math.nan, torch.tensor(math.nan)):
+        with pytest.raises(DivergedError, match=r"^step 5: the gradient norm is not finite, and DeepSpeed "
+                                                r"[0-9.]+\S* applied the update anyway: .* This run stops before any "
+                                                r"checkpoint holds the step: resume from the last one"):
+            check_applied_norm(norm, 4)
+
+
+def test_bf16_optimizers_bare_norm_assertion_is_told_apart_from_other_assertions():
+    """DeepSpeed before 0.19.8 stops BF16_Optimizer.step at `assert all_groups_norm > 0.` for a non-finite
+    norm; only that assertion becomes the explained stop."""
+    def raised(filename: str) -> AssertionError:
+        code = compile("def step(norm):\n    assert norm > 0.\n", filename, "exec")
+        namespace: dict = {}
+        exec(code, namespace)
+        try:
+            namespace["step"](math.nan)
+        except AssertionError as e:
+            return e
+        raise AssertionError("not raised")
+
+    assert _bf16_norm_assertion(raised("/site-packages/deepspeed/runtime/bf16_optimizer.py"))
+    assert not _bf16_norm_assertion(raised("/site-packages/deepspeed/runtime/engine.py"))
+    assert not _bf16_norm_assertion(AssertionError("no traceback"))
