@@ -757,8 +757,9 @@ def _bf16_norm_assertion(e: AssertionError) -> bool:
 
 def check_applied_norm(grad_norm: float | None, step: int) -> None:
     """After an update DeepSpeed applied: a non-finite gradient norm means its values reached the weights
-    (DeepSpeed before 0.19.8 in fp32), so the run must stop before a checkpoint saves them."""
-    if grad_norm is not None and not math.isfinite(float(grad_norm)):
+    (DeepSpeed before 0.19.8 in fp32), so the run must stop before a checkpoint saves them. DeepSpeed's norm
+    helpers report a non-finite norm as inf, NaN or, in some releases, -1."""
+    if grad_norm is not None and not (math.isfinite(float(grad_norm)) and float(grad_norm) >= 0):
         raise DivergedError(_unskipped_message(step, "applied the update anyway: the weights now hold "
                                                      "non-finite or meaningless values"))
 

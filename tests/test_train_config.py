@@ -668,7 +668,7 @@ def test_an_update_deepspeed_applied_with_a_non_finite_norm_stops_the_run():
     0.16.1 to 0.19.7): the run must stop before a checkpoint saves the weights it left."""
     for norm in (1.5, 0.0, None):  # None: DeepSpeed computed no norm (no clipping configured)
         check_applied_norm(norm, 4)
-    for norm in (math.inf, math.nan, torch.tensor(math.nan)):
+    for norm in (math.inf, math.nan, torch.tensor(math.nan), -1.0):  # -1: the helpers' sentinel
         with pytest.raises(DivergedError, match=r"^step 5: the gradient norm is not finite, and DeepSpeed "
                                                 r"[0-9.]+\S* applied the update anyway: .* This run stops before any "
                                                 r"checkpoint holds the step: resume from the last one"):
