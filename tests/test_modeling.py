@@ -83,6 +83,8 @@ def test_hf_parity_fp32(pre_layer_norm):
     config = small_config(pre_layer_norm=pre_layer_norm, hidden_act="gelu_new", layer_norm_eps=1e-3)
     torch.manual_seed(1)
     model = BertForPreTraining(config).eval()
+    # LayerNorms and biases random too: at their init (1 and 0) a swapped pair would agree by accident
+    _random_weights(model, seed=5)
     hf = modeling.to_hf_model(model)
     expected_cls = transformers.MegatronBertForPreTraining if pre_layer_norm else transformers.BertForPreTraining
     assert type(hf) is expected_cls
@@ -104,6 +106,7 @@ def test_hf_parity_fp32(pre_layer_norm):
 def test_save_hf_load_hf_round_trip(tmp_path, pre_layer_norm):
     config = small_config(pre_layer_norm=pre_layer_norm, hidden_act="relu", layer_norm_eps=1e-5, initializer_range=0.03)
     model = BertForPreTraining(config).eval()
+    _random_weights(model, seed=6)
     batch = make_batch(config)
     modeling.save_hf(model, tmp_path / "hf")
     assert (tmp_path / "hf" / "model.safetensors").is_file()
