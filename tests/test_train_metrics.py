@@ -103,6 +103,23 @@ def test_eta_extrapolates_this_runs_pace_to_the_steps_left(tmp_path, monkeypatch
     assert line == "train step 50/100 | loss 1.0000 | ETA 0:04:10"
 
 
+def test_eta_leaves_out_the_first_steps_start_up(tmp_path, monkeypatch):
+    """The first step of a run carries its compilation (minutes on an HPU) and the loader's start: averaged in,
+    it inflated the ETA of a long run for hours. The pace counts from the end of that step."""
+    clock = [1000.0]
+    monkeypatch.setattr(time, "perf_counter", lambda: clock[0])
+    writer = MetricsWriter(tmp_path, total_steps=100, start_step=40, enabled=True)  # resumed at step 40
+    clock[0] += 60.0  # step 41: 60 s of start-up and compilation
+    writer.advance(41)
+    assert writer.progress_line({"step": 41, "loss": 1.0}, "train").endswith("ETA 0:59:00")  # 60 s x 59: all it has
+    for step in range(42, 51):  # then 5 s per step
+        clock[0] += 5.0
+        writer.advance(step)
+    line = writer.progress_line({"step": 50, "loss": 1.0}, "train")
+    writer.close()
+    assert line == "train step 50/100 | loss 1.0000 | ETA 0:04:10"  # 5 s x 50, not 105 s / 10 x 50 = 0:08:45
+
+
 def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     writer = MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=True)
     for step in range(1, 8):

@@ -173,6 +173,7 @@ class MetricsWriter:
         self.tb = None
         self.start_time = time.perf_counter()
         self.start_step = start_step
+        self.first_step_done: tuple[int, float] | None = None  # (step, time) when this run's first step ended
         self.total_steps = total_steps
         self.eval_steps: set[int] = set()
         if not enabled:
@@ -216,6 +217,8 @@ class MetricsWriter:
         return step in self.eval_steps
 
     def advance(self, step: int) -> None:
+        if self.first_step_done is None:
+            self.first_step_done = (step, time.perf_counter())
         if self.bar is not None:
             self.bar.update(step - self.bar.n)
 
@@ -250,7 +253,12 @@ class MetricsWriter:
             parts.append(f"{record['seq_per_s']:.1f} seq/s")
         done = step - self.start_step
         if prefix == "train" and done > 0:
-            eta = (time.perf_counter() - self.start_time) / done * (self.total_steps - step)
+            # Paced from the end of this run's first step: its start-up and compilation (minutes on an
+            # HPU) would inflate every ETA of a long run's first hours. Until a second step, that step's time.
+            since, start = (self.start_step, self.start_time) if self.first_step_done is None else self.first_step_done
+            if step <= since:
+                since, start = self.start_step, self.start_time
+            eta = (time.perf_counter() - start) / (step - since) * (self.total_steps - step)
             parts.append(f"ETA {format_duration(eta)}")
         return " | ".join(parts)
 
