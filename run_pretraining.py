@@ -905,9 +905,12 @@ def start_lines(info: dict, args: TrainArgs, train_set, eval_set, vocab: Path | 
                  if info["bf16"] else "fp32")
     checkpointing = (f"every {plural(info['activation_checkpointing_interval'], 'layer')}"
                      if info["activation_checkpointing"] else "off")
+    # NVIDIA's LAMB adapts only the groups that decay (build_param_groups): without weight decay it is Adam.
+    as_adam = " (no group decays at --weight_decay 0, so no trust ratio: Adam's update)" if (
+        info["optimizer"] == "lamb" and args.weight_decay == 0) else ""
     lines = [
         f"run: {world} on {info['accelerator']} ({info['backend']}), ZeRO-{info['zero_stage']}, {precision}, "
-        f"optimizer {info['optimizer']}",
+        f"optimizer {info['optimizer']}{as_adam}",
         f"batch: {info['train_batch_size']} sequences per step = {info['micro_batch']} per micro batch x "
         f"{plural(info['gradient_accumulation_steps'], 'accumulation step')} x {world}",
         f"model: {info['parameters'] / 1e6:.1f}M parameters ({args.config_file}), activation checkpointing "

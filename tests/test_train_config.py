@@ -617,6 +617,17 @@ def test_the_start_caps_the_evaluated_samples_and_names_another_world_size_only(
         " at sequence 32 of a 4-rank run")
 
 
+def test_the_start_says_when_lamb_runs_as_adam(tmp_path: Path):
+    """LAMB adapts the groups that decay, as NVIDIA's does: at --weight_decay 0 none does, and nothing said so."""
+    for optimizer, weight_decay, said in [("lamb", 0.0, True), ("lamb", 0.01, False), ("lans", 0.0, False),
+                                          ("adamw", 0.0, False)]:
+        info, args = _start(tmp_path, optimizer=optimizer, weight_decay=weight_decay)
+        info["optimizer"] = optimizer  # run_info's copy of the flag
+        line = start_lines(info, args, _dataset(tmp_path, 50), None, None)[0]
+        assert line.endswith(f"optimizer {optimizer}" + (" (no group decays at --weight_decay 0, so no trust ratio: "
+                                                         "Adam's update)" if said else "")), line
+
+
 def test_the_vocab_of_data_prepares_hdf5_directory_is_the_one_beside_it(tmp_path: Path, bert_vocab):
     """--input_dir <data.prepare output>/hdf5 (which the no-shards error suggests) found no vocab.txt: the run kept
     none and a phase 2 skipped its vocabulary check, without a word."""
