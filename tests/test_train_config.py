@@ -23,6 +23,7 @@ from run_pretraining import (
     _bf16_norm_assertion,
     check_applied_norm,
     check_resume_identity,
+    deepspeed_skips_nonfinite,
     load_ds_config,
     micro_step_seed,
     open_data,
@@ -702,3 +703,17 @@ def test_bf16_optimizers_bare_norm_assertion_is_told_apart_from_other_assertions
     assert _bf16_norm_assertion(raised("/site-packages/deepspeed/runtime/bf16_optimizer.py"))
     assert not _bf16_norm_assertion(raised("/site-packages/deepspeed/runtime/engine.py"))
     assert not _bf16_norm_assertion(AssertionError("no traceback"))
+
+
+@pytest.mark.parametrize("version, skips", [("0.19.8", True), ("0.20.0", True), ("0.19.7", False),
+                                            ("0.16.1+hpu.synapse.v1.20.0", False), ("1.0.0rc1", True)])
+def test_the_norm_is_read_back_only_where_deepspeed_does_not_skip(monkeypatch, version, skips):
+    """Only DeepSpeed 0.19.8 and later skip a non-finite update; on them the check after each step is left out."""
+    import deepspeed
+
+    monkeypatch.setattr(deepspeed, "__version__", version)
+    deepspeed_skips_nonfinite.cache_clear()
+    try:
+        assert deepspeed_skips_nonfinite() is skips
+    finally:
+        deepspeed_skips_nonfinite.cache_clear()

@@ -587,7 +587,7 @@ def universal_tag(ckpt_dir: Path, tag: str, poll_seconds: float = 2.0) -> str:
                        f"{result.stdout[-2000:]}{result.stderr[-2000:]}")
         else:
             try:
-                files = describe_files(tmp, sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()))
+                files = describe_files(tmp, tag_files(tmp))
                 atomic_write_text(tmp / UNIVERSAL_MANIFEST, json.dumps(files, indent=1) + "\n")
                 (tmp / SOURCE_RUN_STATE).write_bytes(source)
                 os.replace(tmp, target)

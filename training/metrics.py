@@ -255,8 +255,8 @@ class MetricsWriter:
         if prefix == "train" and done > 0:
             # Paced from the end of this run's first step: its start-up and compilation (minutes on an
             # HPU) would inflate every ETA of a long run's first hours. Until a second step, that step's time.
-            since, start = (self.start_step, self.start_time) if self.first_step_done is None else self.first_step_done
-            if step <= since:
+            since, start = self.first_step_done or (self.start_step, self.start_time)
+            if step <= since:  # only the first step is done
                 since, start = self.start_step, self.start_time
             eta = (time.perf_counter() - start) / (step - since) * (self.total_steps - step)
             parts.append(f"ETA {format_duration(eta)}")
