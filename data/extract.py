@@ -59,6 +59,9 @@ from data.parallel import bounded_map
 from data.stage import PipelineError
 
 PART_GLOB = "part-*.txt"
+# The create stage draws each random next sentence (NSP) from the other documents of A's part: a part of
+# one article gives no negative pair, a part of two always the same one.
+MIN_ARTICLES_PER_PART = 10
 # The version of the text this stage writes. Bump it whenever its output for the same dump changes
 # (another cleaning rule, part layout or chunk record): a finished extracted directory of another
 # version is then refused, and an unfinished one started afresh, instead of being reused.
@@ -70,7 +73,7 @@ class ExtractConfig:
     input: Path
     output_dir: Path
     workers: int = 1
-    articles_per_part: int = 2000
+    articles_per_part: int = 2000  # at least MIN_ARTICLES_PER_PART
     # Bytes of the file one worker task reads (of a bz2 dump, about 4.5x that of XML). Parts do
     # not depend on it; it only sets the parallel grain.
     chunk_bytes: int = 4 << 20
@@ -555,9 +558,16 @@ def list_parts(stage_dir: Path) -> list[Path]:
     return sorted(stage_dir.glob(PART_GLOB))
 
 
+def check_articles_per_part(articles_per_part: int) -> None:
+    if articles_per_part < MIN_ARTICLES_PER_PART:
+        raise PipelineError(
+            f"--articles_per_part {articles_per_part} is below {MIN_ARTICLES_PER_PART}: the create stage draws each "
+            "random next sentence (NSP) from the other documents of the same part, so parts that small give few or no "
+            "negative pairs; keep the default 2000")
+
+
 def extract(cfg: ExtractConfig) -> ExtractResult:
-    if cfg.articles_per_part < 1:
-        raise PipelineError(f"articles_per_part must be >= 1, got {cfg.articles_per_part}")
+    check_articles_per_part(cfg.articles_per_part)
     if cfg.workers < 1:
         raise PipelineError(f"workers must be >= 1, got {cfg.workers}")
     check_dump(cfg.input)
@@ -847,7 +857,8 @@ def main(argv: list[str] | None = None) -> None:
                         "http(s) one)")
     p.add_argument("--output_dir", type=Path, required=True, help="the articles directory")
     add_workers_argument(p)
-    p.add_argument("--articles_per_part", type=int, default=2000, help="articles per part file (the parallel work unit)")
+    p.add_argument("--articles_per_part", type=int, default=2000, help="articles per part file (the parallel work unit); the create stage draws NSP's random next "
+                        f"document from the same part, so at least {MIN_ARTICLES_PER_PART}")
     a = p.parse_args(argv)
     r = stage.cli_call(lambda args: extract(ExtractConfig(dump_path(args.input), args.output_dir, args.workers,
                                                           args.articles_per_part)), a)

@@ -50,7 +50,14 @@ from data.download import (
     file_name,
     is_http,
 )
-from data.extract import ExtractConfig, ExtractResult, check_dump, extract
+from data.extract import (
+    MIN_ARTICLES_PER_PART,
+    ExtractConfig,
+    ExtractResult,
+    check_articles_per_part,
+    check_dump,
+    extract,
+)
 from data.segment import SegmentConfig, SegmentResult, segment
 from data.shard import (
     ShardConfig,
@@ -270,6 +277,7 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
     if warning:
         report(warning)
     check_shard_counts(cfg.num_shards, cfg.num_test_shards, cfg.test_fraction)
+    check_articles_per_part(cfg.articles_per_part)
     check_name(cfg.name)
     if cfg.vocab_file is not None:
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
@@ -386,7 +394,8 @@ def main(argv: list[str] | None = None) -> None:
     add_masking_arguments(p)
     p.add_argument("--num_shards", type=int, default=256, help="training shards")
     p.add_argument("--num_test_shards", type=int, default=1, help="test shards (0: no test split)")
-    p.add_argument("--articles_per_part", type=int, default=2000, help="articles per parallel work unit")
+    p.add_argument("--articles_per_part", type=int, default=2000, help="articles per parallel work unit; NSP's random next document is drawn from the same part, so at "
+                        f"least {MIN_ARTICLES_PER_PART}")
     p.add_argument("--name", default="wikicorpus_en", help="shard file name prefix")
     add_compression_argument(p)
     add_workers_argument(p)

@@ -322,6 +322,18 @@ def test_a_refused_input_leaves_no_directory_behind(name, message, sample_dump, 
     assert not (tmp_path / "extracted").exists()
 
 
+def test_parts_too_small_for_nsp_negatives_are_refused_before_the_download(bert_vocab, tmp_path):
+    """data.prepare --articles_per_part 1 ran to the end and wrote shards whose next_sentence_labels were all 0: a
+    part's single document has no other to draw a random next from. It is refused before any stage, even the
+    download of an http(s) --input (the URL here would fail)."""
+    with pytest.raises(SystemExit) as exc:
+        prepare_main(["--input", "http://127.0.0.1:9/dump.xml.bz2", "--output_dir", str(tmp_path / "out"),
+                      "--vocab_file", str(bert_vocab), "--articles_per_part", "1"])
+    assert str(exc.value.code).startswith("error: --articles_per_part 1 is below 10: the create stage draws each random "
+                                          "next sentence (NSP) from the other documents of the same part")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("module, flag, writer, made_as, more", [
     ("segment", "--input_dir", "data.extract", "<text_dir>/extracted", []),
     ("tokens", "--input_dir", "data.segment", "<text_dir>/sentences", ["--vocab_file", "{vocab}"]),

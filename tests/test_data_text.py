@@ -445,12 +445,20 @@ def test_a_page_that_is_not_xml_is_named_by_its_title(tmp_path, body):
         extract(ExtractConfig(dump, tmp_path / "out"))
 
 
-@pytest.mark.parametrize("setting, value", [("articles_per_part", 0), ("chunk_bytes", 0)])
-def test_settings_below_one_are_refused_before_any_work(sample_dump, tmp_path, setting, value):
-    """A part of no article or chunks of no byte: a division by zero or a hang, after the stage began (workers:
-    test_data_multistream.py)."""
-    with pytest.raises(PipelineError, match=rf"^{setting} must be >= 1, got 0$"):
-        extract(ExtractConfig(sample_dump, tmp_path / "out", **{setting: value}))
+def test_chunks_of_no_byte_are_refused_before_any_work(sample_dump, tmp_path):
+    """A division by zero or a hang, after the stage began (workers: test_data_multistream.py)."""
+    with pytest.raises(PipelineError, match=r"^chunk_bytes must be >= 1, got 0$"):
+        extract(ExtractConfig(sample_dump, tmp_path / "out", chunk_bytes=0))
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("articles_per_part", [0, 1, 9])
+def test_parts_too_small_for_nsp_negatives_are_refused_before_any_work(sample_dump, tmp_path, articles_per_part):
+    """The random next document comes from A's part: parts of 1 article had made shards whose
+    next_sentence_labels were all 0, without a word (0 was a division by zero)."""
+    with pytest.raises(PipelineError, match=rf"^--articles_per_part {articles_per_part} is below 10: the create stage "
+                                            "draws each random next sentence \\(NSP\\) from the other documents"):
+        extract(ExtractConfig(sample_dump, tmp_path / "out", articles_per_part=articles_per_part))
     assert not (tmp_path / "out").exists()
 
 
