@@ -302,13 +302,15 @@ def mask_block(block: dict[str, np.ndarray], cfg: CreateConfig, vocab: MaskingVo
 
 
 def mask_rows(ids: np.ndarray, candidates: np.ndarray, total: np.ndarray, max_predictions: int,
-              masked_lm_prob: float, whole_word_masking: bool, vocab: MaskingVocab, rng: np.random.Generator
-              ) -> tuple[np.ndarray, np.ndarray]:
+              masked_lm_prob: float, whole_word_masking: bool, vocab: MaskingVocab,
+              rng: np.random.Generator | list[np.random.Generator]) -> tuple[np.ndarray, np.ndarray]:
     """BERT's masking of rows of token ids, in place: min(max_predictions, max(1, round(total *
     masked_lm_prob))) of each row's candidate slots (whole words with `whole_word_masking`); 80% of
     them become [MASK], 10% a random non-special token, 10% stay. `total` is each row's token count,
     [CLS] and [SEP]s included, as in the reference. Returns (masked_lm_positions, masked_lm_ids),
     int32 [rows, max_predictions], ascending positions and zero padding.
+    `rng`: one generator for the block, or one per row; a row masked with its own generator comes out as
+    it would alone, whichever rows are masked beside it (the loader's masking per stream position).
     """
     n, seq = ids.shape
     n_pred = np.minimum(max_predictions, np.maximum(1, np.round(total * masked_lm_prob).astype(np.int64)))
@@ -316,7 +318,8 @@ def mask_rows(ids: np.ndarray, candidates: np.ndarray, total: np.ndarray, max_pr
     # A random key per slot, made unique within its row by its column in the low bits;
     # [CLS], [SEP] and padding get the largest key so they are never chosen.
     low = max(1, int(seq - 1).bit_length())
-    keys = (rng.integers(0, 1 << (31 - low), (n, seq), dtype=np.int32) << low) | col
+    draw = _RowDraws(rng)
+    keys = (draw.integers(1 << (31 - low), np.full(n, seq), np.int32).reshape(n, seq) << low) | col
     keys[~candidates] = np.iinfo(np.int32).max
     rows = np.arange(n)
     if whole_word_masking:
@@ -332,13 +335,33 @@ def mask_rows(ids: np.ndarray, candidates: np.ndarray, total: np.ndarray, max_pr
     masked_ids = np.zeros((n, max_predictions), dtype=np.int32)
     positions[sel_rows, slot] = sel_cols
     masked_ids[sel_rows, slot] = ids[sel_rows, sel_cols]
-    action = rng.random(len(sel_rows), dtype=np.float32)
+    action = draw.random(counts)
     replace_mask = action < 0.8
     replace_random = action >= 0.9
     ids[sel_rows[replace_mask], sel_cols[replace_mask]] = vocab.mask
     ids[sel_rows[replace_random], sel_cols[replace_random]] = vocab.replacements[
-        rng.integers(0, len(vocab.replacements), int(replace_random.sum()))]
+        draw.integers(len(vocab.replacements), np.bincount(sel_rows[replace_random], minlength=n), np.int64)]
     return positions, masked_ids
+
+
+@dataclass(frozen=True)
+class _RowDraws:
+    """Draws of `counts[i]` numbers for each row i, concatenated in row order: from one generator for the
+    whole block, or from row i's own generator."""
+
+    rng: np.random.Generator | list[np.random.Generator]
+
+    def integers(self, high: int, counts: np.ndarray, dtype: type) -> np.ndarray:
+        if isinstance(self.rng, np.random.Generator):
+            return self.rng.integers(0, high, int(counts.sum()), dtype=dtype)
+        return np.concatenate([np.zeros(0, dtype), *(r.integers(0, high, int(c), dtype=dtype)
+                                                     for r, c in zip(self.rng, counts, strict=True))])
+
+    def random(self, counts: np.ndarray) -> np.ndarray:
+        if isinstance(self.rng, np.random.Generator):
+            return self.rng.random(int(counts.sum()), dtype=np.float32)
+        return np.concatenate([np.zeros(0, np.float32), *(r.random(int(c), dtype=np.float32)
+                                                          for r, c in zip(self.rng, counts, strict=True))])
 
 
 def held_out(n_docs: int, test_fraction: float, seed: int, part_index: int) -> np.ndarray:

@@ -220,15 +220,39 @@ def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
 
 def test_dynamic_masking_refuses_a_vocab_that_is_not_the_shards(dynamic_shards, tmp_path):
     """Dynamic masks take [CLS], [SEP], [MASK] and the random replacements from the vocab.txt beside the shards:
-    one with more tokens than the model fed it ids without an embedding; one with other special ids masked
-    [CLS] and [SEP] (122 of 300 rows, with [CLS]/[SEP] swapped with [unused0]/[unused1])."""
+    one with more tokens than the model fed it ids without an embedding; one with fewer, a bare IndexError under
+    whole-word masking (and nothing at all without); one with other special ids masked [CLS] and [SEP] (122 of
+    300 rows, with [CLS]/[SEP] swapped with [unused0]/[unused1])."""
     (tmp_path / "hdf5").symlink_to(dynamic_shards / "hdf5")
     tokens = (dynamic_shards / "vocab.txt").read_text().splitlines()
-    (tmp_path / "vocab.txt").write_text("\n".join(tokens + ["[extra]"]) + "\n")
+    first = find_shards(tmp_path, "training")[0]
+    for size in (VOCAB + 1, 29_000):
+        (tmp_path / "vocab.txt").write_text("\n".join((tokens + ["[extra]"])[:size]) + "\n")
+        with pytest.raises(DataConfigError, match=rf"vocab\.txt: holds {size} tokens but {re.escape(str(first))} was "
+                                                  rf"made with a vocabulary of {VOCAB}; put the vocabulary the shards "
+                                                  "were made with there"):
+            training_set(tmp_path)
+    # Reference-format shards do not say their vocabulary: one larger than the model's, or an id it lacks, is
+    # found as rows are read.
+    reference = tmp_path / "reference"
+    reference.mkdir()
+    for src in find_shards(dynamic_shards, "training"):
+        to_reference_format(src, reference / src.name)
+    (reference / "vocab.txt").write_text("\n".join(tokens + ["[extra]"]) + "\n")
     with pytest.raises(DataConfigError, match=rf"vocab\.txt: holds {VOCAB + 1} tokens but the model config has "
                                               rf"vocab_size {VOCAB}; dynamic masking would feed the model ids it has no "
                                               rf"embedding for: set vocab_size to at least {VOCAB + 1}"):
-        training_set(tmp_path)
+        training_set(reference)
+    (reference / "vocab.txt").write_text("\n".join(tokens[:20_000]) + "\n")
+    ds = training_set(reference)
+    batch, shard = list(range(64)), ds.locate(0)[0]
+    with h5py.File(ds.shards[shard].path, "r") as f:
+        ids = f["input_ids"][()]
+    row = next(r for s, r in map(ds.locate, batch) if s == shard and ids[r].max() >= 20_000)  # the first met
+    with pytest.raises(DataConfigError, match=rf"_training_{shard}\.hdf5: row {row} holds token id "
+                                              rf"{ids[row].max()}, but the vocab.txt beside the shards has 20000 "
+                                              "tokens; it is not the vocabulary they were made with"):
+        ds.__getitems__(batch)
     cls_id, unused = tokens.index("[CLS]"), tokens.index("[unused0]")
     tokens[cls_id], tokens[unused] = tokens[unused], tokens[cls_id]
     (tmp_path / "vocab.txt").write_text("\n".join(tokens) + "\n")
@@ -280,6 +304,12 @@ def test_dynamic_masking_follows_the_shards_recipe(phase1_shards, tmp_path):
         assert masked[:-1][piece[1:] & masked[1:]].all() and masked[1:][piece[1:] & masked[:-1]].all()
         pieces_masked += int(piece[masked].sum())
     assert 0.27 < np.mean(masked_share) < 0.31 and pieces_masked > 50
+    # A batch is masked at once, each row as it is alone (ds[p]): by its stream position, whatever its batch.
+    batch = list(range(0, 3 * len(ds), 3 * len(ds) // 64))[:64]
+    assert len({ds.locate(p)[0] for p in batch}) == 2
+    for position, sample in zip(batch, ds.__getitems__(batch), strict=True):
+        alone = ds[position]
+        assert all(np.array_equal(sample[k], alone[k]) for k in alone)
 
 
 def test_at_most_two_shards_are_open_per_process(phase1_shards, tmp_path):
@@ -494,8 +524,10 @@ def _h5py_sample(ds, position: int) -> dict[str, np.ndarray]:
                   "next_sentence_labels": np.asarray(f["next_sentence_labels"][row], dtype=np.int64).reshape(())}
         if ds.shards[shard].static_masks:
             positions, ids = (f[key][row].astype(np.int64) for key in ("masked_lm_positions", "masked_lm_ids"))
-    if not ds.shards[shard].static_masks:
-        positions, ids = ds._mask(sample, shard, position)
+    if not ds.shards[shard].static_masks:  # the row masked alone
+        block = {key: values[None] for key, values in sample.items()}
+        positions, ids = (masks[0] for masks in ds._mask(block, shard, np.array([row]), [position]))
+        sample["input_ids"] = block["input_ids"][0]
     return sample | {"masked_lm_positions": positions, "masked_lm_labels": np.where(ids == 0, IGNORE_INDEX, ids)}
 
 

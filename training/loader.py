@@ -58,6 +58,7 @@ class ShardInfo:
     masked_lm_prob: float = BERT_MASKED_LM_PROB
     whole_word_masking: bool = False
     lower_case: bool | None = None  # whether the text was lower-cased; None: the shard does not say
+    vocab_size: int | None = None  # of the vocabulary the shard was made with; None: the shard does not say
     # Whether the loader reads a dataset of the shard whole (_read_shard), not through a map of the file: the
     # stream reads such a shard ahead. False in a ShardInfo made by hand, not by inspect_shard: none read ahead.
     read_whole: bool = False
@@ -175,7 +176,8 @@ def inspect_shard(path: Path, max_seq_length: int, max_predictions: int, vocab_s
         raise DataConfigError(f"{path}: attribute masked_lm_prob={prob} is outside (0, 1); recreate the shards")
     return ShardInfo(path=str(path), num_samples=int(n), static_masks=static, masked_lm_prob=prob,
                      whole_word_masking=bool(attrs.get("whole_word_masking", 0)),
-                     lower_case=bool(attrs["lower_case"]) if "lower_case" in attrs else None, read_whole=read_whole)
+                     lower_case=bool(attrs["lower_case"]) if "lower_case" in attrs else None, read_whole=read_whole,
+                     vocab_size=int(attrs["vocab_size"]) if "vocab_size" in attrs else None)
 
 
 def _check_attrs(path: Path, attrs: dict, static: bool, seq: int, preds: int, vocab_size: int) -> None:
@@ -377,14 +379,13 @@ class PretrainingDataset(Dataset):
             which = [i for i, (s, _) in enumerate(located) if s == shard]
             rows = np.array([located[i][1] for i in which], dtype=np.int64)
             block = self._read_rows(shard, rows, positions[which[0]])
-            static = self.shards[shard].static_masks
+            if not self.shards[shard].static_masks:
+                block["masked_lm_positions"], ids = self._mask(block, shard, rows, [positions[i] for i in which])
+                block["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
             for j, i in enumerate(which):
                 sample = samples[i]
                 for key, values in block.items():
                     sample[key] = values[j, ...]  # a 0-d array for next_sentence_labels
-                if not static:
-                    sample["masked_lm_positions"], ids = self._mask(sample, shard, positions[i])
-                    sample["masked_lm_labels"] = np.where(ids == 0, IGNORE_INDEX, ids)
         return samples
 
     def _read_rows(self, shard: int, rows: np.ndarray, position: int) -> dict[str, np.ndarray]:
@@ -428,22 +429,32 @@ class PretrainingDataset(Dataset):
             f"{path}: row {row} holds {what} {bad}, outside the model's vocab_size {self.vocab_size}; the shards were "
             "made with another vocabulary, set vocab_size in --config_file to match it")
 
-    def _mask(self, sample: dict[str, np.ndarray], shard: int, position: int) -> tuple[np.ndarray, np.ndarray]:
-        """Mask a sample as data.create masks static shards, seeded by the stream position so that a
-        resumed run masks alike. Replaces sample["input_ids"]; returns (positions, original ids)."""
+    def _mask(self, block: dict[str, np.ndarray], shard: int, rows: np.ndarray, stream_positions: list[int]
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Mask a shard's rows as data.create masks static shards, each row seeded by its stream position, so
+        that a resumed run, or one that groups the rows in other batches, masks alike. Replaces
+        block["input_ids"]; returns (positions, original ids)."""
         assert self.vocab is not None
-        info = self.shards[shard]
-        ids = sample["input_ids"][None, :].copy()
-        if ids[0, 0] != self.vocab.cls:  # every sequence begins with [CLS]: another vocab.txt would mask specials
-            raise DataConfigError(f"{info.path}: row {self.locate(position)[1]} begins with id {int(ids[0, 0])}, but "
-                                  f"[CLS] is {self.vocab.cls} in the vocab.txt beside the shards; it is not the "
-                                  "vocabulary they were made with: put that one there")
-        real = sample["attention_mask"][None, :] == 1
+        path, ids = self.shards[shard].path, block["input_ids"]
+        wrong_start = np.flatnonzero(ids[:, 0] != self.vocab.cls)
+        if wrong_start.size:  # every sequence begins with [CLS]: another vocab.txt would mask specials
+            j = int(wrong_start[0])
+            raise DataConfigError(f"{path}: row {int(rows[j])} begins with id {int(ids[j, 0])}, but [CLS] is "
+                                  f"{self.vocab.cls} in the vocab.txt beside the shards; it is not the vocabulary "
+                                  "they were made with: put that one there")
+        outside = np.flatnonzero(ids.max(axis=1) >= self.vocab.size)
+        if outside.size:  # a smaller vocab.txt: whole-word masking would look such an id up in it
+            j = int(outside[0])
+            raise DataConfigError(f"{path}: row {int(rows[j])} holds token id {int(ids[j].max())}, but the vocab.txt "
+                                  f"beside the shards has {self.vocab.size} tokens; it is not the vocabulary they were "
+                                  "made with: put that one there")
+        real = block["attention_mask"] == 1
         candidates = real & (ids != self.vocab.cls) & (ids != self.vocab.sep)
+        info = self.shards[shard]
         positions, labels = mask_rows(ids, candidates, real.sum(axis=1), self.max_predictions, info.masked_lm_prob,
-                                      info.whole_word_masking, self.vocab, np.random.default_rng([self.seed, position, 2]))
-        sample["input_ids"] = ids[0]
-        return positions[0].astype(np.int64), labels[0].astype(np.int64)
+                                      info.whole_word_masking, self.vocab,
+                                      [np.random.default_rng([self.seed, p, 2]) for p in stream_positions])
+        return positions.astype(np.int64), labels.astype(np.int64)
 
 
 def _read_shard(path: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
@@ -611,6 +622,10 @@ def open_split(input_dir: Path, split: str, max_seq_length: int, max_predictions
             masking_vocab = MaskingVocab.from_file(vocab)
         except PipelineError as e:
             raise DataConfigError(str(e)) from e
+        made_with = shards[0].vocab_size
+        if made_with is not None and masking_vocab.size != made_with:
+            raise DataConfigError(f"{vocab}: holds {masking_vocab.size} tokens but {shards[0].path} was made with a "
+                                  f"vocabulary of {made_with}; put the vocabulary the shards were made with there")
         if masking_vocab.size > vocab_size:  # a random replacement may be any of its tokens
             raise DataConfigError(f"{vocab}: holds {masking_vocab.size} tokens but the model config has vocab_size "
                                   f"{vocab_size}; dynamic masking would feed the model ids it has no embedding for: "
