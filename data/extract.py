@@ -65,7 +65,7 @@ MIN_ARTICLES_PER_PART = 10
 # The version of the text this stage writes. Bump it whenever its output for the same dump changes
 # (another cleaning rule, part layout or chunk record): a finished extracted directory of another
 # version is then refused, and an unfinished one started afresh, instead of being reused.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -377,6 +377,10 @@ _MARKERS = (_PROSE, _LIST, _OPEN_MARK, _CLOSE_MARK, _LITERAL_LT)
 # A character reference to a marker, which wikiextractor turns into the marker ("&#xFDD2;foo1&#xFDD3;" was a mark
 # of no tag, a KeyError that ended the stage): dropped, as the markers themselves are.
 _MARKER_REFERENCE = re.compile(rf"&#(?:{'|'.join(rf'0*{ord(m)}|x0*(?i:{ord(m):x})' for m in _MARKERS)});")
+# A character reference MediaWiki does not decode, as its code point is no XML character (a UTF-16 surrogate:
+# "&#xD834;&#xDD1E;" for one non-BMP character, NUL, a C0 control, beyond U+10FFFF): shown as the text it is.
+# wikiextractor decoded it, and a lone surrogate could not be written (UnicodeEncodeError, the stage ended).
+_NUMERIC_REFERENCE = re.compile(r"&#(?:x([0-9a-fA-F]+)|([0-9]+));")
 _LIST_ITEM = re.compile(r":*[*#;]")  # "*", "#", ";", also nested under ":" indents (":*")
 # A line that starts with 4 or more "=" is always a heading to wikiextractor, which drops it; from 7 on,
 # dropped here, as its heading pattern backtracks over the run of "=" (hours for a line of a million).
@@ -390,6 +394,7 @@ def _prepare_wikitext(wikitext: str) -> str:
         text = text.replace(marker, "")
     if "&#" in text:
         text = _MARKER_REFERENCE.sub("", text)
+        text = _NUMERIC_REFERENCE.sub(_literal_if_undecoded, text)
     text = _COMMENT.sub("", text)  # first, so that no tag or line inside a comment is seen
     if "<" in text:
         text = _sub_elements(_NOWIKI_START, text, _nowiki_text)
@@ -409,6 +414,12 @@ def _prepare_wikitext(wikitext: str) -> str:
     if "&" in text:
         text = _LT_OF_PLACEHOLDER.sub(_LITERAL_LT, text)
     return "\n".join(_mark_line(line) for line in text.split("\n"))
+
+
+def _literal_if_undecoded(reference: re.Match) -> str:
+    code = int(reference[1], 16) if reference[1] is not None else int(reference[2])
+    decoded = code in (0x9, 0xA, 0xD) or 0x20 <= code <= 0xD7FF or 0xE000 <= code <= 0xFFFD or 0x10000 <= code <= 0x10FFFF
+    return reference[0] if decoded else "&amp;" + reference[0][1:]
 
 
 def _sub_elements(start: re.Pattern, text: str, replace: Callable[[re.Match, re.Match | None], str]) -> str:

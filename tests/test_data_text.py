@@ -433,6 +433,23 @@ def test_namespace_0_pages_of_another_content_model_are_skipped_and_counted(tmp_
         "The river flows north.\n\nA dump before export-0.8 has no model element.\n\n")
 
 
+def test_character_references_mediawiki_does_not_decode_stay_text(tmp_path):
+    """A reference to a UTF-16 surrogate in the wikitext ("&#xD834;&#xDD1E;" for one non-BMP character) became a
+    lone surrogate that could not be written: a UnicodeEncodeError ended the stage, on every rerun. MediaWiki
+    decodes no reference to a code point that is no XML character, and shows it as text; NUL and controls had
+    gone into the text."""
+    wikitext = ("A G clef &amp;#xD834;&amp;#xDD1E; and &amp;#55348; here, &amp;#0; and &amp;#x1; and &amp;#1114112; "
+                "too; decoded: &amp;#x41;&amp;#66; &amp;#x1D11E; &amp;#x9;tab.")
+    pages = "".join(f"<page><title>Page {k}</title><ns>0</ns><id>{k}</id><revision><id>{k}</id><text>{text}</text>"
+                    "</revision></page>" for k, text in enumerate(["Good words.", wikitext], 1))
+    dump = tmp_path / "dump.xml"
+    dump.write_text(f"<mediawiki>{pages}</mediawiki>\n", encoding="utf-8")
+    extract(ExtractConfig(dump, tmp_path / "out"))
+    assert (tmp_path / "out" / "part-00000.txt").read_text(encoding="utf-8") == (
+        "Good words.\n\nA G clef &#xD834;&#xDD1E; and &#55348; here, &#0; and &#x1; and &#1114112; too; decoded: "
+        "AB \U0001d11e tab.\n\n")
+
+
 @pytest.mark.parametrize("body", ["A &#0; NUL.", "A \x01 control character.", "A &#xD800; lone surrogate."])
 def test_a_page_that_is_not_xml_is_named_by_its_title(tmp_path, body):
     """Characters XML forbids end the stage with one line that names the page, not only where its chunk starts."""
