@@ -16,14 +16,18 @@ import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sized
 from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from typing import TypeVar
+
+from data.stage import PipelineError
 
 T = TypeVar("T")
 R = TypeVar("R")
 
 
 def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Iterator[R]:
-    """Yield fn(item) for each item, in input order. workers <= 1 runs in this process."""
+    """Yield fn(item) for each item, in input order. workers <= 1 runs in this process. A worker that dies (a
+    signal: the out-of-memory killer, kill -9) is a PipelineError."""
     if isinstance(items, Sized):
         workers = min(workers, len(items))  # with fork, every worker is started, busy or not
     if workers <= 1:
@@ -35,16 +39,21 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
     pending: collections.deque[Future[R]] = collections.deque()
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with,
                              initargs=(os.getpid(),)) as pool:
-        # With fork, the first submit starts every worker. Do it before `items` is first read: a
-        # producer may start threads (the dump read-ahead does), and forking while a thread holds
-        # a lock can deadlock the child.
-        pool.submit(os.getpid).result()
-        for item in items:
-            pending.append(pool.submit(fn, item))
-            if len(pending) >= 2 * workers:
+        try:
+            # With fork, the first submit starts every worker. Do it before `items` is first read: a
+            # producer may start threads (the dump read-ahead does), and forking while a thread holds
+            # a lock can deadlock the child.
+            pool.submit(os.getpid).result()
+            for item in items:
+                pending.append(pool.submit(fn, item))
+                if len(pending) >= 2 * workers:
+                    yield pending.popleft().result()
+            while pending:
                 yield pending.popleft().result()
-        while pending:
-            yield pending.popleft().result()
+        except BrokenProcessPool as exc:
+            raise PipelineError(
+                "a worker process of this stage died (killed by a signal: the out-of-memory killer, or kill); rerun the same command to continue where it stopped, with fewer "
+                "--workers if memory ran out") from exc
 
 
 _PR_SET_PDEATHSIG = 1

@@ -648,6 +648,22 @@ def test_bounded_map_yields_in_input_order_and_reads_at_most_twice_workers_ahead
     assert list(results) == [i * i for i in range(2, 12)] and len(read) == 12
 
 
+def _killed_at_3(x: int) -> int:
+    if x == 3:
+        os.kill(os.getpid(), signal.SIGKILL)  # as the out-of-memory killer ends a worker
+    return x
+
+
+@pytest.mark.parametrize("items", [range(8), iter(range(8))])
+def test_a_worker_killed_by_a_signal_is_one_error_line(items):
+    """A worker the out-of-memory killer ended was a BrokenProcessPool traceback, which the CLI does not turn into
+    its one line (found by an audit); the rerun goes on from the parts written, as after a kill of the command."""
+    with pytest.raises(PipelineError, match=r"^a worker process of this stage died \(killed by a signal: the "
+                                            r"out-of-memory killer, or kill\); rerun the same command to continue "
+                                            "where it stopped, with fewer --workers if memory ran out$"):
+        list(bounded_map(_killed_at_3, items, 2))
+
+
 # Two workers that print their pids and wait.
 _TWO_WORKERS = """
 import os, time
