@@ -868,8 +868,9 @@ def main(argv: list[str] | None = None) -> None:
                         "http(s) one)")
     p.add_argument("--output_dir", type=Path, required=True, help="the articles directory")
     add_workers_argument(p)
-    p.add_argument("--articles_per_part", type=int, default=2000, help="articles per part file (the parallel work unit); the create stage draws NSP's random next "
-                        f"document from the same part, so at least {MIN_ARTICLES_PER_PART}")
+    p.add_argument("--articles_per_part", type=int, default=2000,
+                   help="articles per part file (the parallel work unit of the stages after this one); the create "
+                        f"stage draws NSP's random next document from the same part, so at least {MIN_ARTICLES_PER_PART}")
     a = p.parse_args(argv)
     r = stage.cli_call(lambda args: extract(ExtractConfig(dump_path(args.input), args.output_dir, args.workers,
                                                           args.articles_per_part)), a)

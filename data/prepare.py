@@ -394,8 +394,9 @@ def main(argv: list[str] | None = None) -> None:
     add_masking_arguments(p)
     p.add_argument("--num_shards", type=int, default=256, help="training shards")
     p.add_argument("--num_test_shards", type=int, default=1, help="test shards (0: no test split)")
-    p.add_argument("--articles_per_part", type=int, default=2000, help="articles per parallel work unit; NSP's random next document is drawn from the same part, so at "
-                        f"least {MIN_ARTICLES_PER_PART}")
+    p.add_argument("--articles_per_part", type=int, default=2000,
+                   help="articles per part (the parallel work unit from segmentation on); NSP's random next document "
+                        f"is drawn from the same part, so at least {MIN_ARTICLES_PER_PART}")
     p.add_argument("--name", default="wikicorpus_en", help="shard file name prefix")
     add_compression_argument(p)
     add_workers_argument(p)
