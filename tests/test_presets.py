@@ -50,6 +50,18 @@ def test_every_preset_loads_and_resolves(path: Path, tmp_path: Path):
     assert ("--phase2" in args) == (preset.phase == 2)
 
 
+@pytest.mark.parametrize("phase2", [p for p in SHIPPED if load_preset(p).phase == 2], ids=lambda p: p.stem)
+def test_a_phase_2_preset_continues_its_phase_1_presets_model_and_optimizer(phase2: Path):
+    """bert-1.5b-phase2 said "continuing from bert-1.5b-phase1" but trained LAMB after phase 1's LANS, from zero
+    moments: --set init_optimizer_moments=true was then refused (another optimizer's moments). Both references'
+    phase 2 keep phase 1's optimizer state."""
+    second = load_preset(phase2)
+    first = load_preset(phase2.with_name(phase2.name.replace("phase2", "phase1")))
+    assert (second.model_config, second.optimizer) == (first.model_config, first.optimizer)
+    assert second.init_optimizer_moments and not first.init_optimizer_moments
+    assert first.name in second.description
+
+
 def test_gaudi_1_5b_recipe_figures():
     preset = load_preset("bert-1.5b-phase1")
     assert (preset.max_seq_length, preset.max_predictions_per_seq, preset.global_batch_size) == (128, 20, 12288)
