@@ -9,7 +9,8 @@
    fill-mask pipeline on it;
 6. print where everything is.
 
-Rerunning continues where it stopped (every stage skips finished work); `make clean` starts over.
+Rerunning continues where it stopped (every stage skips finished work); `make clean` starts over. A rerun
+with other --articles, --vocab_size, --max_steps or --seed needs another --output_dir.
 """
 
 from __future__ import annotations
@@ -30,6 +31,12 @@ DEMO_MODEL = ROOT / "configs" / "models" / "bert-demo.json"
 PROBES = ("the city was founded in 1200 as a [MASK] on the river.",
           "it feeds mainly on insects and [MASK] eggs in bark.",
           "the river flows into the amber [MASK].")
+
+
+# The settings the output directory's dump, data and run were made with, written on its first run: a rerun with
+# others would overwrite the dump, then be refused by a finished stage or by the checkpoint's schedule.
+SETTINGS_FILE = "demo_settings.json"
+MADE_WITH = ("articles", "vocab_size", "max_steps", "seed")
 
 
 class DemoError(RuntimeError):
@@ -213,6 +220,29 @@ def run_demo(cfg: DemoConfig) -> DemoResult:
     return DemoResult(dump, data_dir, run_dir, hf_dir, records, predictions)
 
 
+def settings_problem(output_dir: Path, settings: dict[str, int]) -> str | None:
+    """Why `output_dir` cannot take a demo of `settings` (MADE_WITH's values), or None after recording them
+    there for the next run."""
+    from data.stage import write_json_atomic
+
+    path = output_dir / SETTINGS_FILE
+    if not path.is_file():
+        output_dir.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(path, settings)
+        return None
+    try:
+        made = json.loads(path.read_text())
+        made = {key: made[key] for key in MADE_WITH}
+    except (ValueError, KeyError, TypeError):
+        return f"{path} is not a record this demo wrote; delete {output_dir} (make clean) to start over"
+    changed = [f"--{key} {settings[key]} (made with {made[key]})" for key in MADE_WITH if settings[key] != made[key]]
+    if not changed:
+        return None
+    return (f"{output_dir} holds a demo made with other settings: {', '.join(changed)}. Its finished stages and "
+            "checkpoint would not take them: pass another --output_dir for these settings (make demo "
+            f"DEMO_ARGS=\"... --output_dir results/demo-2\"), or delete {output_dir} (make clean) to start over")
+
+
 def main(argv: list[str] | None = None) -> int:
     from training.presets import load_preset
 
@@ -236,9 +266,17 @@ def main(argv: list[str] | None = None) -> int:
         batch = load_preset("demo").global_batch_size
         parser.error(f"--processes {args.processes} does not divide the demo preset's global batch of {batch} "
                      f"sequences; pass one of {', '.join(str(p) for p in range(1, batch + 1) if batch % p == 0)}")
+    max_steps = args.max_steps or load_preset("demo").max_steps
+    if max_steps // args.log_freq < 4:
+        parser.error(f"--max_steps {max_steps} with --log_freq {args.log_freq} logs {max_steps // args.log_freq} "
+                     "steps; the demo needs at least 4 to see a trend: raise --max_steps or lower --log_freq")
     blocker = file_in_the_way(args.output_dir.resolve())
     if blocker is not None:
         parser.error(f"--output_dir {args.output_dir}: {blocker} is a file, not a directory; pass a directory")
+    problem = settings_problem(args.output_dir.resolve(), {"articles": args.articles, "vocab_size": args.vocab_size,
+                                                           "max_steps": max_steps, "seed": args.seed})
+    if problem:
+        parser.error(problem)
     cfg = DemoConfig(output_dir=args.output_dir.resolve(), articles=args.articles, vocab_size=args.vocab_size,
                      max_steps=args.max_steps, processes=args.processes, seed=args.seed, log_freq=args.log_freq)
     from data.stage import PipelineError

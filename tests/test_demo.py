@@ -87,6 +87,8 @@ def test_check_learning_fails_loudly_when_nothing_is_learned():
     (["--processes", "3"], "--processes 3 does not divide the demo preset's global batch of 32 sequences; pass one "
                            "of 1, 2, 4, 8, 16, 32"),
     (["--output_dir", "{file}/demo"], "{file} is a file, not a directory; pass a directory"),
+    (["--max_steps", "30"], "--max_steps 30 with --log_freq 10 logs 3 steps; the demo needs at least 4 to see a "
+                            "trend: raise --max_steps or lower --log_freq"),
 ])
 def test_bad_flags_are_refused_before_the_pipeline_runs(args: list[str], message: str, tmp_path: Path,
                                                         monkeypatch, capsys):
@@ -116,3 +118,28 @@ def test_every_process_count_the_demo_takes_keeps_its_global_batch():
     for processes in (1, 2, 4, 8, 16, 32):
         run = resolve(load_preset("demo", {"micro_batch_per_device": micro_batch(processes)}), 1, processes)
         assert run.micro_batch_per_device * run.gradient_accumulation_steps * processes == 32
+
+
+def test_a_rerun_with_other_settings_is_refused_before_it_touches_the_output(tmp_path: Path, monkeypatch, capsys):
+    """README's own `make demo DEMO_ARGS="--max_steps 600 --articles 2400"` after a `make demo` overwrote the dump,
+    then was refused deep in the pipeline (another extraction) or by the checkpoint's schedule (found by an
+    audit). The settings the directory was made with are recorded on its first run."""
+    import scripts.demo as demo
+
+    started = []
+    monkeypatch.setattr(demo, "run_demo", started.append)
+    out = tmp_path / "demo"
+    assert demo.main(["--output_dir", str(out)]) == 0 and len(started) == 1
+    assert json.loads((out / "demo_settings.json").read_text()) == {"articles": 1200, "vocab_size": 2048,
+                                                                     "max_steps": 300, "seed": 12345}
+    # The same settings, spelled out, and those that do not change what is made: a rerun that continues.
+    assert demo.main(["--output_dir", str(out), "--max_steps", "300", "--processes", "4", "--log_freq", "5"]) == 0
+    assert len(started) == 2
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--output_dir", str(out), "--max_steps", "600", "--articles", "2400"])
+    assert exit_info.value.code == 2 and len(started) == 2
+    assert (f"{out} holds a demo made with other settings: --articles 2400 (made with 1200), --max_steps 600 (made "
+            "with 300). Its finished stages and checkpoint would not take them: pass another --output_dir for these "
+            f"settings (make demo DEMO_ARGS=\"... --output_dir results/demo-2\"), or delete {out} (make clean) to "
+            "start over") in capsys.readouterr().err
+    assert demo.main(["--output_dir", str(tmp_path / "demo-2"), "--max_steps", "600", "--articles", "2400"]) == 0
