@@ -373,7 +373,9 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         raise RunConfigError(f"--deepspeed_config {path}: a JSON {type(config).__name__}, not an object; start from "
                              f"{DEFAULT_DS_CONFIG.relative_to(ROOT)}")
     for key in [key for key in config if key not in DEEPSPEED_KEYS]:  # in the file's order: the first is named
-        near = difflib.get_close_matches(key, DEEPSPEED_KEYS, n=1, cutoff=0.85)
+        # A known key cut short ("train_micro_batch_size") is as likely a slip as a misspelling.
+        near = difflib.get_close_matches(key, DEEPSPEED_KEYS, n=1, cutoff=0.85) or \
+            [known for known in DEEPSPEED_KEYS if len(key) >= 8 and known.startswith(key)][:1]
         if near:
             raise RunConfigError(f"{path}: '{key}' is not a DeepSpeed key, which DeepSpeed would ignore; did you mean "
                                  f"'{near[0]}'?")
@@ -438,10 +440,44 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
     if optimizer in ("lamb", "lans") and config.get("zero_allow_untested_optimizer") is not True:
         raise RunConfigError(f"{path}: --optimizer {optimizer} is this project's layer-wise optimizer, which DeepSpeed "
                              "runs under ZeRO only with \"zero_allow_untested_optimizer\": true; add it")
+    gradient_clipping = config.get("gradient_clipping", 0.0)
+    if isinstance(gradient_clipping, bool) or not isinstance(gradient_clipping, (int, float)) or gradient_clipping < 0:
+        raise RunConfigError(f"{path}: gradient_clipping must be a number >= 0 (0: no clipping), got "
+                             f"{gradient_clipping!r}")
     sizes = resolve_batch_sizes(config, world_size, str(path))
     config.update(train_batch_size=sizes.train_batch_size, train_micro_batch_size_per_gpu=sizes.micro_batch,
                   gradient_accumulation_steps=sizes.grad_accum)
+    problem = deepspeed_refusal(config, sizes)
+    if problem:
+        raise RunConfigError(f"{path}: {problem}")
     return config, sizes
+
+
+# DeepSpeed's models of its sections, by the name a validation error gives, and their keys in the JSON.
+_DEEPSPEED_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF16Config": "bf16",
+                       "DeepSpeedFP16Config": "fp16", "CommsLoggerConfig": "comms_logger"}
+
+
+def deepspeed_refusal(config: dict, sizes: BatchSizes) -> str | None:
+    """What DeepSpeed's own config parser refuses in `config` (a field unknown inside a section, a value of the
+    wrong type), or None. deepspeed.initialize would refuse it too, but after the model is built (minutes at
+    1.5B) and as a traceback that names no file. The batch is that of one rank, already resolved for the world."""
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from pydantic import ValidationError
+
+    one_rank = {**config, "train_batch_size": sizes.micro_batch * sizes.grad_accum,
+                "train_micro_batch_size_per_gpu": sizes.micro_batch, "gradient_accumulation_steps": sizes.grad_accum}
+    try:
+        DeepSpeedConfig(one_rank)
+    except ValidationError as e:
+        error = e.errors()[0]
+        field = ".".join(str(part) for part in error["loc"])
+        section = _DEEPSPEED_SECTIONS.get(e.title)
+        where = f"{section}.{field}" if section else f"{field} ({e.title})"
+        return f"DeepSpeed refuses '{where}': {error['msg']} (got {error['input']!r}); correct or remove it"
+    except (DeepSpeedConfigError, AssertionError, TypeError, ValueError) as e:
+        return f"DeepSpeed refuses it: {e}"
+    return None
 
 
 def check_fp32_accumulation(engine) -> str:

@@ -109,6 +109,17 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"zero_optimization": {"stage": 1, "offload_optimizer": {"device": "cpu"}}},
      r"offload_optimizer takes only DeepSpeed's CPU optimizers unless \"zero_force_ds_cpu_optimizer\": false, "
      r"and this script passes its own \(--optimizer lamb\); add that field, or remove offload_optimizer"),
+    # DeepSpeed's own parser, before the model is built: it refused these in deepspeed.initialize, minutes later at
+    # 1.5B, with a traceback that named no file (found by an audit).
+    ({"zero_optimization": {"stage": 1, "foo": 1}},
+     r"DeepSpeed refuses 'zero_optimization.foo': Extra inputs are not permitted \(got 1\); correct or remove it$"),
+    ({"bf16": {"enabled": True, "bogus": 1}}, r"DeepSpeed refuses 'bf16.bogus': Extra inputs are not permitted"),
+    ({"tensorboard": {"enabled": True, "output_path": 3}},
+     r"DeepSpeed refuses 'tensorboard.output_path \(DeepSpeedMonitorConfig\)': Input should be a valid string"),
+    ({"checkpoint": {"tag_validation": "Sometimes"}},
+     r"DeepSpeed refuses it: Checkpoint config contains invalid tag_validation value of SOMETIMES"),
+    ({"gradient_clipping": "a"}, r"gradient_clipping must be a number >= 0 \(0: no clipping\), got 'a'$"),
+    ({"gradient_clipping": -1}, r"gradient_clipping must be a number >= 0 \(0: no clipping\), got -1$"),
 ])
 def test_deepspeed_json_errors(tmp_path, change, message):
     config = json.loads(DEFAULT_DS_CONFIG.read_text()) | change
@@ -120,6 +131,8 @@ def test_deepspeed_json_errors(tmp_path, change, message):
 
 @pytest.mark.parametrize("key, meant", [("gradient_cliping", "gradient_clipping"),
                                        ("train_micro_batch_sizeper_gpu", "train_micro_batch_size_per_gpu"),
+                                       # ran with a micro batch of the whole global batch (found by an audit)
+                                       ("train_micro_batch_size", "train_micro_batch_size_per_gpu"),
                                        ("bf_16", "bf16"), ("zero_optimisation", "zero_optimization")])
 def test_a_misspelt_deepspeed_key_is_refused(tmp_path, key, meant):
     """DeepSpeed ignores a key it does not know: "gradient_cliping": 0.5 trained with the default clipping 1.0."""
