@@ -472,9 +472,11 @@ def deepspeed_refusal(config: dict, sizes: BatchSizes) -> str | None:
     except ValidationError as e:
         error = e.errors()[0]
         field = ".".join(str(part) for part in error["loc"])
-        section = _DEEPSPEED_SECTIONS.get(e.title)
-        where = f"{section}.{field}" if section else f"{field} ({e.title})"
-        return f"DeepSpeed refuses '{where}': {error['msg']} (got {error['input']!r}); correct or remove it"
+        model = getattr(e, "title", "")  # pydantic 2 (DeepSpeed >= 0.14); older forks' pydantic 1 has none
+        section = _DEEPSPEED_SECTIONS.get(model)
+        where = f"{section}.{field}" if section else f"{field} ({model})" if model else field
+        got = f" (got {error['input']!r})" if "input" in error else ""
+        return f"DeepSpeed refuses '{where}': {error['msg']}{got}; correct or remove it"
     except (DeepSpeedConfigError, AssertionError, TypeError, ValueError) as e:
         return f"DeepSpeed refuses it: {e}"
     return None
