@@ -118,6 +118,18 @@ mkdir -p "$LAUNCH_DIR"
 # shellcheck source=scripts/hpu_env.sh
 source "$ROOT/scripts/hpu_env.sh"
 
+# The preset, resolved for this cluster (writing $LAUNCH_DIR/deepspeed_config.json), as shell assignments of
+# DEVICES_PER_NODE and RUN_ARGS; a refused preset, override or run flag ends the launch with its message.
+resolve_preset() {
+  local resolve=("$PYTHON" -m training.presets resolve --preset "$PRESET" --num_nodes "$NODES"
+                 --device_kind "$DEVICE_KIND" --deepspeed_config_out "$LAUNCH_DIR/deepspeed_config.json"
+                 --format shell "${OVERRIDES[@]}")
+  [[ -z "$DEVICES" ]] || resolve+=(--devices_per_node "$DEVICES")
+  [[ -z "$INIT_CHECKPOINT" ]] || resolve+=(--init_checkpoint "$INIT_CHECKPOINT")
+  resolve+=(-- "${EXTRA[@]}")  # refused where they repeat a flag the launch gives (training/presets.py)
+  (cd "$ROOT" && "${resolve[@]}") || die "could not resolve preset '$PRESET' (message above)"
+}
+
 # ---- the cluster shape, from the launcher's environment --------------------------------------------------
 first_host() {  # the first host of the hostfile or host list, if any
   if [[ -n "$HOSTS" ]]; then echo "${HOSTS%%,*}"
@@ -155,6 +167,8 @@ case "$LAUNCHER" in
   slurm)
     if [[ -z "${BERT_LAUNCH_SRUN_TASK:-}" ]]; then
       [[ -n "${SLURM_JOB_ID:-}" ]] || die "--launcher slurm runs inside an allocation (sbatch or salloc); SLURM_JOB_ID is not set"
+      # Refused here, once, rather than in every srun task (each task resolves it again for its node).
+      RESOLVED="$(resolve_preset)"
       CMD=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1
            env BERT_LAUNCH_SRUN_TASK=1 "$ROOT/scripts/launch.sh" "${ORIGINAL_ARGS[@]}")
       if [[ "$DRY_RUN" == 1 ]]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
@@ -207,12 +221,7 @@ fi
 cd "$ROOT"  # the deepspeed launcher starts remote ranks in the same directory, so it must be the project root
 
 # ---- the preset, resolved for this cluster ----------------------------------------------------------------
-RESOLVE=("$PYTHON" -m training.presets resolve --preset "$PRESET" --num_nodes "$NODES" --device_kind "$DEVICE_KIND"
-         --deepspeed_config_out "$LAUNCH_DIR/deepspeed_config.json" --format shell "${OVERRIDES[@]}")
-[[ -z "$DEVICES" ]] || RESOLVE+=(--devices_per_node "$DEVICES")
-[[ -z "$INIT_CHECKPOINT" ]] || RESOLVE+=(--init_checkpoint "$INIT_CHECKPOINT")
-RESOLVE+=(-- "${EXTRA[@]}")  # refused where they repeat a flag the launch gives (training/presets.py)
-RESOLVED="$("${RESOLVE[@]}")" || die "could not resolve preset '$PRESET' (message above)"
+RESOLVED="$(resolve_preset)"
 DEVICES_PER_NODE="" RUN_ARGS=()
 eval "$RESOLVED"  # sets DEVICES_PER_NODE and RUN_ARGS, shell-quoted by training/presets.py
 DEVICES="$DEVICES_PER_NODE"

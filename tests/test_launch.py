@@ -321,6 +321,14 @@ def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77")))
     assert outer[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     assert outer[5:8] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[8:] == common
+    # The preset is resolved before srun, as --dry_run's help says: a refused one had started a task per node,
+    # each failing alike, and the dry run had exited 0 (found by an audit).
+    assert json.loads((tmp_path / "run" / "launch" / "deepspeed_config.json").read_text())["train_batch_size"] == 65536
+    for wrong, said in ((["--preset", "no-such-preset"], "error: unknown preset 'no-such-preset'"),
+                        (["--", "--max_steps", "3"], "error: the launch already gives run_pretraining.py --max_steps")):
+        args = [*common, *wrong] if wrong[0] == "--" else [*wrong, *common[2:]]
+        refused = _launch(args, env=_env(SLURM_JOB_ID="77"))
+        assert refused.returncode == 2 and said in refused.stderr and "srun" not in refused.stdout
     task = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2")
     inner = _command(_launch([*common, "--master_addr", "node-a", "--master_port", "31337"], env=task))
     assert (_flag(inner, "--nnodes"), _flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("2", "1", "node-a")
