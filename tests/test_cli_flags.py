@@ -302,8 +302,8 @@ def test_demo_flags_reach_the_dump_the_pipeline_and_the_launch(monkeypatch, tmp_
     stand_in(monkeypatch, demo, "run_demo")
     out = tmp_path / "demo"
     cfg = config_of(demo.main, ["--output_dir", str(out), "--articles", "50", "--vocab_size", "900", "--max_steps",
-                                "7", "--processes", "4", "--seed", "5", "--log_freq", "2"])
-    assert cfg == demo.DemoConfig(out, 50, 900, 7, 4, 5, 2)
+                                "9", "--processes", "4", "--seed", "5", "--log_freq", "2"])
+    assert cfg == demo.DemoConfig(out, 50, 900, 9, 4, 5, 2)
     assert changed(cfg, demo.DemoConfig()) == {f.name for f in dataclasses.fields(demo.DemoConfig)}
 
     dumps, prepared, launched = [], [], []
@@ -323,13 +323,13 @@ def test_demo_flags_reach_the_dump_the_pipeline_and_the_launch(monkeypatch, tmp_
     monkeypatch.setattr(data.demo_dump, "generate_demo_dump", generate)
     monkeypatch.setattr(data.prepare, "prepare", prepare)
     monkeypatch.setattr(demo.subprocess, "run", run)
-    out.mkdir()
+    out.mkdir(exist_ok=True)  # main() made it, recording the settings
     dump, data_dir, model_config = demo.make_data(cfg)
     assert dumps == [(dump, 50, 5)] and dump.is_relative_to(out)
     assert (prepared[0].input, prepared[0].vocab_size, prepared[0].seed) == (dump, 900, 5)
     demo.train(cfg, data_dir, model_config)
     cmd = launched[0]
-    assert cmd[cmd.index("--devices_per_node") + 1] == "4" and "max_steps=7" in cmd
+    assert cmd[cmd.index("--devices_per_node") + 1] == "4" and "max_steps=9" in cmd
     assert "micro_batch_per_device=8" in cmd  # the demo preset's global batch of 32 on 4 processes
     assert cmd[cmd.index("--output_dir") + 1] == str(out / "run")
     extra = cmd[cmd.index("--") + 1:]
