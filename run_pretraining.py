@@ -133,7 +133,8 @@ _ALLREDUCE = ("DeepSpeed's ZeRO decides when gradients are reduced (stage 1: onc
 # Flags of NVIDIA's and Habana's run_pretraining.py that this script covers otherwise: refused with what
 # to do instead, rather than argparse's bare "unrecognized arguments".
 REFERENCE_FLAGS = {
-    "--train_batch_size": 'the global batch is "train_batch_size" in --deepspeed_config',
+    "--train_batch_size": 'the global batch is "train_batch_size" in --deepspeed_config (NVIDIA\'s --train_batch_size '
+                          "is per GPU: DeepSpeed's train_batch_size is it times the number of GPUs)",
     "--gradient_accumulation_steps": 'set "train_batch_size" in --deepspeed_config: the accumulation steps '
                                      "follow from it, the micro batch and the world size",
     "--fp16": _BF16, "--amp": _BF16,
@@ -224,7 +225,8 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     g.add_argument("--keep_checkpoints", type=int, help="how many newest checkpoints to keep")
     g.add_argument("--steps_this_run", type=int,
                    help="train at most this many steps in this run, save a checkpoint and exit 0; the same "
-                        "command continues (for jobs with a time limit; NVIDIA's flag)")
+                        "command continues (for jobs with a time limit). NVIDIA's and Habana's flag stops at that "
+                        "step of the phase instead; here the steps count from this run's start")
     g = p.add_argument_group("logging and evaluation")
     g.add_argument("--log_freq", type=int, help="log every N steps")
     g.add_argument("--eval_freq", type=int,
