@@ -155,6 +155,7 @@ def _write(tmp_path: Path, **changes) -> Path:
     ({"global_batch_size": "64k"}, "global_batch_size", "must be an integer"),
     ({"global_btach_size": 4}, "global_btach_size", "unknown field"),
     ({"model_config": "configs/models/nope.json"}, "model_config", "does not exist"),
+    ({"deepspeed_config": "configs/deepspeed"}, "deepspeed_config", "which is a directory, not a JSON file; fix the path"),
     ({"max_predictions_per_seq": 200}, "max_predictions_per_seq", "more than a sequence of 128 can hold"),
     # [CLS] and two [SEP] are never masked: 126 of 128 is one too many
     ({"max_predictions_per_seq": 126}, "max_predictions_per_seq", "(125 maskable tokens)"),

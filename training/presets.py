@@ -189,7 +189,8 @@ def _config_path(values: dict, path: Path, name: str) -> Path:
         raise _fail(path, name, f"must be a path string, got {value!r}")
     resolved = Path(value) if Path(value).is_absolute() else PROJECT_ROOT / value
     if not resolved.is_file():
-        raise _fail(path, name, f"points to {resolved}, which does not exist; fix the path "
+        what = "is a directory, not a JSON file" if resolved.is_dir() else "does not exist"
+        raise _fail(path, name, f"points to {resolved}, which {what}; fix the path "
                                 f"(relative paths are relative to {PROJECT_ROOT})")
     return resolved
 
