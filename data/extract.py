@@ -418,7 +418,8 @@ def _prepare_wikitext(wikitext: str) -> str:
 
 def _literal_if_undecoded(reference: re.Match) -> str:
     code = int(reference[1], 16) if reference[1] is not None else int(reference[2])
-    decoded = code in (0x9, 0xA, 0xD) or 0x20 <= code <= 0xD7FF or 0xE000 <= code <= 0xFFFD or 0x10000 <= code <= 0x10FFFF
+    decoded = (code in (0x9, 0xA, 0xD) or 0x20 <= code <= 0xD7FF or 0xE000 <= code <= 0xFFFD
+               or 0x10000 <= code <= 0x10FFFF)
     return reference[0] if decoded else "&amp;" + reference[0][1:]
 
 

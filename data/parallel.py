@@ -52,8 +52,8 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
                 yield pending.popleft().result()
         except BrokenProcessPool as exc:
             raise PipelineError(
-                "a worker process of this stage died (killed by a signal: the out-of-memory killer, or kill); rerun the same command to continue where it stopped, with fewer "
-                "--workers if memory ran out") from exc
+                "a worker process of this stage died (killed by a signal: the out-of-memory killer, or kill); rerun "
+                "the same command to continue where it stopped, with fewer --workers if memory ran out") from exc
 
 
 _PR_SET_PDEATHSIG = 1
