@@ -8,7 +8,9 @@ By date it fetches `<wiki>-<date>-pages-articles-multistream.xml.bz2`, which dat
 The default date is pinned (never the moving "latest", which is 404 while it is refreshed).
 The file streams to `<name>.part`; an interrupted transfer resumes with an HTTP Range request,
 with retries and exponential back-off. The result is checked against the dump's published
-`<wiki>-<date>-sha1sums.txt` (or `-md5sums.txt`) and only then renamed to its final name.
+`<wiki>-<date>-sha1sums.txt` (or `-md5sums.txt`) and only then renamed to its final name, beside
+its record `.<name>.download.json` (the URL, the size, the checksum): a rerun uses the file only for
+the same URL.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from tqdm import tqdm
 
 from data import lockfile
 from data.cli import HelpFormatter, given_options, non_negative_int
-from data.stage import PipelineError, cli_call
+from data.stage import PipelineError, cli_call, write_json_atomic
 
 DEFAULT_DUMP_DATE = "20261101"
 DEFAULT_MIRROR = "https://dumps.wikimedia.org"
@@ -144,7 +146,7 @@ def _describe(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
 
 
-def _retry_after_s(exc: Exception) -> float | None:
+def _retry_after_s(exc: Exception | None) -> float | None:
     """The wait a 408, 429 or 5xx asks for in its Retry-After header (seconds or an HTTP date), if any."""
     value = exc.headers.get("Retry-After") if isinstance(exc, urllib.error.HTTPError) else None
     if not value:
@@ -160,7 +162,7 @@ def _retry_after_s(exc: Exception) -> float | None:
     return max((when - datetime.datetime.now(datetime.timezone.utc)).total_seconds(), 0.0)
 
 
-def _wait_s(cfg: DownloadConfig, attempt: int, exc: Exception) -> float:
+def _wait_s(cfg: DownloadConfig, attempt: int, exc: Exception | None) -> float:
     """Exponential back-off (up to cfg.max_backoff_s), or the server's Retry-After when longer (up to
     cfg.max_retry_after_s)."""
     wait = min(cfg.backoff_s * 2 ** attempt, cfg.max_backoff_s)
@@ -168,32 +170,53 @@ def _wait_s(cfg: DownloadConfig, attempt: int, exc: Exception) -> float:
     return wait if retry_after is None else max(wait, min(retry_after, cfg.max_retry_after_s))
 
 
+@dataclass
+class _Attempts:
+    """Attempts in a row without progress, counted up to cfg.retries: an attempt that took the bytes on
+    disk past the most they ever were starts the count and the back-off afresh, so a long transfer
+    survives any number of spread-out drops, while a server that makes every resume start again from
+    byte 0 does not keep the download going forever. One count serves every request of a download,
+    the rounds that ask for the rest of a capped answer or probe the end of one without a length too:
+    a count begun afresh each round never ran out."""
+
+    most: int  # the most bytes ever on disk
+    in_a_row: int = 0
+    last: str = ""  # what the last attempt without progress met
+    stalled_round: bool = False  # a round ended no further than an earlier one: a rerun would do the same
+
+    def progressed(self, now: int) -> bool:
+        if now <= self.most:
+            return False
+        self.most, self.in_a_row, self.last, self.stalled_round = now, 0, "", False
+        return True
+
+    def failed(self, cfg: DownloadConfig, url: str, what: str, hint: Callable[[], str],
+               exc: Exception | None = None) -> None:
+        """Count an attempt without progress and wait before the next one; a PipelineError once
+        cfg.retries are spent."""
+        self.last = what
+        if self.in_a_row >= cfg.retries:
+            raise PipelineError(f"{url}: failed after {self.in_a_row + 1} attempts in a row without progress "
+                                f"(last: {what}); {hint()}") from exc
+        cfg.sleep(_wait_s(cfg, self.in_a_row, exc))
+        self.in_a_row += 1
+
+
 def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint: Callable[[], str],
-              progress: Callable[[], int] = lambda: 0) -> T:
-    """fetch(), tried again after a transient failure (network error, 408, 429, 5xx, a range mismatch) up
-    to cfg.retries times in a row without progress: an attempt that took `progress()` (the bytes on disk)
-    past the most it ever was starts the count and the back-off afresh, so a long transfer survives any
-    number of spread-out drops, while a server that makes every resume start again from byte 0 does not
-    keep the download going forever. Any other error is raised as it is; running out of retries is a
-    PipelineError."""
-    attempt = 0
-    most = progress()
+              progress: Callable[[], int] = lambda: 0, attempts: _Attempts | None = None) -> T:
+    """fetch(), tried again after a transient failure (network error, 408, 429, 5xx, a range mismatch)
+    while `attempts` (by default a count of its own) allows, `progress()` being the bytes on disk. Any
+    other error is raised as it is; running out of retries is a PipelineError."""
+    if attempts is None:
+        attempts = _Attempts(progress())
     while True:
         try:
             return fetch()
         except (*_NETWORK_ERRORS, _RangeMismatch) as exc:
             if not _is_transient(exc):
                 raise
-            now = progress()
-            if now > most:
-                most, attempt = now, 0
-            if attempt >= cfg.retries:
-                raise PipelineError(
-                    f"{url}: failed after {attempt + 1} attempts in a row without progress (last: "
-                    f"{_describe(exc)}); {rerun_hint()}"
-                ) from exc
-            cfg.sleep(_wait_s(cfg, attempt, exc))
-            attempt += 1
+            attempts.progressed(progress())
+            attempts.failed(cfg, url, _describe(exc), rerun_hint, exc)
 
 
 def _read_text(url: str, timeout_s: float) -> str:
@@ -235,9 +258,10 @@ def _unfinished(url: str, timeout_s: float) -> str | None:
 
 def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
     """(algorithm, hex digest) of cfg.url from the dump's checksum file, or None when none is published.
-    The checksum file is fetched with the same retries as the dump."""
+    The checksum file is fetched with the same retries as the dump. A list answered 401 or 403 is passed
+    over as a missing one is (S3 answers 403 for a missing file): an error only when no list was read."""
     name = file_name(cfg.url)
-    unlisted = []
+    unlisted, forbidden = [], []
     for sums_url, algorithm in _checksum_urls(cfg.url):
         try:
             text = _retrying(cfg, sums_url, lambda u=sums_url: _read_text(u, cfg.timeout_s),
@@ -245,19 +269,25 @@ def published_checksum(cfg: DownloadConfig) -> tuple[str, str] | None:
         except urllib.error.HTTPError as exc:
             if exc.code == 404:
                 continue
-            hint = ("; a mirror that publishes no checksum file may answer 403 for it (S3 does for a missing file): "
-                    "then --no_verify downloads without the check" if exc.code in (401, 403) else "")
-            raise PipelineError(f"{sums_url}: HTTP {exc.code} {exc.reason} while fetching the checksum file"
-                                f"{hint}") from exc
+            if exc.code in (401, 403):
+                forbidden.append((sums_url, exc))
+                continue
+            raise PipelineError(f"{sums_url}: HTTP {exc.code} {exc.reason} while fetching the checksum file") from exc
         for line in text.splitlines():
             parts = line.split()
             if len(parts) == 2 and parts[1].lstrip("*") == name:
                 return algorithm, parts[0].lower()
         unlisted.append(sums_url)
+    refused = " and ".join(f"{url}: HTTP {exc.code} {exc.reason}" for url, exc in forbidden)
     if unlisted:
         why = _unfinished(cfg.url, cfg.timeout_s) or "check the dump date and file name"
-        raise PipelineError(f"{' and '.join(unlisted)} {'do' if len(unlisted) > 1 else 'does'} not list {name}; "
-                            f"{why}")
+        raise PipelineError(f"{' and '.join(unlisted)} {'do' if len(unlisted) > 1 else 'does'} not list {name}"
+                            f"{f' ({refused})' if refused else ''}; {why}")
+    if forbidden:
+        many = len(forbidden) > 1
+        raise PipelineError(f"{refused} while fetching the checksum file{'s' if many else ''}; a mirror that "
+                            f"publishes no checksum file may answer 403 for {'them' if many else 'it'} (S3 does "
+                            "for a missing file): then --no_verify downloads without the check") from forbidden[-1][1]
     return None
 
 
@@ -431,10 +461,16 @@ def _download_part(cfg: DownloadConfig, part: Path, checksum_known: bool) -> boo
     def size() -> int:
         return part.stat().st_size if part.exists() else 0
 
+    name = file_name(cfg.url)
+    attempts = _Attempts(size())
+
     def resume_hint() -> str:
+        if attempts.stalled_round:
+            return (f"the server's answers to a resume do not continue the file where {part} ends, so each round "
+                    f"fetched it again from byte 0, as a rerun would: this server cannot resume {name}. Fetch it "
+                    "another way or from another --mirror and pass its path to --input")
         return f"rerun to resume from the {size()} bytes in {part}" if size() else "rerun to try again"
 
-    name = file_name(cfg.url)
     with tqdm(desc=f"download {name}", unit="B", unit_scale=True, dynamic_ncols=True) as bar:
         try:
             state = None  # a part file left by an earlier run is resumed, never taken as ended
@@ -443,9 +479,13 @@ def _download_part(cfg: DownloadConfig, part: Path, checksum_known: bool) -> boo
                 state = _retrying(cfg, cfg.url,
                                   lambda end=after_unknown_end: _fetch(cfg.url, part, cfg.timeout_s, bar, end,
                                                                        checksum_known),
-                                  resume_hint, size)
+                                  resume_hint, size, attempts)
                 if state == UNCONFIRMED:
                     return False
+                if state != COMPLETE and not attempts.progressed(size()):
+                    attempts.stalled_round = True
+                    attempts.failed(cfg, cfg.url, attempts.last or f"a round that ended at byte {size()}, no further "
+                                    f"than the {attempts.most} bytes held before", resume_hint)
             return True
         except urllib.error.HTTPError as exc:
             if exc.code in (404, 410):
@@ -460,7 +500,8 @@ def _download_part(cfg: DownloadConfig, part: Path, checksum_known: bool) -> boo
 
 
 def download(cfg: DownloadConfig) -> Path:
-    """Download cfg.url into cfg.output_dir and return the final path (skipped if already done)."""
+    """Download cfg.url into cfg.output_dir and return the final path; a file already there is checked
+    against its download record instead (see _use_existing)."""
     _check_config(cfg)
     name = file_name(cfg.url)
     if name in ("", ".", "..") or "/" in name or "\0" in name:  # %2F unquoted would lead out of output_dir
@@ -470,15 +511,19 @@ def download(cfg: DownloadConfig) -> Path:
     part = cfg.output_dir / f"{name}.part"
     try:
         lock = cfg.output_dir / f".{name}.lock"
+        busy = f"another download of {name} into {cfg.output_dir}"
+        downloaded = False
         if not final.is_file():
             cfg.output_dir.mkdir(parents=True, exist_ok=True)
-            with _exclusive(lock, f"another download of {name} into {cfg.output_dir}"):
+            with _exclusive(lock, busy):
                 if not final.is_file():  # else finished by the run that held the lock
                     _download_verified(cfg, part, final)
-        else:
+                    downloaded = True
+        if not downloaded:
             # A run killed after its rename left its lock file and the part file's validators.
             _validator_path(part).unlink(missing_ok=True)
             lockfile.remove_stale(lock)
+            _use_existing(cfg, final, lock, busy)
         for algorithm in _ALGORITHMS:  # copies kept by earlier mismatches: the verified file replaces them
             for old in cfg.output_dir.glob(f"{glob.escape(name)}.{algorithm}-*"):
                 old.unlink(missing_ok=True)
@@ -508,6 +553,8 @@ def _download_verified(cfg: DownloadConfig, part: Path, final: Path) -> None:
         _verify(cfg, part, *checksum)
     with part.open("rb") as f:
         os.fsync(f.fileno())  # the bytes are on disk before the name says the file is whole
+    # The record before the rename: a final file without one would be taken for a file put there by hand.
+    _write_record(final, cfg.url, part.stat().st_size, checksum, _unverified(cfg, checksum))
     part.replace(final)
     _validator_path(part).unlink(missing_ok=True)
     directory = os.open(final.parent, os.O_RDONLY)
@@ -517,29 +564,105 @@ def _download_verified(cfg: DownloadConfig, part: Path, final: Path) -> None:
         os.close(directory)
 
 
-def _verify(cfg: DownloadConfig, part: Path, algorithm: str, expected: str) -> None:
-    """Compare `part` with its published digest. A mismatching download is kept aside, named by its
-    digest, not deleted: a second download with the same digest shows that the mirror's file or its
-    checksum file is wrong, not the transfer."""
-    actual = _digest(part, algorithm)
+def _record_path(final: Path) -> Path:
+    return final.with_name(f".{final.name}.download.json")
+
+
+def _unverified(cfg: DownloadConfig, checksum: tuple[str, str] | None) -> str | None:
+    """Why a download is not verified, for its record; None when it is."""
+    if checksum is not None:
+        return None
+    return "no checksum file published" if cfg.verify else "--no_verify"
+
+
+def _write_record(final: Path, url: str, size: int, checksum: tuple[str, str] | None,
+                  unverified: str | None) -> None:
+    """Record beside `final` the URL it comes from, its size, and its checksum or why it has none."""
+    write_json_atomic(_record_path(final), {
+        "url": url, "size": size, "unverified": unverified,
+        "checksum": None if checksum is None else {"algorithm": checksum[0], "digest": checksum[1]}})
+
+
+def _read_record(final: Path) -> dict | None:
+    """The download record of `final`; None when it has none."""
+    path = _record_path(final)
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return None
+    except ValueError:  # a UnicodeDecodeError too
+        record = None
+    if not isinstance(record, dict) or not isinstance(record.get("url"), str) or not isinstance(
+            record.get("size"), int):
+        raise PipelineError(f"{path} is not a download record (no URL and size can be read from it): delete it "
+                            f"and {final} to download the file again, or delete only {path.name} to use {final.name} "
+                            "as it is, unverified")
+    return record
+
+
+def _use_existing(cfg: DownloadConfig, final: Path, lock: Path, busy: str) -> None:
+    """Check `final`, already downloaded, against its record: the file of another URL, or one whose size
+    changed since, is refused, and one downloaded unverified is verified now when cfg.verify. A file
+    without a record (put there by hand, or downloaded by an older version) is used as it is."""
+    record = _read_record(final)
+    if record is None:
+        print(f"download: {final} was found without a download record; it is used as it is, unverified (delete "
+              "it to download it again with the check)")
+        return
+    if record["url"] != cfg.url:
+        raise PipelineError(
+            f"{final} was downloaded from {record['url']}, not from {cfg.url}: a file of the same name from another "
+            "URL is not used in its place. Download into another --output_dir (data.prepare: another --text_dir or "
+            f"--output_dir), or delete {final} to download it from {cfg.url}")
+    size = final.stat().st_size
+    if size != record["size"]:
+        raise PipelineError(
+            f"{final} is {size} bytes, but {record['size']} were downloaded from {cfg.url} (its record "
+            f"{_record_path(final).name} says so): the file changed or is damaged since. Delete it and rerun to "
+            "download it again")
+    if not cfg.verify or record.get("checksum"):
+        return
+    with _exclusive(lock, busy):
+        checksum = published_checksum(cfg)
+        if checksum is None:
+            print(f"download: no checksum file published beside {cfg.url}; {final} is not verified")
+            if record.get("unverified") == _unverified(cfg, checksum):
+                return
+        else:
+            try:
+                _verify(cfg, final, *checksum, subject=f"{final} (downloaded from {cfg.url} without the check)")
+            except PipelineError:
+                _record_path(final).unlink(missing_ok=True)  # the file was put aside
+                raise
+            print(f"download: {final}, downloaded without the check, matches its published {checksum[0]} now")
+        _write_record(final, cfg.url, size, checksum, _unverified(cfg, checksum))
+
+
+def _verify(cfg: DownloadConfig, path: Path, algorithm: str, expected: str, subject: str | None = None) -> None:
+    """Compare `path` (the part file, or a final file downloaded unverified) with its published digest. A
+    mismatching download is kept aside, named by its digest, not deleted: a second download with the same
+    digest shows that the mirror's file or its checksum file is wrong, not the transfer. `subject` begins
+    the error (default: the URL)."""
+    actual = _digest(path, algorithm)
     name = file_name(cfg.url)
-    aside = part.with_name(f"{name}.{algorithm}-{actual}")
+    aside = path.with_name(f"{name}.{algorithm}-{actual}")
     if actual == expected:
         return
+    subject = subject or cfg.url
     again = aside.exists()
-    for old in part.parent.glob(f"{glob.escape(name)}.{algorithm}-*"):
+    for old in path.parent.glob(f"{glob.escape(name)}.{algorithm}-*"):
         if old != aside:
             old.unlink()  # an earlier mismatching copy: only the newest is kept
-    part.replace(aside)
-    _validator_path(part).unlink(missing_ok=True)
+    path.replace(aside)
+    _validator_path(path.with_name(f"{name}.part")).unlink(missing_ok=True)
     if again:
         raise PipelineError(
-            f"{cfg.url}: {algorithm} checksum mismatch again, with the same bytes as the previous download "
+            f"{subject}: {algorithm} checksum mismatch again, with the same bytes as the previous download "
             f"(got {actual}, published {expected}): the mirror's file or its checksum file is wrong, not the "
             f"transfer. Try another --mirror. The bytes are kept as {aside}; rename it to {name} only if you "
             "trust them")
     raise PipelineError(
-        f"{cfg.url}: {algorithm} checksum mismatch (got {actual}, published {expected}); the download is "
+        f"{subject}: {algorithm} checksum mismatch (got {actual}, published {expected}); the download is "
         f"kept as {aside}. Rerun to download it again")
 
 

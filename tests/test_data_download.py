@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.utils
 import hashlib
+import json
 import os
 import re
 import signal
@@ -22,6 +23,7 @@ from training.accelerator import free_port
 
 DATE = "20241201"
 NAME = f"enwiki-{DATE}-pages-articles-multistream.xml.bz2"
+RECORD = f".{NAME}.download.json"  # the download record beside the dump
 
 
 def _cfg(mirror: str, out: Path, **kw) -> DownloadConfig:
@@ -95,7 +97,80 @@ def test_a_run_killed_after_its_rename_leaves_nothing_behind_after_the_rerun(wik
     assert proc.returncode == -signal.SIGKILL
     assert (tmp_path / NAME).is_file() and (tmp_path / f".{NAME}.lock").is_file()
     assert download(_cfg(mirror, tmp_path)).read_bytes() == multistream_sample.read_bytes()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD, NAME]
+
+
+def test_a_file_downloaded_from_another_url_is_not_used_in_its_place(wiki_mirror, multistream_sample, tmp_path,
+                                                                     capsys):
+    """The dump was found by its name alone: another URL of the same file name (another dump directory, a
+    moving "latest" name) silently got the file downloaded before. Its record says where it came from."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    path = download(_cfg(mirror, tmp_path))
+    assert json.loads((tmp_path / RECORD).read_text(encoding="utf-8")) == {
+        "url": dump_url(mirror, DATE), "size": len(data), "unverified": None,
+        "checksum": {"algorithm": "sha1", "digest": hashlib.sha1(data).hexdigest()}}
+    site.requests.clear()
+    other = f"{mirror}/b{_dump_path()}"
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(path))} was downloaded from "
+                                            rf"{re.escape(dump_url(mirror, DATE))}, not from {re.escape(other)}: a file "
+                                            r"of the same name from another URL is not used in its place\. Download "
+                                            r"into another --output_dir \(data\.prepare: another --text_dir or "
+                                            rf"--output_dir\), or delete {re.escape(str(path))} to download it from "
+                                            rf"{re.escape(other)}$"):
+        download(DownloadConfig(other, tmp_path, backoff_s=0.01))
+    # The same URL: the file is used, nothing is fetched and nothing said.
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert site.requests == [] and "download record" not in capsys.readouterr().out
+    # A file whose size is not the one downloaded is refused.
+    with path.open("ab") as f:
+        f.write(b"appended")
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(path))} is {len(data) + 8} bytes, but {len(data)} were "
+                                            rf"downloaded from .*\(its record {re.escape(RECORD)} says so\): the file "
+                                            r"changed or is damaged since\. Delete it and rerun to download it again$"):
+        download(_cfg(mirror, tmp_path))
+    assert site.requests == []
+
+
+def test_a_download_made_with_no_verify_is_verified_by_a_rerun_without_it(wiki_mirror, multistream_sample, tmp_path,
+                                                                          capsys):
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    path = download(_cfg(mirror, tmp_path, verify=False))
+    assert json.loads((tmp_path / RECORD).read_text(encoding="utf-8"))["unverified"] == "--no_verify"
+    site.requests.clear()
+    capsys.readouterr()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert [p for p, _ in site.requests] == [_sums_path()]  # the list, not the dump again
+    assert f"download: {path}, downloaded without the check, matches its published sha1 now" in capsys.readouterr().out
+    record = json.loads((tmp_path / RECORD).read_text(encoding="utf-8"))
+    assert (record["unverified"], record["checksum"]) == (None, {"algorithm": "sha1",
+                                                                 "digest": hashlib.sha1(data).hexdigest()})
+    site.requests.clear()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data and site.requests == []  # verified once
+    # A digest that does not match: an error naming the file, which is kept aside, not deleted.
+    (tmp_path / NAME).unlink()
+    download(_cfg(mirror, tmp_path, verify=False))
+    site.files[_sums_path()] = f"{'f' * 40}  {NAME}\n".encode()
+    aside = tmp_path / f"{NAME}.sha1-{hashlib.sha1(data).hexdigest()}"
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(path))} \(downloaded from "
+                                            rf"{re.escape(dump_url(mirror, DATE))} without the check\): sha1 checksum "
+                                            rf"mismatch \(got .*, published f{{40}}\); the download is kept as "
+                                            rf"{re.escape(str(aside))}\. Rerun to download it again$"):
+        download(_cfg(mirror, tmp_path))
+    assert sorted(tmp_path.iterdir()) == [aside] and aside.read_bytes() == data
+
+
+def test_a_file_without_a_download_record_is_used_as_it_is_with_a_line_saying_so(wiki_mirror, multistream_sample,
+                                                                                 tmp_path, capsys):
+    """A dump copied in by hand, or downloaded by a version that wrote no record, is used unverified (not
+    fetched again, not refused), and the run says so."""
+    mirror, site = wiki_mirror
+    (tmp_path / NAME).write_bytes(b"copied in by hand")
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == b"copied in by hand"
+    assert site.requests == [] and sorted(p.name for p in tmp_path.iterdir()) == [NAME]
+    assert capsys.readouterr().out == (f"download: {tmp_path / NAME} was found without a download record; it is used "
+                                       "as it is, unverified (delete it to download it again with the check)\n")
 
 
 def test_404_is_a_clear_error_and_leaves_no_file(wiki_mirror, tmp_path, capsys):
@@ -115,7 +190,7 @@ def test_a_second_download_into_the_same_place_is_refused_while_one_runs(wiki_mi
         download(_cfg(mirror, tmp_path))
     assert site.requests == []
     assert download(_cfg(mirror, tmp_path)).read_bytes() == multistream_sample.read_bytes()
-    assert list(tmp_path.iterdir()) == [tmp_path / NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD, NAME]
 
 
 def test_checksum_mismatch_fails_and_keeps_the_bytes_aside(wiki_mirror, multistream_sample, tmp_path):
@@ -132,7 +207,7 @@ def test_checksum_mismatch_fails_and_keeps_the_bytes_aside(wiki_mirror, multistr
     assert list(tmp_path.iterdir()) == [aside] and aside.read_bytes() == data
     site.files[_sums_path()] = f"{hashlib.sha1(data).hexdigest()}  {NAME}\n".encode()  # the mirror mends it
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
-    assert list(tmp_path.iterdir()) == [tmp_path / NAME]  # the bad copy went with the good one
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD, NAME]  # the bad copy went with the good one
 
 
 def test_a_body_without_a_length_is_confirmed_whole_by_a_range_request(wiki_mirror, multistream_sample, tmp_path):
@@ -186,6 +261,35 @@ def test_a_checksum_file_answered_403_says_how_to_download_without_the_check(wik
     assert f"download: {dump_url(mirror, DATE)} is not verified (--no_verify)" in out
 
 
+def test_a_checksum_list_answered_403_falls_through_to_the_next_one(wiki_mirror, multistream_sample, tmp_path):
+    """A 403 for sha1sums.txt (what an S3-like mirror answers for a file it does not hold) stopped the download
+    at once, where md5sums.txt would have verified it; the error is for when no list can be read."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    site.statuses[_sums_path()] = [403]
+    site.files[_md5s_path()] = f"{hashlib.md5(data).hexdigest()}  {NAME}\n".encode()
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == data
+    assert [p for p, _ in site.requests] == [_sums_path(), _md5s_path(), _dump_path()]
+    record = json.loads((tmp_path / RECORD).read_text(encoding="utf-8"))
+    assert record["checksum"] == {"algorithm": "md5", "digest": hashlib.md5(data).hexdigest()}
+    # Both lists answered 403: the error names both, and --no_verify.
+    (tmp_path / NAME).unlink()
+    site.statuses[_sums_path()], site.statuses[_md5s_path()] = [403], [403]
+    with pytest.raises(PipelineError, match=rf"^{re.escape(mirror + _sums_path())}: HTTP 403 Forbidden and "
+                                            rf"{re.escape(mirror + _md5s_path())}: HTTP 403 Forbidden while fetching "
+                                            r"the checksum files; a mirror that publishes no checksum file may answer "
+                                            r"403 for them \(S3 does for a missing file\): then --no_verify downloads "
+                                            "without the check$"):
+        download(_cfg(mirror, tmp_path))
+    # A list that was read and does not list the file is still an error of its own.
+    site.statuses[_sums_path()] = [403]
+    site.files[_md5s_path()] = f"{'0' * 32}  enwiki-{DATE}-stub-articles.xml.gz\n".encode()
+    with pytest.raises(PipelineError, match=rf"^{re.escape(mirror + _md5s_path())} does not list {NAME} "
+                                            rf"\({re.escape(mirror + _sums_path())}: HTTP 403 Forbidden\); check "):
+        download(_cfg(mirror, tmp_path))
+    assert not (tmp_path / NAME).exists()
+
+
 def test_prepare_downloads_without_the_check_with_no_verify_and_refuses_it_for_a_local_dump(wiki_mirror, bert_vocab,
                                                                                              sample_dump, tmp_path,
                                                                                              capsys):
@@ -205,6 +309,18 @@ def test_prepare_downloads_without_the_check_with_no_verify_and_refuses_it_for_a
     assert _sums_path() not in [p for p, _ in site.requests]
     assert sorted(p.name for p in (tmp_path / "o" / "hdf5" / "training").iterdir()) == [
         "wikicorpus_en_training_0.hdf5", "wikicorpus_en_training_1.hdf5"]
+    # A rerun of the same command uses the download (its record names the same URL) and fetches nothing.
+    argv = ["--input", dump_url(mirror, DATE), "--output_dir", str(tmp_path / "o"), "--vocab_file", str(bert_vocab),
+            "--num_shards", "2", "--workers", "1"]
+    site.requests.clear()
+    capsys.readouterr()
+    prepare_main([*argv, "--no_verify"])
+    assert site.requests == []
+    assert re.search(rf"^download: .*{NAME} \(0\.00 GB\), already complete$", capsys.readouterr().out, flags=re.M)
+    site.statuses.clear()  # the mirror publishes its checksum list now
+    prepare_main(argv)  # without --no_verify: the download is verified now, once
+    prepare_main(argv)
+    assert [p for p, _ in site.requests] == [_sums_path()]
 
 
 def test_only_the_newest_mismatching_download_is_kept(wiki_mirror, multistream_sample, tmp_path):
@@ -265,7 +381,7 @@ def test_a_good_download_removes_the_copies_kept_by_mismatches_of_either_checksu
                                                           f"{NAME}.sha1-{hashlib.sha1(data).hexdigest()}"]
     del site.files[_md5s_path()]  # now nothing is published: the download is taken unverified
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
-    assert list(tmp_path.iterdir()) == [tmp_path / NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD, NAME]
 
 
 def test_dump_url_pins_a_date_and_rejects_a_bad_one():
@@ -407,6 +523,67 @@ def test_a_server_that_restarts_every_resume_runs_out_of_retries(wiki_mirror, mu
     assert not (tmp_path / NAME).exists()
 
 
+_CANNOT_RESUME = (r"the server's answers to a resume do not continue the file where .*\.part ends, so each round "
+                  rf"fetched it again from byte 0, as a rerun would: this server cannot resume {re.escape(NAME)}\. "
+                  "Fetch it another way or from another --mirror and pass its path to --input$")
+
+
+@pytest.mark.parametrize("retries", [1, 2])  # the count runs out at the end of a round, or within one
+def test_a_server_that_answers_the_end_probe_without_content_range_runs_out_of_retries(multistream_sample, tmp_path,
+                                                                                     retries):
+    """A body without Content-Length, whose end is then probed with a Range request answered by a 206 without
+    Content-Range: each round emptied the part file, fetched the whole file again without a length and began
+    the retries afresh, so the download never ended."""
+    import http.server
+    import threading
+
+    data, ranges = multistream_sample.read_bytes(), []
+
+    class NoLengthNorContentRange(http.server.BaseHTTPRequestHandler):  # HTTP/1.0: each body ends with a close
+        def log_message(self, *args) -> None:
+            pass
+
+        def do_GET(self) -> None:
+            if self.path != f"/{NAME}" or len(ranges) == 10:  # no checksum list; the 11th request: a code that
+                self.send_error(404)  # fails the test, as the old code would have gone on for ever
+                return
+            ranges.append(self.headers.get("Range"))
+            start = int(ranges[-1].removeprefix("bytes=").rstrip("-")) if ranges[-1] else 0
+            self.send_response(206 if ranges[-1] else 200)
+            self.end_headers()
+            self.wfile.write(data[start:])
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), NoLengthNorContentRange)
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/{NAME}"
+    try:
+        with pytest.raises(PipelineError, match=rf"^{re.escape(url)}: failed after {retries + 1} attempts in a row "
+                                                rf"without progress \(last: HTTP 206 with Content-Range None in answer "
+                                                rf"to Range: bytes={len(data)}-; .* emptied .*\); {_CANNOT_RESUME}"):
+            download(DownloadConfig(url, tmp_path, retries=retries, backoff_s=0.01, timeout_s=10))
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert ranges == [None, f"bytes={len(data)}-", None, f"bytes={len(data)}-"][:retries + 2]
+    assert not (tmp_path / NAME).exists()
+
+
+def test_a_capped_server_whose_answers_all_start_at_byte_0_runs_out_of_retries(wiki_mirror, tmp_path):
+    """A server that caps each answer at 300,000 bytes and starts every one at byte 0: each round emptied the
+    part file and got the first 300,000 bytes again (a whole answer, with the retries begun afresh), for ever."""
+    mirror, site = wiki_mirror
+    # 20 such answers, then the usual ones: the old code got through them to the end instead of failing
+    site.cap, site.range_starts = 300_000, [0] * 20
+    waits = []
+    with pytest.raises(PipelineError, match=r"failed after 2 attempts in a row without progress \(last: HTTP 206 with "
+                                            r"Content-Range 'bytes 0-299999/\d+' in answer to Range: "
+                                            rf"bytes=300000-; .* emptied .*\); {_CANNOT_RESUME}"):
+        download(_cfg(mirror, tmp_path, retries=1, sleep=waits.append))
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=300000-", None]
+    assert waits == [0.01]  # after the emptied part file; then the round that got no further ran out
+    assert not (tmp_path / NAME).exists()
+
+
 @pytest.mark.parametrize("honour_if_range", [True, False])
 @pytest.mark.parametrize("published", [True, False])
 def test_a_file_that_changed_on_the_server_is_downloaded_again_not_spliced(wiki_mirror, multistream_sample, tmp_path,
@@ -433,7 +610,7 @@ def test_a_file_that_changed_on_the_server_is_downloaded_again_not_spliced(wiki_
     dump = [(r, i) for (p, r), i in zip(site.requests, site.if_ranges) if p == _dump_path()]
     etag = f'"{hashlib.sha1(old).hexdigest()}"'
     assert dump == ([("bytes=400000-", etag)] if honour_if_range else [("bytes=400000-", etag), (None, None)])
-    assert list(tmp_path.iterdir()) == [tmp_path / NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [RECORD, NAME]
 
 
 def test_a_file_that_changed_size_on_a_server_without_validators_is_downloaded_again(wiki_mirror, multistream_sample,
