@@ -370,6 +370,8 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end:
     the bytes of a changed file to those of the old one. Raises on any failure."""
     have = part.stat().st_size if part.exists() else 0
     recorded = _read_validators(part) if have else {}
+    if recorded.get("url") not in (None, url):  # a part file of the same name, begun from another URL
+        raise _restart(part, f"{part} was begun from {recorded['url']}")
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-", **_if_range(recorded)} if have else {})
     try:
         response = urllib.request.urlopen(request, timeout=timeout_s)
@@ -408,7 +410,7 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end:
             if change:
                 raise _restart(part, f"the file on the server changed ({change})")
         if not have or not recorded:
-            _write_validators(part, now)
+            _write_validators(part, {**now, "url": url})
         bar.total = total
         bar.n = have
         bar.refresh()

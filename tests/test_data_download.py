@@ -132,6 +132,22 @@ def test_a_file_downloaded_from_another_url_is_not_used_in_its_place(wiki_mirror
     assert site.requests == []
 
 
+def test_a_part_file_begun_from_another_url_is_not_resumed_from_this_one(wiki_mirror, multistream_sample,
+                                                                           sample_dump, tmp_path):
+    """A .part of the same file name begun from another URL took this URL's tail after its bytes: without a
+    checksum list and validators nothing noticed the spliced file. The part file's record names its URL."""
+    mirror, site = wiki_mirror
+    other, other_data = f"{mirror}/b{_dump_path()}", sample_dump.read_bytes()  # no checksum list there
+    site.files[f"/b{_dump_path()}"] = other_data
+    site.cut_after, site.cuts = 400_000, 1
+    with pytest.raises(PipelineError, match="failed after 1 attempts in a row without progress"):
+        download(_cfg(mirror, tmp_path, retries=0))
+    assert (tmp_path / f"{NAME}.part").stat().st_size == 400_000
+    site.requests.clear()
+    assert download(DownloadConfig(other, tmp_path, backoff_s=0.01, timeout_s=10)).read_bytes() == other_data
+    assert [r for p, r in site.requests if p == f"/b{_dump_path()}"] == [None]  # from byte 0, at once
+
+
 def test_a_download_made_with_no_verify_is_verified_by_a_rerun_without_it(wiki_mirror, multistream_sample, tmp_path,
                                                                           capsys):
     mirror, site = wiki_mirror
