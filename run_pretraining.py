@@ -463,24 +463,25 @@ _DEEPSPEED_SECTIONS = {"DeepSpeedZeroConfig": "zero_optimization", "DeepSpeedBF1
 def deepspeed_refusal(config: dict, sizes: BatchSizes) -> str | None:
     """What DeepSpeed's own config parser refuses in `config` (a field unknown inside a section, a value of the
     wrong type), or None. deepspeed.initialize would refuse it too, but after the model is built (minutes at
-    1.5B) and as a traceback that names no file. The batch is that of one rank, already resolved for the world."""
+    1.5B) and as a traceback that names no file. The batch, already resolved, is given without train_batch_size,
+    which the parser derives for the world size it sees (1 before the process group starts)."""
     from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
-    from pydantic import ValidationError
 
-    one_rank = {**config, "train_batch_size": sizes.micro_batch * sizes.grad_accum,
-                "train_micro_batch_size_per_gpu": sizes.micro_batch, "gradient_accumulation_steps": sizes.grad_accum}
+    trial = {key: value for key, value in config.items() if key != "train_batch_size"}
+    trial.update(train_micro_batch_size_per_gpu=sizes.micro_batch, gradient_accumulation_steps=sizes.grad_accum)
     try:
-        DeepSpeedConfig(one_rank)
-    except ValidationError as e:
-        error = e.errors()[0]
+        DeepSpeedConfig(trial)
+    except (DeepSpeedConfigError, AssertionError, TypeError, ValueError) as e:
+        errors = getattr(e, "errors", None)  # pydantic's ValidationError, a ValueError
+        if not callable(errors) or not errors():
+            return f"DeepSpeed refuses it: {e}"
+        error = errors()[0]
         field = ".".join(str(part) for part in error["loc"])
         model = getattr(e, "title", "")  # pydantic 2 (DeepSpeed >= 0.14); older forks' pydantic 1 has none
         section = _DEEPSPEED_SECTIONS.get(model)
         where = f"{section}.{field}" if section else f"{field} ({model})" if model else field
         got = f" (got {error['input']!r})" if "input" in error else ""
         return f"DeepSpeed refuses '{where}': {error['msg']}{got}; correct or remove it"
-    except (DeepSpeedConfigError, AssertionError, TypeError, ValueError) as e:
-        return f"DeepSpeed refuses it: {e}"
     return None
 
 
