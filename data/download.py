@@ -216,6 +216,8 @@ def _retrying(cfg: DownloadConfig, url: str, fetch: Callable[[], T], rerun_hint:
             if not _is_transient(exc):
                 raise
             attempts.progressed(progress())
+            if not isinstance(exc, _RangeMismatch):  # the network failed, not the server's resume
+                attempts.stalled_round = False
             attempts.failed(cfg, url, _describe(exc), rerun_hint, exc)
 
 
@@ -370,8 +372,17 @@ def _fetch(url: str, part: Path, timeout_s: float, bar: tqdm, after_unknown_end:
     the bytes of a changed file to those of the old one. Raises on any failure."""
     have = part.stat().st_size if part.exists() else 0
     recorded = _read_validators(part) if have else {}
-    if recorded.get("url") not in (None, url):  # a part file of the same name, begun from another URL
-        raise _restart(part, f"{part} was begun from {recorded['url']}")
+    if recorded.get("url") not in (None, url):
+        # Begun from another URL (another mirror of the same dump, most often). With a published checksum the
+        # resume is checked whole, and the other server's validators mean nothing here (If-Range would send the
+        # file again); without one, a splice of two files would go unnoticed.
+        if not checksum_known:
+            bar.write(f"download: {part} was begun from {recorded['url']}, and no checksum is published to check "
+                      "a resume from another URL: downloading it again from byte 0")
+            part.unlink()
+            _validator_path(part).unlink(missing_ok=True)
+            have = 0
+        recorded = {}
     request = urllib.request.Request(url, headers={"Range": f"bytes={have}-", **_if_range(recorded)} if have else {})
     try:
         response = urllib.request.urlopen(request, timeout=timeout_s)
@@ -478,6 +489,7 @@ def _download_part(cfg: DownloadConfig, part: Path, checksum_known: bool) -> boo
             state = None  # a part file left by an earlier run is resumed, never taken as ended
             while state != COMPLETE:
                 after_unknown_end = state == LENGTH_UNKNOWN
+                counted = attempts.in_a_row
                 state = _retrying(cfg, cfg.url,
                                   lambda end=after_unknown_end: _fetch(cfg.url, part, cfg.timeout_s, bar, end,
                                                                        checksum_known),
@@ -486,8 +498,11 @@ def _download_part(cfg: DownloadConfig, part: Path, checksum_known: bool) -> boo
                     return False
                 if state != COMPLETE and not attempts.progressed(size()):
                     attempts.stalled_round = True
-                    attempts.failed(cfg, cfg.url, attempts.last or f"a round that ended at byte {size()}, no further "
-                                    f"than the {attempts.most} bytes held before", resume_hint)
+                    # A round that already counted a failed attempt (the restart that emptied the part file) is
+                    # not counted twice: a part file found whole, refetched once without a length, then ends.
+                    if attempts.in_a_row == counted:
+                        attempts.failed(cfg, cfg.url, attempts.last or f"a round that ended at byte {size()}, no "
+                                        f"further than the {attempts.most} bytes held before", resume_hint)
             return True
         except urllib.error.HTTPError as exc:
             if exc.code in (404, 410):
@@ -519,6 +534,8 @@ def download(cfg: DownloadConfig) -> Path:
             cfg.output_dir.mkdir(parents=True, exist_ok=True)
             with _exclusive(lock, busy):
                 if not final.is_file():  # else finished by the run that held the lock
+                    # The record of a file deleted, or put aside by a mismatch, would be taken for this one's.
+                    _record_path(final).unlink(missing_ok=True)
                     _download_verified(cfg, part, final)
                     downloaded = True
         if not downloaded:
@@ -604,7 +621,7 @@ def _read_record(final: Path) -> dict | None:
 
 def _use_existing(cfg: DownloadConfig, final: Path, lock: Path, busy: str) -> None:
     """Check `final`, already downloaded, against its record: the file of another URL, or one whose size
-    changed since, is refused, and one downloaded unverified is verified now when cfg.verify. A file
+    changed since, is refused, and one downloaded with --no_verify is verified now when cfg.verify. A file
     without a record (put there by hand, or downloaded by an older version) is used as it is."""
     record = _read_record(final)
     if record is None:
@@ -615,21 +632,22 @@ def _use_existing(cfg: DownloadConfig, final: Path, lock: Path, busy: str) -> No
         raise PipelineError(
             f"{final} was downloaded from {record['url']}, not from {cfg.url}: a file of the same name from another "
             "URL is not used in its place. Download into another --output_dir (data.prepare: another --text_dir or "
-            f"--output_dir), or delete {final} to download it from {cfg.url}")
+            f"--output_dir), or delete {final} to download it from {cfg.url} (a copy of it put there by hand: delete "
+            f"its record {_record_path(final).name} too)")
     size = final.stat().st_size
     if size != record["size"]:
         raise PipelineError(
             f"{final} is {size} bytes, but {record['size']} were downloaded from {cfg.url} (its record "
             f"{_record_path(final).name} says so): the file changed or is damaged since. Delete it and rerun to "
             "download it again")
-    if not cfg.verify or record.get("checksum"):
+    # Only a file downloaded with --no_verify is checked now: where no checksum file was published, asking the
+    # mirror again on every rerun would make a finished download need the network.
+    if not cfg.verify or record.get("unverified") != "--no_verify":
         return
     with _exclusive(lock, busy):
         checksum = published_checksum(cfg)
         if checksum is None:
             print(f"download: no checksum file published beside {cfg.url}; {final} is not verified")
-            if record.get("unverified") == _unverified(cfg, checksum):
-                return
         else:
             try:
                 _verify(cfg, final, *checksum, subject=f"{final} (downloaded from {cfg.url} without the check)")

@@ -117,7 +117,8 @@ def test_a_file_downloaded_from_another_url_is_not_used_in_its_place(wiki_mirror
                                             r"of the same name from another URL is not used in its place\. Download "
                                             r"into another --output_dir \(data\.prepare: another --text_dir or "
                                             rf"--output_dir\), or delete {re.escape(str(path))} to download it from "
-                                            rf"{re.escape(other)}$"):
+                                            rf"{re.escape(other)} \(a copy of it put there by hand: delete its record "
+                                            rf"{re.escape(RECORD)} too\)$"):
         download(DownloadConfig(other, tmp_path, backoff_s=0.01))
     # The same URL: the file is used, nothing is fetched and nothing said.
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
@@ -130,22 +131,65 @@ def test_a_file_downloaded_from_another_url_is_not_used_in_its_place(wiki_mirror
                                             r"changed or is damaged since\. Delete it and rerun to download it again$"):
         download(_cfg(mirror, tmp_path))
     assert site.requests == []
+    # Deleted as the error says, the file is downloaded from the other URL: the old record goes with it (it had
+    # stayed, and refused every later run of either URL).
+    path.unlink()
+    site.files[f"/b{_dump_path()}"] = other_data = data[::-1]
+    assert download(DownloadConfig(other, tmp_path, backoff_s=0.01)).read_bytes() == other_data
+    assert json.loads((tmp_path / RECORD).read_text(encoding="utf-8"))["url"] == other
 
 
-def test_a_part_file_begun_from_another_url_is_not_resumed_from_this_one(wiki_mirror, multistream_sample,
-                                                                           sample_dump, tmp_path):
-    """A .part of the same file name begun from another URL took this URL's tail after its bytes: without a
-    checksum list and validators nothing noticed the spliced file. The part file's record names its URL."""
+def test_a_file_downloaded_where_no_checksum_is_published_is_not_checked_again(wiki_mirror, multistream_sample,
+                                                                              tmp_path, capsys):
+    """Its record says no checksum file was published: a rerun asked the mirror for the lists again, said so on
+    every rerun, and failed after minutes of retries where the network was gone."""
     mirror, site = wiki_mirror
-    other, other_data = f"{mirror}/b{_dump_path()}", sample_dump.read_bytes()  # no checksum list there
+    site.files.pop(_sums_path())
+    assert download(_cfg(mirror, tmp_path)).read_bytes() == multistream_sample.read_bytes()
+    assert json.loads((tmp_path / RECORD).read_text(encoding="utf-8"))["unverified"] == "no checksum file published"
+    site.requests.clear()
+    capsys.readouterr()
+    assert download(_cfg(mirror, tmp_path, retries=0)).read_bytes() == multistream_sample.read_bytes()
+    assert site.requests == [] and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize("published", [False, True])
+def test_a_part_file_begun_from_another_url_is_resumed_only_where_a_checksum_checks_it(
+        wiki_mirror, multistream_sample, sample_dump, tmp_path, capsys, published):
+    """A .part of the same file name begun from another URL took this URL's tail after its bytes: without a
+    checksum list and validators nothing noticed the spliced file. The part file's validators name its URL;
+    where the other URL publishes a checksum (another mirror of the same dump), the resume is checked by it."""
+    mirror, site = wiki_mirror
+    other = f"{mirror}/b{_dump_path()}"
+    other_data = multistream_sample.read_bytes() if published else sample_dump.read_bytes()
     site.files[f"/b{_dump_path()}"] = other_data
+    if published:
+        site.files[f"/b{_sums_path()}"] = site.files[_sums_path()]
     site.cut_after, site.cuts = 400_000, 1
     with pytest.raises(PipelineError, match="failed after 1 attempts in a row without progress"):
         download(_cfg(mirror, tmp_path, retries=0))
     assert (tmp_path / f"{NAME}.part").stat().st_size == 400_000
     site.requests.clear()
-    assert download(DownloadConfig(other, tmp_path, backoff_s=0.01, timeout_s=10)).read_bytes() == other_data
-    assert [r for p, r in site.requests if p == f"/b{_dump_path()}"] == [None]  # from byte 0, at once
+    capsys.readouterr()
+    assert download(DownloadConfig(other, tmp_path, retries=0, timeout_s=10)).read_bytes() == other_data
+    # from byte 0 at once, or resumed where the first mirror stopped, without the other server's If-Range
+    assert [r for p, r in site.requests if p == f"/b{_dump_path()}"] == ["bytes=400000-" if published else None]
+    assert site.if_ranges[-1] is None
+    said = f"was begun from {dump_url(mirror, DATE)}, and no checksum is published" in capsys.readouterr().out
+    assert said != published
+
+
+def test_a_whole_part_file_on_a_server_without_lengths_ends_with_one_retry(wiki_mirror, multistream_sample,
+                                                                         tmp_path):
+    """A part file found whole (a run killed while hashing it), a server that sends no length and a 416 without
+    Content-Range, no checksum: the part file is fetched again once, then its end is confirmed. The round that
+    refetched it counted a second time against --retries 1, and every rerun failed alike."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    site.files.pop(_sums_path())
+    site.no_length, site.bare_416 = True, True
+    (tmp_path / f"{NAME}.part").write_bytes(data)
+    assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == data
 
 
 def test_a_download_made_with_no_verify_is_verified_by_a_rerun_without_it(wiki_mirror, multistream_sample, tmp_path,
@@ -544,7 +588,7 @@ _CANNOT_RESUME = (r"the server's answers to a resume do not continue the file wh
                   "Fetch it another way or from another --mirror and pass its path to --input$")
 
 
-@pytest.mark.parametrize("retries", [1, 2])  # the count runs out at the end of a round, or within one
+@pytest.mark.parametrize("retries", [1, 2])
 def test_a_server_that_answers_the_end_probe_without_content_range_runs_out_of_retries(multistream_sample, tmp_path,
                                                                                      retries):
     """A body without Content-Length, whose end is then probed with a Range request answered by a 206 without
@@ -580,7 +624,7 @@ def test_a_server_that_answers_the_end_probe_without_content_range_runs_out_of_r
     finally:
         server.shutdown()
         server.server_close()
-    assert ranges == [None, f"bytes={len(data)}-", None, f"bytes={len(data)}-"][:retries + 2]
+    assert ranges == [None, f"bytes={len(data)}-"] * (retries + 1)  # each round empties the part file: one count
     assert not (tmp_path / NAME).exists()
 
 
@@ -595,8 +639,9 @@ def test_a_capped_server_whose_answers_all_start_at_byte_0_runs_out_of_retries(w
                                             r"Content-Range 'bytes 0-299999/\d+' in answer to Range: "
                                             rf"bytes=300000-; .* emptied .*\); {_CANNOT_RESUME}"):
         download(_cfg(mirror, tmp_path, retries=1, sleep=waits.append))
-    assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=300000-", None]
-    assert waits == [0.01]  # after the emptied part file; then the round that got no further ran out
+    # Each round that empties the part file counts once: the second such restart runs out.
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=300000-", None, "bytes=300000-"]
+    assert waits == [0.01]  # after the first emptied part file
     assert not (tmp_path / NAME).exists()
 
 
