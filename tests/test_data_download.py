@@ -160,6 +160,7 @@ def test_a_part_file_begun_from_another_url_is_resumed_only_where_a_checksum_che
     checksum list and validators nothing noticed the spliced file. The part file's validators name its URL;
     where the other URL publishes a checksum (another mirror of the same dump), the resume is checked by it."""
     mirror, site = wiki_mirror
+    site.validators = True  # ETag and Last-Modified: the first mirror's would be sent as If-Range
     other = f"{mirror}/b{_dump_path()}"
     other_data = multistream_sample.read_bytes() if published else sample_dump.read_bytes()
     site.files[f"/b{_dump_path()}"] = other_data
@@ -190,6 +191,7 @@ def test_a_whole_part_file_on_a_server_without_lengths_ends_with_one_retry(wiki_
     site.no_length, site.bare_416 = True, True
     (tmp_path / f"{NAME}.part").write_bytes(data)
     assert download(_cfg(mirror, tmp_path, retries=1)).read_bytes() == data
+    assert [r for p, r in site.requests if p == _dump_path()] == [f"bytes={len(data)}-", None, f"bytes={len(data)}-"]
 
 
 def test_a_download_made_with_no_verify_is_verified_by_a_rerun_without_it(wiki_mirror, multistream_sample, tmp_path,

@@ -121,6 +121,21 @@ def test_edge_cases_equal_the_rust_tokenizer(bert_vocab, lower_case):
     assert unk in ids  # the 101-character word and the emoji
 
 
+@pytest.mark.parametrize("lower_case, sentence, tokens", [
+    (True, "Café naïve", ["cafe", "naive"]),  # lower-cased and accents stripped
+    (False, "Café naïve", ["[UNK]", "[UNK]"]),  # kept: the uncased vocab holds no "Café"
+    (True, "日本 and 中文", ["日", "本", "and", "中", "文"]),  # CJK characters one by one
+    (True, "UPPER O'Neill", ["upper", "o", "'", "neill"]),
+])
+def test_edge_cases_give_bert_uncased_tokens(bert_vocab, lower_case, sentence, tokens):
+    """The tokens themselves, not only equality with data.vocab's Rust tokenizer, which shares its settings:
+    a tokenizer that kept accents when uncased passed that comparison."""
+    tokenizer = WordPieceTokenizer(bert_vocab, lower_case)
+    ids, _ = tokenizer.tokenize_sentences([sentence])
+    vocab = tokenizer.rust.get_vocab()
+    assert ids.tolist() == [vocab[t] for t in tokens]
+
+
 def test_every_python_separator_splits_or_joins_as_bert_does(bert_vocab):
     tokenizer = WordPieceTokenizer(bert_vocab, True)
     rust = make_tokenizer(bert_vocab, True)

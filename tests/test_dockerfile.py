@@ -29,7 +29,12 @@ def _lint(path: Path) -> list[dict]:
     # failure threshold "info": the strictest level, every finding counts
     proc = subprocess.run([str(_hadolint()), "--format", "json", "--failure-threshold", "info", str(path)],
                           capture_output=True, text=True, timeout=60)
-    return json.loads(proc.stdout or "[]")
+    # Exit 0 with "[]" when clean, 1 with the findings; a hadolint that could not read the file exits 1 with no
+    # JSON, which "no findings" must not stand for.
+    assert proc.returncode in (0, 1) and proc.stdout.strip(), (proc.returncode, proc.stderr)
+    findings = json.loads(proc.stdout)
+    assert (proc.returncode == 0) == (findings == []), (proc.returncode, findings)
+    return findings
 
 
 def test_hadolint_is_clean():

@@ -189,8 +189,9 @@ def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
     assert not ds.shards[0].static_masks
     vocab = (dynamic_shards / "vocab.txt").read_text().split("\n")
     cls_id, sep_id, mask_id = vocab.index("[CLS]"), vocab.index("[SEP]"), vocab.index("[MASK]")
-    replaced_by_mask = unchanged = total = 0
+    replaced_by_mask = unchanged = total = differs = 0
     again = training_set(dynamic_shards)
+    next_epoch = {ds.locate(p): p for p in range(len(ds), 2 * len(ds))}
     for position in range(200):
         sample = ds[position]
         shard, row = ds.locate(position)
@@ -212,8 +213,11 @@ def test_dynamic_masking_is_bert_style_and_seeded_by_position(dynamic_shards):
         assert not np.isin(sample["input_ids"][slots], [0, 100, cls_id, sep_id]).any()
         total += count
         assert all(np.array_equal(sample[k], again[position][k]) for k in sample)
+        # Seeded by the stream position, not the row: the same row in the next epoch is masked anew.
+        later = ds[next_epoch[(shard, row)]]
+        differs += not np.array_equal(later["masked_lm_positions"], sample["masked_lm_positions"])
     # 80% [MASK], 10% random, 10% unchanged (a random draw of the token itself counts as unchanged: 1 in 30k)
-    assert total > 2000
+    assert total > 2000 and differs >= 195
     assert 0.75 < replaced_by_mask / total < 0.85
     assert 0.065 < unchanged / total < 0.135 and 0.065 < (total - replaced_by_mask - unchanged) / total < 0.135
 
