@@ -66,7 +66,7 @@ def test_training_shards_are_balanced_within_one_percent(phase1_shards):
     for path in sorted((phase1_shards / "hdf5" / "training").glob("*.hdf5")):
         with h5py.File(path, "r") as f:
             sizes.append(len(f["input_ids"]))
-    assert max(sizes) - min(sizes) <= max(1, 0.01 * min(sizes))
+    assert max(sizes) - min(sizes) <= 1  # the issue asks for 1%; the shard stage splits to within one instance
 
 
 def test_sequence_structure_and_padding(static, dynamic):
