@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -326,11 +327,35 @@ def _loss_and_grads(config, checkpointing, batch, seed=7):
 LAYOUTS = {"post-ln": {}, "pre-ln-megatron": {"pre_layer_norm": True}, "pre-ln-habana": {"layer_norm_large_model": True}}
 
 
+def _segments_run(config, checkpointing, batch) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
+    """_loss_and_grads, and how many times each checkpointed segment of layers ran (forward, then again in
+    backward), through modeling's torch_checkpoint wrapped to count."""
+    runs: list[int] = []
+    real = modeling.torch_checkpoint
+
+    def counting(fn, *args, **kwargs):
+        segment = len(runs)
+        runs.append(0)
+
+        def counted(*inputs):
+            runs[segment] += 1
+            return fn(*inputs)
+        return real(counted, *args, **kwargs)
+
+    with unittest.mock.patch.object(modeling, "torch_checkpoint", counting):
+        loss, grads = _loss_and_grads(config, checkpointing, batch)
+    return loss, grads, runs
+
+
 def assert_checkpointing_matches(interval: int, layout: str) -> None:
     config = small_config(**LAYOUTS[layout])
     batch = make_batch(config)
-    loss_ref, grads_ref = _loss_and_grads(config, ActivationCheckpointing(enabled=False), batch)
-    loss, grads = _loss_and_grads(config, ActivationCheckpointing(enabled=True, interval=interval), batch)
+    loss_ref, grads_ref, runs = _segments_run(config, ActivationCheckpointing(enabled=False), batch)
+    assert runs == []
+    loss, grads, runs = _segments_run(config, ActivationCheckpointing(enabled=True, interval=interval), batch)
+    # Checkpointing happened, in segments of `interval` layers, each recomputed once in backward: without this
+    # the comparison below also held with checkpointing switched off, or the interval ignored (found by an audit).
+    assert runs == [2] * -(-config.num_hidden_layers // interval), (config.num_hidden_layers, interval)
     assert torch.equal(loss, loss_ref)
     assert grads.keys() == grads_ref.keys()
     for name in grads:
