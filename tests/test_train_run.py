@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import h5py
@@ -432,16 +433,20 @@ def test_truncated_checkpoint_fails_loudly(bf16_run, phase1_shards, no_dropout_m
 FP32_STEPS = 12
 
 
-@pytest.fixture(scope="module")
-def fp32_setup(tmp_path_factory, phase1_shards):
-    tmp = tmp_path_factory.mktemp("fp32")
-    model = write_json(tmp / "tiny.json", TINY)  # dropout on: its randomness must resume exactly too
-    ds = ds_config(tmp / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+def fp32_run(model: Path, ds_dir: Path) -> Callable[[Path, Path], list[str]]:
+    """The command line of the fp32 runs, args(shards, out): AdamW, FP32_STEPS steps, a checkpoint every 4."""
+    ds = ds_config(ds_dir / "ds.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
 
     def args(shards: Path, out: Path) -> list[str]:
         return base_args(shards, out, model, ds, FP32_STEPS, optimizer="adamw", learning_rate=1e-3,
                          warmup_proportion=0.2, num_steps_per_checkpoint=4, keep_checkpoints=5)
+    return args
 
+
+@pytest.fixture(scope="module")
+def fp32_setup(tmp_path_factory, phase1_shards):
+    tmp = tmp_path_factory.mktemp("fp32")
+    args = fp32_run(write_json(tmp / "tiny.json", TINY), tmp)  # dropout on: its randomness must resume exactly too
     reference = tmp / "reference"
     ok(run(1, args(phase1_shards, reference)))
     return args, reference
@@ -731,12 +736,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(phase1_shards, no_dropout_mode
     1-rank and 2-rank steps differ only by rounding, so the losses after the resume show that rank 1 trained on
     from the converted weights, moments and sample: with dropout (masks differ with the rank) a resume that
     loaded nothing, or restarted the data at sample 0, was within the comparison's 10% (found by an audit)."""
-    ds = ds_config(tmp_path / "ds1.json", bf16=False, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
-
-    def args(shards: Path, out: Path) -> list[str]:
-        return base_args(shards, out, no_dropout_model, ds, FP32_STEPS, optimizer="adamw", learning_rate=1e-3,
-                         warmup_proportion=0.2, num_steps_per_checkpoint=4, keep_checkpoints=5)
-
+    args = fp32_run(no_dropout_model, tmp_path)
     reference = tmp_path / "reference"
     ok(run(1, args(phase1_shards, reference)))
     out = tmp_path / "widened"
@@ -746,7 +746,7 @@ def test_one_rank_checkpoint_resumes_on_two_ranks(phase1_shards, no_dropout_mode
     result = run(2, args(phase1_shards, out))
     assert result.returncode != 0 and '"train_batch_size": 8' in result.stderr
     assert not (out / "checkpoints" / "step00000008_universal").exists()
-    same_batch = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=8, train_micro_batch_size_per_gpu=4)
+    same_batch = ds_config(tmp_path / "same_batch.json", bf16=False, train_batch_size=8, train_micro_batch_size_per_gpu=4)
     ok(run(2, with_flag(args(phase1_shards, out), "--deepspeed_config", str(same_batch))))
     info = json.loads((out / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["resumed_world_size"] == 1 and info["gradient_accumulation_steps"] == 1
