@@ -168,7 +168,7 @@ case "$LAUNCHER" in
     if [[ -z "${BERT_LAUNCH_SRUN_TASK:-}" ]]; then
       [[ -n "${SLURM_JOB_ID:-}" ]] || die "--launcher slurm runs inside an allocation (sbatch or salloc); SLURM_JOB_ID is not set"
       # Refused here, once, rather than in every srun task (each task resolves it again for its node).
-      RESOLVED="$(resolve_preset)"
+      resolve_preset >/dev/null
       CMD=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1
            env BERT_LAUNCH_SRUN_TASK=1 "$ROOT/scripts/launch.sh" "${ORIGINAL_ARGS[@]}")
       if [[ "$DRY_RUN" == 1 ]]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
