@@ -246,6 +246,7 @@ def settings_problem(output_dir: Path, settings: dict[str, int]) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     from training.presets import load_preset
 
+    preset = load_preset("demo")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--output_dir", type=Path, default=DemoConfig.output_dir,
                         help="where the dump, data, run and export go")
@@ -254,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max_steps", type=positive_int, help="training steps (default: the demo preset's)")
     parser.add_argument("--processes", type=positive_int, default=DemoConfig.processes,
                         help="training processes: a divisor of the demo preset's global batch of "
-                             f"{load_preset('demo').global_batch_size} (the micro batch per process follows)")
+                             f"{preset.global_batch_size} (the micro batch per process follows)")
     parser.add_argument("--seed", type=int, default=DemoConfig.seed, help="dump, data and training seed")
     parser.add_argument("--log_freq", type=positive_int, default=DemoConfig.log_freq,
                         help="steps between logged records; evaluation every 10 records")
@@ -263,10 +264,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.articles < 4:
         parser.error(f"--articles must be >= 4 (the dump has one article of each kind), got {args.articles}")
     if micro_batch(args.processes) is None:
-        batch = load_preset("demo").global_batch_size
+        batch = preset.global_batch_size
         parser.error(f"--processes {args.processes} does not divide the demo preset's global batch of {batch} "
                      f"sequences; pass one of {', '.join(str(p) for p in range(1, batch + 1) if batch % p == 0)}")
-    max_steps = args.max_steps or load_preset("demo").max_steps
+    max_steps = args.max_steps or preset.max_steps
     if max_steps // args.log_freq < 4:
         parser.error(f"--max_steps {max_steps} with --log_freq {args.log_freq} logs {max_steps // args.log_freq} "
                      "steps; the demo needs at least 4 to see a trend: raise --max_steps or lower --log_freq")

@@ -435,7 +435,8 @@ class PretrainingDataset(Dataset):
         that a resumed run, or one that groups the rows in other batches, masks alike. Replaces
         block["input_ids"]; returns (positions, original ids)."""
         assert self.vocab is not None
-        path, ids = self.shards[shard].path, block["input_ids"]
+        info, ids = self.shards[shard], block["input_ids"]
+        path = info.path
         wrong_start = np.flatnonzero(ids[:, 0] != self.vocab.cls)
         if wrong_start.size:  # every sequence begins with [CLS]: another vocab.txt would mask specials
             j = int(wrong_start[0])
@@ -450,7 +451,6 @@ class PretrainingDataset(Dataset):
                                   "made with: put that one there")
         real = block["attention_mask"] == 1
         candidates = real & (ids != self.vocab.cls) & (ids != self.vocab.sep)
-        info = self.shards[shard]
         positions, labels = mask_rows(ids, candidates, real.sum(axis=1), self.max_predictions, info.masked_lm_prob,
                                       info.whole_word_masking, self.vocab,
                                       [np.random.default_rng([self.seed, p, 2]) for p in stream_positions])
