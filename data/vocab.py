@@ -311,10 +311,14 @@ def _train(files: list[Path], cfg: VocabConfig) -> BertWordPieceTokenizer:
         raise PipelineError(f"{cfg.corpus_dir}: the part files hold no text to train a vocab on")
     fixed = [*SPECIAL_TOKENS, *alphabet, *(f"##{c}" for c in alphabet)]
     if cfg.vocab_size < len(fixed):
+        # Lowering --limit_alphabet is offered only where it chose the alphabet; below the corpus's own
+        # character count it would turn characters the text uses into [UNK].
+        clipped = len(alphabet) == cfg.limit_alphabet
         raise PipelineError(
             f"--vocab_size {cfg.vocab_size} is smaller than the {len(SPECIAL_TOKENS)} special tokens and the "
-            f"corpus's {len(alphabet)} characters in their two forms ({len(fixed)} tokens); raise --vocab_size "
-            f"or lower --limit_alphabet (now {cfg.limit_alphabet})")
+            f"corpus's {len(alphabet)} {'most frequent ' if clipped else ''}characters in their two forms "
+            f"({len(fixed)} tokens); raise --vocab_size to at least {len(fixed)}"
+            + (f" or lower --limit_alphabet (now {cfg.limit_alphabet})" if clipped else ""))
     # limit_alphabet = the alphabet's size with the alphabet as initial_alphabet keeps exactly it.
     tokenizer.train([str(f) for f in files], vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency,
                     limit_alphabet=len(alphabet), initial_alphabet=alphabet, special_tokens=fixed,

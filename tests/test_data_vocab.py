@@ -109,9 +109,17 @@ def test_a_trained_vocab_is_the_same_in_every_run(phase1_shards, limit_alphabet,
 
 def test_a_vocab_size_below_the_alphabet_is_refused(phase1_shards, tmp_path):
     corpus = phase1_shards / "text" / "sentences"
-    with pytest.raises(PipelineError, match=r"--vocab_size 300 is smaller than the 5 special tokens and the "
-                                            r"corpus's \d+ characters in their two forms"):
+    with pytest.raises(PipelineError) as refused:
         build_vocab(VocabConfig(tmp_path / "small", corpus_dir=corpus, vocab_size=300))
+    # The corpus has fewer characters than the default limit of 1000: only --vocab_size can help.
+    found = re.fullmatch(r"--vocab_size 300 is smaller than the 5 special tokens and the corpus's (\d+) characters "
+                         r"in their two forms \((\d+) tokens\); raise --vocab_size to at least (\d+)",
+                         str(refused.value))
+    assert found and int(found[2]) == int(found[3]) == 5 + 2 * int(found[1]) > 300
+    with pytest.raises(PipelineError, match=r"the corpus's 200 most frequent characters in their two forms \(405 "
+                                            r"tokens\); raise --vocab_size to at least 405 or lower "
+                                            r"--limit_alphabet \(now 200\)$"):
+        build_vocab(VocabConfig(tmp_path / "clipped", corpus_dir=corpus, vocab_size=300, limit_alphabet=200))
     with pytest.raises(PipelineError, match="--limit_alphabet 0 keeps no character"):
         build_vocab(VocabConfig(tmp_path / "none", corpus_dir=corpus, vocab_size=3000, limit_alphabet=0))
 
