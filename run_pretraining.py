@@ -1220,7 +1220,7 @@ def final_evaluation_missing(writer: MetricsWriter, step: int) -> bool:
 
 
 USER_ERRORS = (RunConfigError, DataConfigError, CheckpointError, ConfigError, ScheduleMismatchError,
-               DivergedError)
+               DivergedError, accel.AcceleratorError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,6 +173,26 @@ def test_cuda_rank_uses_its_local_gpu(monkeypatch):
     assert names == [3] and calls == [("set_device", 3), ("init_distributed", "nccl")]
 
 
+def test_the_cpu_is_used_only_when_asked_for(monkeypatch):
+    """DeepSpeed picks the CPU wherever it sees no Gaudi and no CUDA: a GPU node whose devices the process cannot
+    see would train on the host's cores. Only DS_ACCELERATOR=cpu makes a CPU run."""
+    from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+    monkeypatch.setattr(accelerator, "_habana_installed", lambda: False)
+    for unset in (None, "cuda"):  # not set; set to another accelerator (a stand-in here that answers "cpu")
+        if unset is None:
+            monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+        else:
+            monkeypatch.setenv("DS_ACCELERATOR", unset)
+        with pytest.raises(accelerator.AcceleratorError, match=r"^DeepSpeed found no Gaudi or CUDA device and chose "
+                                                               r"the CPU\. To train on the CPU, set DS_ACCELERATOR=cpu\. "):
+            _setup_with(monkeypatch, _fake_accelerator(CPU_Accelerator, "gloo"), 0)
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    acc, calls = _setup_with(monkeypatch, _fake_accelerator(CPU_Accelerator, "gloo"), 0)
+    assert (acc.name, acc.backend, acc.device) == ("cpu", "gloo", torch.device("cpu"))
+    assert calls == [("init_distributed", "gloo")]
+
+
 def test_leave_exits_with_the_code_after_flushing_and_runs_no_teardown(tmp_path):
     """leave() is how a distributed process ends (run_pretraining.py, the 2-rank workers): the code it is given,
     buffered output written, and no interpreter teardown (an atexit handler stands for it here)."""

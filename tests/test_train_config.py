@@ -25,6 +25,7 @@ from run_pretraining import (
     check_resume_identity,
     deepspeed_skips_nonfinite,
     load_ds_config,
+    main,
     micro_step_seed,
     open_data,
     parse_args,
@@ -448,6 +449,17 @@ def test_checkpoints_saved_before_layer_norm_large_model_existed_still_resume():
     with pytest.raises(RunConfigError, match=r"step00000008 was trained with another model config "
                                              r"\(layer_norm_large_model False there, True in --config_file\)"):
         check_resume_identity(Path("out/checkpoints/step00000008"), before, habana, Path("in"))
+
+
+def test_a_run_on_a_cpu_nobody_asked_for_is_one_error_line(monkeypatch, capsys):
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(name, "")  # recorded, so that the one-rank defaults setup() fills in are undone
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    assert main(REQUIRED) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: DeepSpeed found no Gaudi or CUDA device and chose the CPU. To train on the CPU, "
+                          "set DS_ACCELERATOR=cpu. ") and err.count("\n") == 1
 
 
 def test_deepspeed_flag_is_required(capsys):

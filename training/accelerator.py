@@ -25,6 +25,10 @@ import torch
 SUPPORTED = {"hpu": "hccl", "cuda": "nccl", "cpu": "gloo"}  # accelerator -> expected backend
 
 
+class AcceleratorError(RuntimeError):
+    """DeepSpeed chose an accelerator this run does not take; the message says what to do."""
+
+
 @dataclass
 class Accelerator:
     name: str  # "hpu", "cuda" or "cpu"
@@ -115,7 +119,17 @@ def setup(local_rank: int | None = None) -> Accelerator:
     acc = get_accelerator()
     name = acc.device_name()
     if name not in SUPPORTED:
-        raise RuntimeError(f"DeepSpeed selected accelerator {name!r}; this project supports {', '.join(SUPPORTED)}")
+        raise AcceleratorError(f"DeepSpeed selected accelerator {name!r}; this project supports "
+                               f"{', '.join(SUPPORTED)}")
+    # DeepSpeed falls back to the CPU wherever it finds neither Habana's bridge nor a working CUDA, with
+    # one log line. A GPU or Gaudi node whose devices this process cannot see (a container started without
+    # them, a driver mismatch, a CPU build of torch) would then train its 8 ranks on the host's cores.
+    if name == "cpu" and os.environ.get("DS_ACCELERATOR") != "cpu":
+        raise AcceleratorError(
+            "DeepSpeed found no Gaudi or CUDA device and chose the CPU. To train on the CPU, set DS_ACCELERATOR=cpu. "
+            "To train on Gaudi or NVIDIA GPUs, make the devices visible to this process (hl-smi or nvidia-smi in "
+            "the same container; docker run --runtime=habana or --gpus all) and use the platform's torch build "
+            "(python -c 'import torch; print(torch.__version__, torch.cuda.is_available())')")
     local = int(os.environ["LOCAL_RANK"])
     if name != "cpu":
         acc.set_device(local)
