@@ -167,9 +167,13 @@ case "$LAUNCHER" in
   slurm)
     if [[ -z "${BERT_LAUNCH_SRUN_TASK:-}" ]]; then
       [[ -n "${SLURM_JOB_ID:-}" ]] || die "--launcher slurm runs inside an allocation (sbatch or salloc); SLURM_JOB_ID is not set"
+      # The node's one task gets all of the job's CPUs there: srun takes no --cpus-per-task from sbatch or
+      # salloc since Slurm 22.05, and a task of one CPU, where Slurm binds tasks to their CPUs, would run the
+      # node's every rank and loader worker on that one core.
+      cpus="$(job_var SLURM_CPUS_ON_NODE "Slurm sets it inside an allocation")"
       # Refused here, once, rather than in every srun task (each task resolves it again for its node).
       resolve_preset >/dev/null
-      CMD=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --kill-on-bad-exit=1
+      CMD=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$cpus" --kill-on-bad-exit=1
            env BERT_LAUNCH_SRUN_TASK=1 "$ROOT/scripts/launch.sh" "${ORIGINAL_ARGS[@]}")
       if [[ "$DRY_RUN" == 1 ]]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
       exec "${CMD[@]}"

@@ -318,16 +318,21 @@ def test_aws_batch_mode_maps_the_job_variables(tmp_path: Path):
 def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     common = ["--preset", "bert-large-phase1", "--nodes", "2", "--launcher", "slurm", "--input_dir", str(tmp_path),
               "--output_dir", str(tmp_path / "run"), "--dry_run"]
-    outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77")))
-    assert outer[:5] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
-    assert outer[5:8] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[8:] == common
+    outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_CPUS_ON_NODE="96")))
+    # All of the node's CPUs for its one task (srun does not inherit sbatch's --cpus-per-task since 22.05).
+    assert outer[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=96",
+                         "--kill-on-bad-exit=1"]
+    assert outer[6:9] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[9:] == common
+    no_cpus = _launch(common, env=_env(SLURM_JOB_ID="77"))
+    assert no_cpus.returncode == 2 and no_cpus.stderr.strip() == (
+        "launch.sh: error: SLURM_CPUS_ON_NODE is not set: Slurm sets it inside an allocation")
     # The preset is resolved before srun, as --dry_run's help says: a refused one had started a task per node,
     # each failing alike, and the dry run had exited 0 (found by an audit).
     assert json.loads((tmp_path / "run" / "launch" / "deepspeed_config.json").read_text())["train_batch_size"] == 65536
     for wrong, said in ((["--preset", "no-such-preset"], "error: unknown preset 'no-such-preset'"),
                         (["--", "--max_steps", "3"], "error: the launch already gives run_pretraining.py --max_steps")):
         args = [*common, *wrong] if wrong[0] == "--" else [*wrong, *common[2:]]
-        refused = _launch(args, env=_env(SLURM_JOB_ID="77"))
+        refused = _launch(args, env=_env(SLURM_JOB_ID="77", SLURM_CPUS_ON_NODE="96"))
         assert refused.returncode == 2 and said in refused.stderr and "srun" not in refused.stdout
     task = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2")
     inner = _command(_launch([*common, "--master_addr", "node-a", "--master_port", "31337"], env=task))
