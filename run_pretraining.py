@@ -17,6 +17,7 @@ import faulthandler
 import functools
 import json
 import math
+import os
 import re
 import shutil
 import signal
@@ -121,7 +122,14 @@ class TrainArgs:
     local_rank: int | None = None
 
     def __post_init__(self) -> None:
+        for name in PATH_FIELDS:  # a caller's str (or other path-like) taken as the Path the flags give
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                object.__setattr__(self, name, Path(os.fspath(value)))
         check_args(self)
+
+
+PATH_FIELDS = ("input_dir", "output_dir", "config_file", "init_checkpoint", "deepspeed_config")
 
 
 # ----------------------------------------------------------------------------- command line
@@ -243,10 +251,15 @@ def parse_args(argv: list[str] | None = None) -> TrainArgs:
     parsed = vars(p.parse_args(argv))
     del parsed["deepspeed"]  # the required marker, which changes nothing
     args = TrainArgs(**parsed)
-    if "checkpoint_activations_interval" in given_options(p, argv) and not args.checkpoint_activations:
+    if "checkpoint_activations_interval" in given_options(p, argv):  # given as 1, the default, too
+        check_interval(args)
+    return args
+
+
+def check_interval(args: TrainArgs) -> None:
+    if not args.checkpoint_activations:
         raise RunConfigError(f"--checkpoint_activations_interval {args.checkpoint_activations_interval} does nothing "
                              "without --checkpoint_activations; add it or drop the interval")
-    return args
 
 
 def check_args(args: TrainArgs) -> None:
@@ -259,6 +272,8 @@ def check_args(args: TrainArgs) -> None:
     if args.init_optimizer_moments and not args.phase2:
         raise RunConfigError("--init_optimizer_moments starts phase 2 from phase 1's optimizer moments; it needs "
                              "--phase2 --init_checkpoint <phase-1 --output_dir>")
+    if args.checkpoint_activations_interval != 1:
+        check_interval(args)
     check_output_dir(args.output_dir)
     if args.init_checkpoint is not None and args.init_checkpoint.resolve() == args.output_dir.resolve():
         raise RunConfigError("--init_checkpoint must be the phase-1 run, not this run's --output_dir")
@@ -381,6 +396,13 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         if near:
             raise RunConfigError(f"{path}: '{key}' is not a DeepSpeed key, which DeepSpeed would ignore; did you mean "
                                  f"'{near[0]}'?")
+    if config.get("managed_gradient_accumulation", True) is not True:
+        # Then DeepSpeed takes every engine.step() as a boundary: one update per micro batch, the schedule
+        # stepped as often, and a checkpoint whose schedule is ahead of its step.
+        raise RunConfigError(f"{path}: remove 'managed_gradient_accumulation' "
+                             f"({json.dumps(config['managed_gradient_accumulation'])}); this script lets DeepSpeed "
+                             "decide where a step's gradient accumulation ends, and would otherwise update the "
+                             "weights and the learning rate after every micro batch")
     if "bfloat16" in config:  # DeepSpeed's older name, which the checks below would not see
         raise RunConfigError(f"{path}: rename 'bfloat16' to 'bf16': DeepSpeed still reads its old name, which this "
                              "script's checks do not")

@@ -121,6 +121,11 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
      r"DeepSpeed refuses it: Checkpoint config contains invalid tag_validation value of SOMETIMES"),
     ({"gradient_clipping": "a"}, r"gradient_clipping must be a number >= 0 \(0: no clipping\), got 'a'$"),
     ({"gradient_clipping": -1}, r"gradient_clipping must be a number >= 0 \(0: no clipping\), got -1$"),
+    # DeepSpeed then updates at every micro batch: the schedule ran 2x ahead and the checkpoint could not resume
+    # (found by an audit). true, its default, is what the loop expects.
+    ({"managed_gradient_accumulation": False}, r"remove 'managed_gradient_accumulation' \(false\); this script lets "
+     r"DeepSpeed decide where a step's gradient accumulation ends, and would otherwise update the weights and the "
+     r"learning rate after every micro batch$"),
 ])
 def test_deepspeed_json_errors(tmp_path, change, message):
     config = json.loads(DEFAULT_DS_CONFIG.read_text()) | change
@@ -259,6 +264,13 @@ def test_train_takes_typed_settings_whose_defaults_are_the_flags(capsys):
         dataclasses.replace(args, optimizer="sgd")
     with pytest.raises(RunConfigError, match="--lr_decay_style must be one of habana, nvidia, got 'cosine'"):
         dataclasses.replace(args, lr_decay_style="cosine")
+    with pytest.raises(RunConfigError, match="^--checkpoint_activations_interval 4 does nothing without "
+                                             "--checkpoint_activations; add it or drop the interval$"):
+        dataclasses.replace(args, checkpoint_activations_interval=4)
+    # Paths given as str in code are the Paths the flags give (str had failed with an AttributeError).
+    assert TrainArgs(input_dir="in", output_dir="out", config_file="c.json", max_steps=5, init_checkpoint="p1",
+                     phase2=True, deepspeed_config=str(DEFAULT_DS_CONFIG)) == \
+        dataclasses.replace(args, init_checkpoint=Path("p1"), phase2=True)
 
 
 def test_init_checkpoint_help_names_every_kind_of_checkpoint_training_md_lists(capsys):
