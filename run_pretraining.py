@@ -403,6 +403,11 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
                              f"({json.dumps(config['managed_gradient_accumulation'])}); this script lets DeepSpeed "
                              "decide where a step's gradient accumulation ends, and would otherwise update the "
                              "weights and the learning rate after every micro batch")
+    if str(config.get("gradient_allreduce_op", "mean")).lower() != "mean":
+        raise RunConfigError(f"{path}: remove 'gradient_allreduce_op' "
+                             f"({json.dumps(config['gradient_allreduce_op'])}); a step's gradient is the mean over "
+                             "its global batch, so that gradient_clipping and a resume on another world size mean "
+                             "the same on any number of devices, while a sum grows with the world size")
     if "bfloat16" in config:  # DeepSpeed's older name, which the checks below would not see
         raise RunConfigError(f"{path}: rename 'bfloat16' to 'bf16': DeepSpeed still reads its old name, which this "
                              "script's checks do not")

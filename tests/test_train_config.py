@@ -126,6 +126,8 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"managed_gradient_accumulation": False}, r"remove 'managed_gradient_accumulation' \(false\); this script lets "
      r"DeepSpeed decide where a step's gradient accumulation ends, and would otherwise update the weights and the "
      r"learning rate after every micro batch$"),
+    ({"gradient_allreduce_op": "SUM"}, r"remove 'gradient_allreduce_op' \(\"SUM\"\); a step's gradient is the mean "
+     r"over its global batch"),
 ])
 def test_deepspeed_json_errors(tmp_path, change, message):
     config = json.loads(DEFAULT_DS_CONFIG.read_text()) | change
