@@ -445,6 +445,10 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         raise RunConfigError(f"{path}: remove zero_optimization.round_robin_gradients; DeepSpeed's record of where "
                              "each parameter lies in the partitions is wrong under it, and a resume on another "
                              "world size and --init_optimizer_moments read that record (docs/LAMB.md, Limits)")
+    if isinstance(zero, dict) and zero.get("elastic_checkpoint"):
+        raise RunConfigError(f"{path}: remove zero_optimization.elastic_checkpoint; it saves the optimizer state as "
+                             "a list per parameter group, which phase 2's --init_optimizer_moments does not read, and "
+                             "a resume on another world size goes through universal checkpoints here")
     if isinstance(zero, dict) and zero.get("compute_grad_norm") is False:
         raise RunConfigError(f"{path}: zero_optimization.compute_grad_norm false turns off DeepSpeed's check for "
                              "non-finite gradients in fp32, which would then reach the weights, and the logged "

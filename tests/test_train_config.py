@@ -100,6 +100,9 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage 0 is not supported; use"),
     ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage 3 is not supported"),
     ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
+    # Its optimizer state, a list per group, made --init_optimizer_moments call phase 1 damaged (found by an audit).
+    ({"zero_optimization": {"stage": 1, "elastic_checkpoint": True}},
+     r"remove zero_optimization.elastic_checkpoint; it saves the optimizer state as a list per parameter group"),
     ({"zero_optimization": {"stage": 1, "compute_grad_norm": False}},
      "compute_grad_norm false turns off DeepSpeed's check for non-finite gradients"),
     # DeepSpeed's parameter mapping is wrong under it: a resume on 1 rank of a 2-rank run was 1.3 off (docs/LAMB.md)
