@@ -4,14 +4,17 @@
 
 `--checkpoint` is a run's --output_dir (its `checkpoints/latest` is used unless --tag is given),
 its `checkpoints/` directory, or one tag directory (`checkpoints/step00001000`, or a DeepSpeed
-universal checkpoint `step00001000_universal`). The weights come from:
-  - ZeRO checkpoints (stage 1-3; a partition file per rank): the fp32 master weights, merged from
-    every rank's partition by DeepSpeed's zero_to_fp32;
+universal checkpoint `step00001000_universal`; a file in a tag stands for its tag). The weights come from:
+  - ZeRO checkpoints (a partition file per rank): the fp32 master weights, merged from every rank's
+    partition (bf16 runs: BF16_Optimizer's; fp32 ZeRO-1/2 and another DeepSpeed run's ZeRO-3: DeepSpeed's
+    zero_to_fp32);
   - universal checkpoints: the fp32 weight of every parameter (`zero/<name>/fp32.pt`);
   - checkpoints without ZeRO partitions: the module weights in mp_rank_00_model_states.pt.
-  - NVIDIA's and Habana's `ckpt_<step>.pt` (the file, or a directory of them: the highest step), in
-    their parameter names (training/reference_checkpoint.py); --config_file (their bert_config.json
-    with "layer_norm_eps": 1e-12) and --vocab_file are then required, as such a file holds neither.
+  - NVIDIA's and Habana's `ckpt_<step>.pt` (the file, or a directory of them: the highest step), and a
+    DeepSpeed checkpoint folder of Habana's deepspeed-bert (the folder or one of its tags; their fp32
+    masters), in their parameter names (training/reference_checkpoint.py, training/habana_deepspeed.py);
+    --config_file (their bert_config.json with "layer_norm_eps": 1e-12) and --vocab_file are then
+    required, as neither holds them.
 The model config and vocab default to the run's `model_config.json` and `vocab.txt`. The tokenizer
 lower-cases as the run's shards were made (their `lower_case` attribute, which the run keeps in
 `tokenization.json`); for shards that do not record it (NVIDIA's, Habana's), as the vocab suggests,
@@ -53,9 +56,10 @@ from training.checkpoint import (
     read_state,
     verify_files,
 )
+from training.habana_deepspeed import check_config, load_deepspeed_reference
 from training.loader import TOKENIZATION
 from training.reference_checkpoint import load_reference_checkpoint, reference_checkpoint
-from training.weights import read_fp32_weights
+from training.weights import is_tag_file, read_fp32_weights
 
 
 class ExportError(RuntimeError):
@@ -74,8 +78,10 @@ class CheckpointLocation:
 
 
 def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
-    """Accept a run directory, its checkpoints/ directory or a tag directory."""
+    """Accept a run directory, its checkpoints/ directory, a tag directory or a file in a tag."""
     path = path.resolve()
+    if path.is_file() and is_tag_file(path):
+        path = path.parent
     if not path.is_dir():
         what = "a file, not a directory" if path.exists() else "no such directory"
         raise ExportError(f"{path}: {what}; pass a training --output_dir or a checkpoint tag directory (or "
@@ -177,8 +183,8 @@ def their_checkpoint(checkpoint: Path, tag: str | None) -> tuple[Path, str] | No
     ours = (CHECKPOINTS, "latest", MODEL_STATES, "zero")
     if path.is_dir() and any((path / name).exists() for name in ours):
         return None
-    if path.is_file() and path.suffix != ".pt":  # a run's model_config.json, say: locate names the mistake
-        return None
+    if path.is_file() and (path.suffix != ".pt" or is_tag_file(path)):  # locate takes a tag's file, and names
+        return None                                                        # the mistake of a model_config.json
     found = reference_checkpoint(path)
     if found is not None and tag is not None:
         raise ExportError(f"--tag {tag} picks a tag of this project's checkpoints; {found[0]} is NVIDIA's or "
@@ -216,7 +222,10 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         config_file = config_file or loc.run_dir / "model_config.json"
         vocab_file = vocab_file or loc.run_dir / "vocab.txt"
     if not config_file.is_file():
-        raise ExportError(f"{config_file}: no model config; pass the run's --config_file with --config_file")
+        foreign = loc is not None and not (loc.tag_dir / RUN_STATE).is_file()  # a tag of another DeepSpeed run
+        raise ExportError(f"{config_file}: no model config; pass the run's --config_file with --config_file" + (
+            " (for a DeepSpeed checkpoint folder of Habana's deepspeed-bert: their bert_config.json, with "
+            "\"layer_norm_eps\": 1e-12 added, and --vocab_file)" if foreign else ""))
     if not vocab_file.is_file():
         raise ExportError(f"{vocab_file}: no vocab.txt; pass the vocab the shards were made with (--vocab_file)")
     try:
@@ -242,11 +251,18 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
     else:
         check_complete(loc)
         weights, source = read_weights(loc)
-        try:
-            model.load_state_dict(weights, strict=True)
-        except RuntimeError as e:
-            raise ExportError(f"{loc.tag_dir}: the weights do not fit {config_file} ({e}); pass the model config "
-                              "the run trained with (--config_file)") from e
+        if any(".dense_act." in name for name in weights):  # their fused names: Habana deepspeed-bert's folder
+            try:
+                check_config(loc.tag_dir, config)
+                source = load_deepspeed_reference(model, loc.tag_dir, weights, source)
+            except CheckpointError as e:
+                raise ExportError(str(e)) from e
+        else:
+            try:
+                model.load_state_dict(weights, strict=True)
+            except RuntimeError as e:
+                raise ExportError(f"{loc.tag_dir}: the weights do not fit {config_file} ({e}); pass the model "
+                                  "config the run trained with (--config_file)") from e
     try:
         save_hf(model.eval(), output, vocab_file=vocab_file, lower_case=lower)
     except ValueError as e:
@@ -262,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True,
                         help="a run's --output_dir, its checkpoints/ directory, or a checkpoint tag directory; or "
-                             "NVIDIA's/Habana's ckpt_<step>.pt (or a directory of them), with --config_file and "
-                             "--vocab_file")
+                             "NVIDIA's/Habana's ckpt_<step>.pt (or a directory of them) or a DeepSpeed checkpoint "
+                             "folder of Habana's deepspeed-bert, with --config_file and --vocab_file")
     parser.add_argument("--output", type=Path, required=True, help="the Hugging Face model directory to write")
     parser.add_argument("--tag", help="checkpoint tag (default: the one named by 'latest')")
     parser.add_argument("--config_file", type=Path, help="model config (default: <run>/model_config.json)")

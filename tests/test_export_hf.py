@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from modeling import BertConfig, BertForPreTraining, ConfigError, save_hf
-from scripts.export_hf import ExportError, export, locate, read_weights, tokenizer_case
+from scripts.export_hf import ExportError, export, locate, read_weights, their_checkpoint, tokenizer_case
 from tests.test_launch import shared_two_node_run
 from training.accelerator import free_port
-from training.weights import read_fp32_weights
+from training.weights import read_fp32_weights, rounds_to
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -62,6 +62,12 @@ def test_a_run_its_checkpoints_dir_and_a_tag_locate_the_same_checkpoint(zero_run
     assert run.run_dir == zero_run.resolve() and run.checkpoints_dir == zero_run.resolve() / "checkpoints"
     assert locate(zero_run / "checkpoints") == run
     assert locate(run.tag_dir) == run
+    # A file of the tag stands for the tag (it had been taken for NVIDIA's or Habana's ckpt_<step>.pt).
+    files = sorted(p.name for p in run.tag_dir.glob("*.pt"))
+    assert files == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                     "mp_rank_00_model_states.pt"]
+    for name in files:
+        assert their_checkpoint(run.tag_dir / name, None) is None and locate(run.tag_dir / name) == run
 
 
 def test_zero_export_is_the_fp32_master_weights(zero_run: Path, zero_export):
@@ -151,6 +157,65 @@ def test_fp32_zero_checkpoint_and_one_without_partitions(phase1_shards: Path, tm
     assert "module weights (float32), no ZeRO partitions" in source
     assert_exported(tmp_path / "hf_zero", masters)
     assert_exported(tmp_path / "hf_plain", masters)  # fp32 training: the module weights are the masters
+
+
+_ZERO3_SAVE = r"""
+import sys
+import deepspeed
+import torch
+from deepspeed.utils import safe_get_full_fp32_param
+from modeling import BertConfig, BertForPreTraining
+
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = BertForPreTraining(BertConfig.from_json_file(sys.argv[2]))
+config = {"train_batch_size": 2, "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
+          "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2), config=config)
+ids = torch.randint(5, 1000, (2, 16))
+out = engine(ids, masked_lm_positions=torch.tensor([[1, 2], [3, 4]]), masked_lm_labels=torch.tensor([[5, 6], [7, 8]]))
+engine.backward(out.loss)
+engine.step()
+engine.save_checkpoint(sys.argv[1], "step00000001")
+torch.save({n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}, sys.argv[3])
+"""
+
+
+def test_a_zero3_checkpoint_of_another_deepspeed_run_exports_its_fp32_masters(tmp_path: Path, bert_vocab: Path):
+    """This project trains with ZeRO-1/2; a ZeRO-3 tag (one model states file per rank, its module weights empty)
+    of another DeepSpeed run of this model exports from its merged fp32 masters. It had been called "not a
+    DeepSpeed checkpoint tag" while the help listed ZeRO-3 (found by an audit)."""
+    config = ROOT / "configs" / "models" / "bert-tiny.json"
+    checkpoints, masters = tmp_path / "checkpoints", tmp_path / "masters.pt"
+    env = {**os.environ, "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "PYTHONPATH": str(ROOT), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run([sys.executable, "-c", _ZERO3_SAVE, str(checkpoints), str(config), str(masters)], env=env,
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tag = checkpoints / "step00000001"
+    assert sorted(p.name for p in tag.iterdir()) == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                                                      "zero_pp_rank_0_mp_rank_00_model_states.pt"]
+    result = export(tmp_path, tmp_path / "hf", tag=tag.name, config_file=config, vocab_file=bert_vocab)
+    assert result.weights == f"fp32 master weights merged from 1 ZeRO-3 partition(s) of {tag}"
+    fp32 = torch.load(masters)
+    assert any(not torch.equal(v, v.bfloat16().float()) for v in fp32.values())  # masters, not bf16 weights
+    assert_exported(tmp_path / "hf", fp32)
+
+
+def test_a_bf16_weight_is_its_master_rounded_in_any_mode():
+    """The check of a checkpoint's bf16 module weights against its fp32 masters (and of set_fp32_masters) takes
+    either bf16 neighbour of the master, as a device may truncate where the host rounds to nearest."""
+    fp32 = torch.tensor([1.0 + 2**-8 + 2**-10, -3.0 - 2**-6 - 2**-9, 1e-3, 0.0])
+    nearest = fp32.bfloat16()
+    truncated = (fp32.view(torch.int32) & ~0xFFFF).view(torch.float32).bfloat16()  # toward zero
+    assert not torch.equal(nearest, truncated)
+    assert rounds_to(fp32, nearest) and rounds_to(fp32, truncated)
+    for i in range(len(fp32) - 1):  # each value once one unit past both neighbours, toward zero or away
+        for step in (-0x10000, 0x20000):
+            off = truncated.float().view(torch.int32).clone()
+            off[i] += step
+            assert not rounds_to(fp32, off.view(torch.float32).bfloat16()), (i, step)
+    assert rounds_to(fp32, fp32.clone()) and not rounds_to(fp32, fp32 + 2**-20)  # fp32 weights: equal
 
 
 def test_the_tokenizer_case_comes_from_the_flag_then_the_run_record_then_the_vocab(tmp_path: Path, bert_vocab):

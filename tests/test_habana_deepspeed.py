@@ -262,3 +262,41 @@ def test_phase2_runs_from_their_pre_ln_folder(folders, phase1_shards, tmp_path):
     assert json.loads((out / "model_config.json").read_text())["layer_norm_large_model"] is True
     steps = records(out)
     assert sorted(steps) == [1, 2] and all(0 < steps[k]["loss"] < 20 for k in steps)
+
+
+@pytest.mark.parametrize("folder", ["zero", "bf16_optimizer"])
+def test_their_folder_exports_to_hugging_face(folders, folder, tmp_path, bert_vocab):
+    """scripts/export_hf.py --checkpoint <their folder>: their fp32 masters (not the bf16 module weights) as a
+    transformers BERT. It had read the weights, then asked for another --config_file, which none could satisfy."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForPreTraining
+
+    from scripts.export_hf import ExportError, export
+
+    root, tag = folders / folder, folders / folder / "7038"
+    config = ROOT / "configs" / "models" / "bert-tiny.json"
+    with pytest.raises(ExportError, match=re.escape("no model config; pass the run's --config_file with --config_file "
+                                                    "(for a DeepSpeed checkpoint folder of Habana's deepspeed-bert: "
+                                                    "their bert_config.json")):
+        export(root, tmp_path / "hf", vocab_file=bert_vocab)
+    megatron = tmp_path / "megatron.json"
+    megatron.write_text(json.dumps(json.loads(config.read_text()) | {"pre_layer_norm": True}))
+    with pytest.raises(ExportError, match=re.escape(f"{tag}: --config_file is Megatron-BERT's pre-LN block")):
+        export(root, tmp_path / "hf", config_file=megatron, vocab_file=bert_vocab)
+    assert not (tmp_path / "hf").exists()
+    for named, hf in ((root, tmp_path / "hf"), (tag / MODEL_STATES, tmp_path / "hf_from_file")):
+        done = export(named, hf, config_file=config, vocab_file=bert_vocab)
+        assert done.weights == (f"{tag} (Habana deepspeed-bert DeepSpeed checkpoint, fp32 master weights merged from "
+                                f"1 ZeRO partition(s) (bf16 optimizer) of {tag})")
+        source = tiny_model(1).state_dict()
+        exported = load_file(hf / "model.safetensors")
+        assert set(exported) == set(source)
+        for name, value in exported.items():  # the vocabulary rows past the padding are cut
+            assert torch.equal(value, source[name][: len(value)]), name
+    model = AutoModelForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    ids = torch.tensor([[101, 7592, 2088, 102]])
+    expected = tiny_model(1).eval()(ids, torch.zeros_like(ids), torch.ones_like(ids))
+    with torch.no_grad():
+        got = model(input_ids=ids)
+    assert torch.allclose(got.prediction_logits[..., :30522], expected.mlm_logits[..., :30522], atol=1e-5)
+    assert torch.allclose(got.seq_relationship_logits, expected.nsp_logits, atol=1e-5)

@@ -38,7 +38,27 @@ from training.loader import TOKENIZATION
 from training.reference_checkpoint import load_reference_checkpoint, reference_checkpoint
 
 _PARTITION = re.compile(r"zero_pp_rank_(\d+)_mp_rank_00_optim_states\.pt$")
+_ZERO3_MODEL_STATES = re.compile(r"zero_pp_rank_\d+_mp_rank_00_model_states\.pt$")  # ZeRO-3: one per rank
 _BF16_PARTITION_PREFIX = "bf16_"  # BF16_Optimizer's files; the ZeRO optimizer's have no prefix
+
+
+def is_tag_file(path: Path) -> bool:
+    """A file DeepSpeed writes into a checkpoint tag (model states, a rank's partition): a path to it means its tag."""
+    return path.name == MODEL_STATES or bool(_PARTITION.search(path.name) or _ZERO3_MODEL_STATES.search(path.name))
+
+
+def rounds_to(fp32: torch.Tensor, low: torch.Tensor) -> bool:
+    """Whether `low` is `fp32` cast to its dtype in some rounding mode: each value one of the master's two bf16
+    neighbours (the host rounds to nearest, a device may truncate); equal where `low` is fp32 too."""
+    if low.dtype == torch.float32:
+        return torch.equal(fp32, low)
+    if low.dtype != torch.bfloat16:
+        return torch.equal(fp32.to(low.dtype), low)
+    bits = fp32.float().contiguous().view(torch.int32)
+    toward_zero = bits & ~0xFFFF  # a bf16 is the top 16 bits of an fp32
+    away = torch.where(bits == toward_zero, bits, toward_zero + 0x10000)  # the next one out (an exact value: itself)
+    got = low.float().contiguous().view(torch.int32)
+    return bool(((got == toward_zero) | (got == away)).all())
 
 
 def partition_files(tag_dir: Path) -> list[Path]:
@@ -122,6 +142,14 @@ def _read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool) -> tuple[dict[
                                   "incomplete")
         return weights, f"fp32 weights of the universal checkpoint {tag_dir}"
     if not (tag_dir / MODEL_STATES).is_file():
+        if any(_ZERO3_MODEL_STATES.search(p.name) for p in tag_dir.iterdir()):
+            # Another DeepSpeed run's ZeRO-3 tag (this project trains with ZeRO-1 or 2): its module weights are
+            # empty placeholders, so the fp32 masters are all there is.
+            from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+            weights = get_fp32_state_dict_from_zero_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+            return ({k: v.float() for k, v in weights.items()},
+                    f"fp32 master weights merged from {len(partition_files(tag_dir))} ZeRO-3 partition(s) of {tag_dir}")
         raise CheckpointError(f"{tag_dir}: no {MODEL_STATES}; this is not a DeepSpeed checkpoint tag")
     model_states = torch.load(tag_dir / MODEL_STATES, map_location="cpu", mmap=True, weights_only=False)
     module = model_states.get("module") if isinstance(model_states, dict) else None
@@ -148,7 +176,7 @@ def _read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool) -> tuple[dict[
             weights[name] = weights.get(source_name, value)
     for name, value in module.items():
         # The module holds the masters rounded to its dtype: anything else is a merge gone wrong.
-        if value.is_floating_point() and not torch.equal(weights[name].to(value.dtype), value):
+        if value.is_floating_point() and not rounds_to(weights[name], value):
             raise CheckpointError(f"{tag_dir}: the fp32 master weights of {name} do not round to the module "
                                   "weights of the same tag; the checkpoint is inconsistent")
     return {k: v.float() for k, v in weights.items()}, f"{source} of {tag_dir}"
@@ -159,7 +187,7 @@ def set_fp32_masters(engine, weights: dict[str, torch.Tensor]) -> None:
 
     The engine's bf16 parameters must already be `weights` rounded to bf16, as deepspeed.initialize
     made them: anything else means the values are not the ones the engine was built from. The check
-    allows any rounding mode (a relative error under 2^-8), as a device may cast otherwise than the host."""
+    allows any rounding mode (`rounds_to`), as a device may cast otherwise than the host."""
     from deepspeed.utils import safe_set_full_fp32_param
 
     for name, param in engine.module.named_parameters():
@@ -168,7 +196,7 @@ def set_fp32_masters(engine, weights: dict[str, torch.Tensor]) -> None:
             raise ValueError(f"{name}: expected fp32 of shape {tuple(param.shape)}, got {value.dtype} "
                              f"{tuple(value.shape)}")
         value = value.to(param.device)
-        if not torch.allclose(param.detach().float(), value, rtol=2**-8, atol=1e-30):
+        if not rounds_to(value, param.detach()):
             raise ValueError(f"{name}: the engine's {param.dtype} weights are not these fp32 weights rounded")
         safe_set_full_fp32_param(param, value)
 
