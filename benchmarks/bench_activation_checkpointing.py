@@ -1,6 +1,6 @@
 """Activation checkpointing on and off: peak memory and step time, with the planner's prediction.
 
-    python benchmarks/bench_activation_checkpointing.py --config_file configs/models/bert-base.json \
+    python benchmarks/bench_activation_checkpointing.py --config_file configs/models/bert-base.json \\
         --num_hidden_layers 4 --micro_batch 4 --seq_len 512
 
 Two copies of modeling.BertForPreTraining with the same weights, one with checkpointing (one layer

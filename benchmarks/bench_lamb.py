@@ -1,6 +1,6 @@
 """Cost of exact per-tensor trust ratios: ZeRO-1 step time with training.lamb.Lamb against AdamW.
 
-    DS_ACCELERATOR=cpu python benchmarks/bench_lamb.py --config_file configs/models/bert-base.json \
+    DS_ACCELERATOR=cpu python benchmarks/bench_lamb.py --config_file configs/models/bert-base.json \\
         --num_hidden_layers 2 --precision fp32
 
 Real DeepSpeed runs: 2 worker processes (gloo on CPU, OMP_NUM_THREADS=1 each) build the same

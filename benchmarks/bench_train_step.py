@@ -1,6 +1,6 @@
 """Training-step throughput and peak memory: modeling.BertForPreTraining against transformers.
 
-    python benchmarks/bench_train_step.py --config_file configs/models/bert-base.json --num_hidden_layers 4 \
+    python benchmarks/bench_train_step.py --config_file configs/models/bert-base.json --num_hidden_layers 4 \\
         --micro_batch 8 --seq_len 128 --dtypes fp32 bf16
 
 References, run side by side in one process with the same weights (copied by `modeling.to_hf_model`),

@@ -1,6 +1,6 @@
 """ZeRO-1 optimizer state per rank with 1 and 2 ranks: does it halve?
 
-    DS_ACCELERATOR=cpu python benchmarks/bench_zero.py --config_file configs/models/bert-base.json \
+    DS_ACCELERATOR=cpu python benchmarks/bench_zero.py --config_file configs/models/bert-base.json \\
         --num_hidden_layers 2 --precision bf16
 
 Real DeepSpeed runs: for each world size, this script starts that many worker processes (gloo on CPU,

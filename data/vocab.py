@@ -1,7 +1,7 @@
 """Stage 4: the WordPiece vocabulary: a given vocab.txt (checked) or one trained on the corpus.
 
     python -m data.vocab --vocab_file bert-base-uncased-vocab.txt --output_dir out
-    python -m data.vocab --corpus_dir text/sentences --vocab_size 30522 --output_dir out [--min_frequency 2] \
+    python -m data.vocab --corpus_dir text/sentences --vocab_size 30522 --output_dir out [--min_frequency 2] \\
         [--no_lower_case]
 
 The vocab used is always written to `<output_dir>/vocab.txt`. A trained vocab holds up to --vocab_size tokens:

@@ -32,6 +32,7 @@
 #   --init_checkpoint DIR  phase-1 output directory (or NVIDIA's/Habana's ckpt_<step>.pt), for phase-2 presets
 #   --set FIELD=VALUE      override a preset field (max_steps, learning_rate, ...; see training/presets.py)
 #   --dry_run              resolve the preset (writing <output_dir>/launch/) and print the command; start nothing
+#                          (slurm: the srun line; each of its tasks builds its node's torchrun command)
 # Environment: PYTHON (default: .venv/bin/python of this checkout if present, else python3) is the interpreter
 # on every node; scripts/hpu_env.sh sets the HPU variables.
 set -euo pipefail
@@ -173,8 +174,14 @@ case "$LAUNCHER" in
       cpus="$(job_var SLURM_CPUS_ON_NODE "Slurm sets it inside an allocation")"
       # Refused here, once, rather than in every srun task (each task resolves it again for its node).
       resolve_preset >/dev/null
+      # The tasks get this command's arguments, less a --dry_run: the printed srun line is the one that launches.
+      task_args=() separator=0
+      for arg in "${ORIGINAL_ARGS[@]}"; do
+        [[ "$arg" == -- ]] && separator=1
+        [[ "$separator" == 0 && "$arg" == --dry_run ]] || task_args+=("$arg")
+      done
       CMD=(srun --nodes="$NODES" --ntasks="$NODES" --ntasks-per-node=1 --cpus-per-task="$cpus" --kill-on-bad-exit=1
-           env BERT_LAUNCH_SRUN_TASK=1 "$ROOT/scripts/launch.sh" "${ORIGINAL_ARGS[@]}")
+           env BERT_LAUNCH_SRUN_TASK=1 "$ROOT/scripts/launch.sh" "${task_args[@]}")
       if [[ "$DRY_RUN" == 1 ]]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
       exec "${CMD[@]}"
     fi

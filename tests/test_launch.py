@@ -322,7 +322,10 @@ def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     # All of the node's CPUs for its one task (srun does not inherit sbatch's --cpus-per-task since 22.05).
     assert outer[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=96",
                          "--kill-on-bad-exit=1"]
-    assert outer[6:9] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[9:] == common
+    # The line that launches: the tasks' arguments without --dry_run (a pasted line had only dry-run on each node).
+    assert outer[6:9] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[9:] == common[:-1]
+    after = _command(_launch([*common, "--", "--seed", "7"], env=_env(SLURM_JOB_ID="77", SLURM_CPUS_ON_NODE="96")))
+    assert after[9:] == [*common[:-1], "--", "--seed", "7"]
     no_cpus = _launch(common, env=_env(SLURM_JOB_ID="77"))
     assert no_cpus.returncode == 2 and no_cpus.stderr.strip() == (
         "launch.sh: error: SLURM_CPUS_ON_NODE is not set: Slurm sets it inside an allocation")

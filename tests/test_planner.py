@@ -480,7 +480,8 @@ def test_cli_rejects_bad_sizes_and_says_what_fits(capsys):
 @pytest.mark.parametrize("flag, value", [("--micro_batch", "0"), ("--micro_batch", "-4"), ("--seq_len", "0"),
                                          ("--max_predictions", "0"), ("--checkpoint_interval", "0"),
                                          ("--sequences", "-5"), ("--throughput", "-3"), ("--throughput", "nan"),
-                                         ("--reduce_bucket_size", "-500000000")])
+                                         ("--reduce_bucket_size", "-500000000"), ("--reduce_bucket_size", "2.5"),
+                                         ("--reduce_bucket_size", "inf")])
 def test_cli_refuses_sizes_and_counts_that_are_not_positive(flag: str, value: str, capsys):
     """They printed a plan (negative activation memory for a micro batch of -4) or, for a checkpoint
     interval of 0, a ZeroDivisionError traceback."""
@@ -570,10 +571,10 @@ def test_cli_refuses_a_reduce_bucket_size_the_optimizer_does_not_use(capsys):
     assert planner.main([*args, "--zero_stage", "3", "--precision", "fp32"]) == 2
     assert "which ZeRO-3 with fp32 does not use" in capsys.readouterr().err
     buckets = {}
-    for elements in ("100000000", "200000000"):
+    for elements in ("100000000", "200000000", "2e8"):  # also as DeepSpeed's JSON files write it
         assert planner.main([*args[:-1], elements, "--zero_stage", "2"]) == 0
         buckets[elements] = re.search(r"reduce bucket +([0-9.]+) GiB", capsys.readouterr().out).group(1)
-    assert buckets == {"100000000": "0.19", "200000000": "0.37"}  # bf16: 2 bytes per element
+    assert buckets == {"100000000": "0.19", "200000000": "0.37", "2e8": "0.37"}  # bf16: 2 bytes per element
 
 
 if __name__ == "__main__":  # a rank of test_bf16_zero1_memory_matches_a_real_deepspeed_engine

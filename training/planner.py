@@ -1,6 +1,6 @@
 """Capacity planner: will a BERT pretraining run fit on a device, and how long will it take?
 
-    python -m training.planner --config_file configs/models/bert-1.5b.json --device gaudi \
+    python -m training.planner --config_file configs/models/bert-1.5b.json --device gaudi \\
         --devices 128 --zero_stage 1 --micro_batch 16 --seq_len 128 --checkpoint_activations --precision bf16
 
 Everything is computed from the model config and the structure of `modeling.BertForPreTraining`:
@@ -468,6 +468,14 @@ def positive_float(text: str) -> float:
     return value
 
 
+def element_count(text: str) -> int:
+    """A whole number of elements >= 1, as DeepSpeed's JSON files write it too: 500000000 or 5e8."""
+    value = positive_float(text)
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"must be a whole number of elements, got {text}")
+    return int(value)
+
+
 def _gib(n: int) -> str:
     return f"{n / GiB:8.2f} GiB"
 
@@ -499,7 +507,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint_activations", action="store_true", help="recompute encoder activations in backward")
     p.add_argument("--checkpoint_interval", type=positive_int, default=None,
                    help="layers per checkpointed segment (with --checkpoint_activations; default 1)")
-    p.add_argument("--reduce_bucket_size", type=positive_int, default=None,
+    p.add_argument("--reduce_bucket_size", type=element_count, default=None,
                    help="DeepSpeed zero_optimization.reduce_bucket_size in elements (default 5e8): the ZeRO "
                         "optimizer's buffer under ZeRO-1/2, refused elsewhere (bf16 ZeRO-1 runs BF16_Optimizer, "
                         "which does not use it)")
