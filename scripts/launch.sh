@@ -52,6 +52,16 @@ die() { echo "launch.sh: error: $*" >&2; exit 2; }
 # The value of a variable the job scheduler sets, or a clear error (inside $(...) the exit ends the script via set -e).
 job_var() { [[ -n "${!1:-}" ]] || die "$1 is not set: $2"; printf '%s' "${!1}"; }
 abspath() { realpath -m -- "$1"; }
+least_cpus_per_node() {  # "96(x2),64" -> 64
+  local least="" part count
+  IFS=, read -ra parts <<< "$1"
+  for part in "${parts[@]}"; do
+    count="${part%%(*}"
+    [[ "$count" =~ ^[1-9][0-9]*$ ]] || die "SLURM_JOB_CPUS_PER_NODE is '$1', not a list of CPU counts like 96(x2),64"
+    if [[ -z "$least" || "$count" -lt "$least" ]]; then least="$count"; fi
+  done
+  printf '%s' "$least"
+}
 command -v "$PYTHON" >/dev/null || die "the interpreter PYTHON=$PYTHON is not an executable; set PYTHON to one (e.g. .venv/bin/python)"
 
 PRESET="" NODES="" DEVICES="" DEVICE_KIND="default" LAUNCHER="deepspeed" HOSTFILE="" HOSTS="" NODE_RANK=""
@@ -170,8 +180,10 @@ case "$LAUNCHER" in
       [[ -n "${SLURM_JOB_ID:-}" ]] || die "--launcher slurm runs inside an allocation (sbatch or salloc); SLURM_JOB_ID is not set"
       # The node's one task gets all of the job's CPUs there: srun takes no --cpus-per-task from sbatch or
       # salloc since Slurm 22.05, and a task of one CPU, where Slurm binds tasks to their CPUs, would run the
-      # node's every rank and loader worker on that one core.
-      cpus="$(job_var SLURM_CPUS_ON_NODE "Slurm sets it inside an allocation")"
+      # node's every rank and loader worker on that one core. SLURM_JOB_CPUS_PER_NODE ("96(x2),64"; sbatch
+      # and salloc set it) gives the least node's count, which every node has.
+      cpus="$(job_var SLURM_JOB_CPUS_PER_NODE "sbatch and salloc set it in an allocation")"
+      cpus="$(least_cpus_per_node "$cpus")"
       # Refused here, once, rather than in every srun task (each task resolves it again for its node).
       resolve_preset >/dev/null
       # The tasks get this command's arguments, less a --dry_run: the printed srun line is the one that launches.

@@ -318,24 +318,30 @@ def test_aws_batch_mode_maps_the_job_variables(tmp_path: Path):
 def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     common = ["--preset", "bert-large-phase1", "--nodes", "2", "--launcher", "slurm", "--input_dir", str(tmp_path),
               "--output_dir", str(tmp_path / "run"), "--dry_run"]
-    outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_CPUS_ON_NODE="96")))
+    outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="96(x2)")))
     # All of the node's CPUs for its one task (srun does not inherit sbatch's --cpus-per-task since 22.05).
     assert outer[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=96",
                          "--kill-on-bad-exit=1"]
     # The line that launches: the tasks' arguments without --dry_run (a pasted line had only dry-run on each node).
     assert outer[6:9] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[9:] == common[:-1]
-    after = _command(_launch([*common, "--", "--seed", "7"], env=_env(SLURM_JOB_ID="77", SLURM_CPUS_ON_NODE="96")))
+    after = _command(_launch([*common, "--", "--seed", "7"], env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="96(x2)")))
     assert after[9:] == [*common[:-1], "--", "--seed", "7"]
+    # salloc sets no SLURM_CPUS_ON_NODE; nodes of other sizes get the least count, which each of them has.
+    mixed = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="64,36(x3)")))
+    assert mixed[4] == "--cpus-per-task=36"
     no_cpus = _launch(common, env=_env(SLURM_JOB_ID="77"))
     assert no_cpus.returncode == 2 and no_cpus.stderr.strip() == (
-        "launch.sh: error: SLURM_CPUS_ON_NODE is not set: Slurm sets it inside an allocation")
+        "launch.sh: error: SLURM_JOB_CPUS_PER_NODE is not set: sbatch and salloc set it in an allocation")
+    odd = _launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="96(x2),lots"))
+    assert odd.returncode == 2 and odd.stderr.strip() == (
+        "launch.sh: error: SLURM_JOB_CPUS_PER_NODE is '96(x2),lots', not a list of CPU counts like 96(x2),64")
     # The preset is resolved before srun, as --dry_run's help says: a refused one had started a task per node,
     # each failing alike, and the dry run had exited 0 (found by an audit).
     assert json.loads((tmp_path / "run" / "launch" / "deepspeed_config.json").read_text())["train_batch_size"] == 65536
     for wrong, said in ((["--preset", "no-such-preset"], "error: unknown preset 'no-such-preset'"),
                         (["--", "--max_steps", "3"], "error: the launch already gives run_pretraining.py --max_steps")):
         args = [*common, *wrong] if wrong[0] == "--" else [*wrong, *common[2:]]
-        refused = _launch(args, env=_env(SLURM_JOB_ID="77", SLURM_CPUS_ON_NODE="96"))
+        refused = _launch(args, env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="96(x2)"))
         assert refused.returncode == 2 and said in refused.stderr and "srun" not in refused.stdout
     task = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2")
     inner = _command(_launch([*common, "--master_addr", "node-a", "--master_port", "31337"], env=task))
