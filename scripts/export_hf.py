@@ -48,7 +48,6 @@ from modeling import (
 )
 from training.checkpoint import (
     CHECKPOINTS,
-    MODEL_STATES,
     RUN_STATE,
     UNIVERSAL_SUFFIX,
     CheckpointError,
@@ -59,7 +58,7 @@ from training.checkpoint import (
 from training.habana_deepspeed import check_config, load_deepspeed_reference
 from training.loader import TOKENIZATION
 from training.reference_checkpoint import load_reference_checkpoint, reference_checkpoint
-from training.weights import is_tag_file, read_fp32_weights
+from training.weights import is_tag_dir, is_tag_file, read_fp32_weights
 
 
 class ExportError(RuntimeError):
@@ -86,7 +85,7 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
         what = "a file, not a directory" if path.exists() else "no such directory"
         raise ExportError(f"{path}: {what}; pass a training --output_dir or a checkpoint tag directory (or "
                           "NVIDIA's or Habana's ckpt_<step>.pt)")
-    if (path / MODEL_STATES).is_file() or (path / "zero").is_dir():
+    if is_tag_dir(path):
         if tag is not None and tag != path.name:
             raise ExportError(f"{path} is the checkpoint tag '{path.name}'; --tag {tag} contradicts it")
         return CheckpointLocation(path.parent.parent, path.parent, path.name)
@@ -114,7 +113,7 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
 def another_tag(checkpoints: Path, do: str) -> str:
     """`do` one of the complete tags of `checkpoints`, named; where none is complete (another DeepSpeed run's
     tags, which have no run_state.json, or a run that completed none), one of the tag directories it holds."""
-    held = sorted(p.name for p in checkpoints.iterdir() if (p / MODEL_STATES).is_file() or (p / "zero").is_dir())
+    held = sorted(p.name for p in checkpoints.iterdir() if is_tag_dir(p))
     return pick_complete_tag(checkpoints, do, f"none has a {RUN_STATE}; {do} one of the tag directories there: "
                                               f"{', '.join(held)}" if held else "there is no checkpoint tag there yet")
 
@@ -180,8 +179,7 @@ def their_checkpoint(checkpoint: Path, tag: str | None) -> tuple[Path, str] | No
     """NVIDIA's or Habana's ckpt_<step>.pt that `checkpoint` names (a file, or a directory of them that is
     none of our run's directories), and how it was chosen; None for our checkpoints."""
     path = checkpoint.resolve()
-    ours = (CHECKPOINTS, "latest", MODEL_STATES, "zero")
-    if path.is_dir() and any((path / name).exists() for name in ours):
+    if path.is_dir() and ((path / CHECKPOINTS).exists() or (path / "latest").exists() or is_tag_dir(path)):
         return None
     if path.is_file() and (path.suffix != ".pt" or is_tag_file(path)):  # locate takes a tag's file, and names
         return None                                                        # the mistake of a model_config.json

@@ -195,8 +195,16 @@ def test_a_zero3_checkpoint_of_another_deepspeed_run_exports_its_fp32_masters(tm
     tag = checkpoints / "step00000001"
     assert sorted(p.name for p in tag.iterdir()) == ["bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt",
                                                       "zero_pp_rank_0_mp_rank_00_model_states.pt"]
-    result = export(tmp_path, tmp_path / "hf", tag=tag.name, config_file=config, vocab_file=bert_vocab)
-    assert result.weights == f"fp32 master weights merged from 1 ZeRO-3 partition(s) of {tag}"
+    (checkpoints / "latest").write_text("step00000099")  # names no tag: the ZeRO-3 tag is offered
+    with pytest.raises(ExportError, match=re.escape("none has a run_state.json; pass --tag with (or point 'latest' "
+                                                    "at) one of the tag directories there: step00000001")):
+        export(tmp_path, tmp_path / "hf", config_file=config, vocab_file=bert_vocab)
+    # The run with --tag, the tag directory, or a file in it.
+    for named, tag_flag in ((tmp_path, tag.name), (tag, None), (tag / "zero_pp_rank_0_mp_rank_00_model_states.pt", None)):
+        result = export(named, tmp_path / "hf", tag=tag_flag, config_file=config, vocab_file=bert_vocab)
+        assert result.weights == f"fp32 master weights merged from 1 ZeRO-3 partition(s) of {tag}"
+        shutil.rmtree(tmp_path / "hf")
+    export(tag, tmp_path / "hf", config_file=config, vocab_file=bert_vocab)
     fp32 = torch.load(masters)
     assert any(not torch.equal(v, v.bfloat16().float()) for v in fp32.values())  # masters, not bf16 weights
     assert_exported(tmp_path / "hf", fp32)
@@ -216,6 +224,10 @@ def test_a_bf16_weight_is_its_master_rounded_in_any_mode():
             off[i] += step
             assert not rounds_to(fp32, off.view(torch.float32).bfloat16()), (i, step)
     assert rounds_to(fp32, fp32.clone()) and not rounds_to(fp32, fp32 + 2**-20)  # fp32 weights: equal
+    # A zero or subnormal master may be flushed to a zero of either sign; a normal one may not.
+    tiny = torch.tensor([0.0, -0.0, 1e-39, -1e-39])
+    assert rounds_to(tiny, torch.tensor([-0.0, 0.0, 0.0, -0.0]).bfloat16()) and rounds_to(tiny, tiny.bfloat16())
+    assert not rounds_to(torch.tensor([1e-37]), torch.tensor([0.0]).bfloat16())
 
 
 def test_the_tokenizer_case_comes_from_the_flag_then_the_run_record_then_the_vocab(tmp_path: Path, bert_vocab):

@@ -42,6 +42,12 @@ _ZERO3_MODEL_STATES = re.compile(r"zero_pp_rank_\d+_mp_rank_00_model_states\.pt$
 _BF16_PARTITION_PREFIX = "bf16_"  # BF16_Optimizer's files; the ZeRO optimizer's have no prefix
 
 
+def is_tag_dir(path: Path) -> bool:
+    """A DeepSpeed checkpoint tag: model states (one file, or one per rank under ZeRO-3) or a universal `zero/`."""
+    return (path / MODEL_STATES).is_file() or (path / "zero").is_dir() or \
+        (path.is_dir() and any(_ZERO3_MODEL_STATES.search(p.name) for p in path.iterdir()))
+
+
 def is_tag_file(path: Path) -> bool:
     """A file DeepSpeed writes into a checkpoint tag (model states, a rank's partition): a path to it means its tag."""
     return path.name == MODEL_STATES or bool(_PARTITION.search(path.name) or _ZERO3_MODEL_STATES.search(path.name))
@@ -49,7 +55,8 @@ def is_tag_file(path: Path) -> bool:
 
 def rounds_to(fp32: torch.Tensor, low: torch.Tensor) -> bool:
     """Whether `low` is `fp32` cast to its dtype in some rounding mode: each value one of the master's two bf16
-    neighbours (the host rounds to nearest, a device may truncate); equal where `low` is fp32 too."""
+    neighbours (the host rounds to nearest, a device may truncate), or a zero of either sign for a zero or
+    subnormal master (a device may flush those); equal where `low` is fp32 too."""
     if low.dtype == torch.float32:
         return torch.equal(fp32, low)
     if low.dtype != torch.bfloat16:
@@ -58,7 +65,8 @@ def rounds_to(fp32: torch.Tensor, low: torch.Tensor) -> bool:
     toward_zero = bits & ~0xFFFF  # a bf16 is the top 16 bits of an fp32
     away = torch.where(bits == toward_zero, bits, toward_zero + 0x10000)  # the next one out (an exact value: itself)
     got = low.float().contiguous().view(torch.int32)
-    return bool(((got == toward_zero) | (got == away)).all())
+    flushed = ((bits & 0x7F800000) == 0) & ((got & 0x7FFFFFFF) == 0)
+    return bool(((got == toward_zero) | (got == away) | flushed).all())
 
 
 def partition_files(tag_dir: Path) -> list[Path]:
@@ -195,10 +203,9 @@ def set_fp32_masters(engine, weights: dict[str, torch.Tensor]) -> None:
         if value.dtype != torch.float32 or value.shape != param.shape:
             raise ValueError(f"{name}: expected fp32 of shape {tuple(param.shape)}, got {value.dtype} "
                              f"{tuple(value.shape)}")
-        value = value.to(param.device)
-        if not rounds_to(value, param.detach()):
+        if not rounds_to(value, param.detach().cpu()):  # compared on the host, as the bits are read there
             raise ValueError(f"{name}: the engine's {param.dtype} weights are not these fp32 weights rounded")
-        safe_set_full_fp32_param(param, value)
+        safe_set_full_fp32_param(param, value.to(param.device))
 
 
 _SUPPORTED = ("point it at the --output_dir of a finished phase-1 run, a Hugging Face BERT directory, a "
