@@ -272,8 +272,6 @@ def check_args(args: TrainArgs) -> None:
     if args.init_optimizer_moments and not args.phase2:
         raise RunConfigError("--init_optimizer_moments starts phase 2 from phase 1's optimizer moments; it needs "
                              "--phase2 --init_checkpoint <phase-1 --output_dir>")
-    if args.checkpoint_activations_interval != 1:
-        check_interval(args)
     check_output_dir(args.output_dir)
     if args.init_checkpoint is not None and args.init_checkpoint.resolve() == args.output_dir.resolve():
         raise RunConfigError("--init_checkpoint must be the phase-1 run, not this run's --output_dir")
@@ -281,6 +279,8 @@ def check_args(args: TrainArgs) -> None:
                  "max_seq_length", "max_predictions_per_seq", "checkpoint_activations_interval"):
         if getattr(args, name) < 1:
             raise RunConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.checkpoint_activations_interval != 1:
+        check_interval(args)
     if not (math.isfinite(args.weight_decay) and args.weight_decay >= 0):
         raise RunConfigError(f"--weight_decay must be a finite number >= 0, got {args.weight_decay}")
     if args.steps_this_run is not None and args.steps_this_run < 1:
@@ -446,9 +446,10 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
                              "each parameter lies in the partitions is wrong under it, and a resume on another "
                              "world size and --init_optimizer_moments read that record (docs/LAMB.md, Limits)")
     if isinstance(zero, dict) and zero.get("elastic_checkpoint"):
-        raise RunConfigError(f"{path}: remove zero_optimization.elastic_checkpoint; it saves the optimizer state as "
-                             "a list per parameter group, which phase 2's --init_optimizer_moments does not read, and "
-                             "a resume on another world size goes through universal checkpoints here")
+        raise RunConfigError(f"{path}: remove zero_optimization.elastic_checkpoint; under fp32 ZeRO-1/2 it saves the "
+                             "optimizer state as a list per parameter group, which phase 2's --init_optimizer_moments "
+                             "does not read (bf16 ZeRO-1 ignores it), and a resume on another world size goes through "
+                             "universal checkpoints here")
     if isinstance(zero, dict) and zero.get("compute_grad_norm") is False:
         raise RunConfigError(f"{path}: zero_optimization.compute_grad_norm false turns off DeepSpeed's check for "
                              "non-finite gradients in fp32, which would then reach the weights, and the logged "

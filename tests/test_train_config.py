@@ -102,7 +102,8 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
     # Its optimizer state, a list per group, made --init_optimizer_moments call phase 1 damaged (found by an audit).
     ({"zero_optimization": {"stage": 1, "elastic_checkpoint": True}},
-     r"remove zero_optimization.elastic_checkpoint; it saves the optimizer state as a list per parameter group"),
+     r"remove zero_optimization.elastic_checkpoint; under fp32 ZeRO-1/2 it saves the optimizer state as a list per "
+     r"parameter group"),
     ({"zero_optimization": {"stage": 1, "compute_grad_norm": False}},
      "compute_grad_norm false turns off DeepSpeed's check for non-finite gradients"),
     # DeepSpeed's parameter mapping is wrong under it: a resume on 1 rank of a 2-rank run was 1.3 off (docs/LAMB.md)
@@ -348,6 +349,7 @@ def test_counts_below_one_are_refused(flag):
      r"its length after the warm-up \(Habana's meaning: 0.25 after a warm-up of 0.05 holds the peak until 30% of the "
      r"steps\)$"),
     (["--checkpoint_activations", "--checkpoint_activations_interval", "0"], "must be >= 1, got 0"),
+    (["--checkpoint_activations_interval", "0"], "must be >= 1, got 0"),  # not "add --checkpoint_activations"
 ])
 def test_bad_flag_combinations(extra, message):
     with pytest.raises(RunConfigError, match=message):
