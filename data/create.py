@@ -36,6 +36,7 @@ import random
 import sys
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -352,16 +353,16 @@ class _RowDraws:
     rng: np.random.Generator | list[np.random.Generator]
 
     def integers(self, high: int, counts: np.ndarray, dtype: type) -> np.ndarray:
-        if isinstance(self.rng, np.random.Generator):
-            return self.rng.integers(0, high, int(counts.sum()), dtype=dtype)
-        return np.concatenate([np.zeros(0, dtype), *(r.integers(0, high, int(c), dtype=dtype)
-                                                     for r, c in zip(self.rng, counts, strict=True))])
+        return self._draw(counts, dtype, lambda rng, k: rng.integers(0, high, k, dtype=dtype))
 
     def random(self, counts: np.ndarray) -> np.ndarray:
+        return self._draw(counts, np.float32, lambda rng, k: rng.random(k, dtype=np.float32))
+
+    def _draw(self, counts: np.ndarray, dtype: type,
+              draw: Callable[[np.random.Generator, int], np.ndarray]) -> np.ndarray:
         if isinstance(self.rng, np.random.Generator):
-            return self.rng.random(int(counts.sum()), dtype=np.float32)
-        return np.concatenate([np.zeros(0, np.float32), *(r.random(int(c), dtype=np.float32)
-                                                          for r, c in zip(self.rng, counts, strict=True))])
+            return draw(self.rng, int(counts.sum()))
+        return np.concatenate([np.zeros(0, dtype), *(draw(r, int(c)) for r, c in zip(self.rng, counts, strict=True))])
 
 
 def held_out(n_docs: int, test_fraction: float, seed: int, part_index: int) -> np.ndarray:
