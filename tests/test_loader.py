@@ -614,8 +614,10 @@ def test_samples_are_the_rows_h5py_reads(phase1_shards, dynamic_shards, tmp_path
     assert [s.read_whole for s in ds.shards] == [mapped != "all"] * len(ds.shards)  # as inspect_shard found them
 
 
-def test_workers_prefetch_the_same_batches(phase1_shards):
-    ds = training_set(phase1_shards)
+@pytest.mark.parametrize("masking", ["static", "dynamic"])
+def test_workers_prefetch_the_same_batches(phase1_shards, dynamic_shards, masking):
+    """Dynamic masks are drawn in the workers: seeded by the sample's position, not by the worker."""
+    ds = training_set(phase1_shards if masking == "static" else dynamic_shards)
     serial = list(itertools.islice(make_loader(ds, RankSampler(16, 4, 1, 2), 4, num_workers=0), 3))
     parallel = list(itertools.islice(make_loader(ds, RankSampler(16, 4, 1, 2), 4, num_workers=2), 3))
     for a, b in zip(serial, parallel, strict=True):
