@@ -604,11 +604,23 @@ def check_export_dir(directory: str | os.PathLike) -> Path:
     return directory
 
 
+def vocab_tokens(vocab_file: Path) -> list[str]:
+    """A vocab.txt's tokens, numbered as the tokenizers number them (data.vocab.load_vocab, which refuses a file
+    they would number differently, or one that is not UTF-8 text): a ValueError that names the file otherwise."""
+    from data.stage import PipelineError
+    from data.vocab import load_vocab
+
+    try:
+        return load_vocab(vocab_file).tokens
+    except PipelineError as e:
+        raise ValueError(str(e)) from e
+
+
 def check_vocab_size(vocab_file: Path, config: BertConfig, config_file: Path | None = None,
                      fix: str = "pass the vocab.txt the shards were made with") -> None:
     """A vocab.txt of another size than the model's vocabulary is not the one it was trained with, or the config
     is not the model's: `config_file` (where the config was read) is named, and `fix` says what to pass."""
-    n_lines = len(vocab_file.read_text(encoding="utf-8").splitlines())
+    n_lines = len(vocab_tokens(vocab_file))
     if n_lines != config.vocab_size:
         model = f"{config_file} says vocab_size {config.vocab_size}" if config_file is not None else \
             f"the model's vocab_size is {config.vocab_size}"
@@ -649,7 +661,7 @@ def vocab_lower_cases(vocab_file: Path) -> bool:
     """Whether text tokenized with this vocab was lower-cased, guessed from the vocab alone (for shards
     that do not say): BERT's uncased normalisation changes at most 1% of its tokens, the stray cased
     tokens data.prepare accepts in the vocab of a lower-cased run."""
-    return _lower_cases(vocab_file.read_text(encoding="utf-8").splitlines())
+    return _lower_cases(vocab_tokens(vocab_file))
 
 
 def _lower_cases(lines: list[str]) -> bool:
@@ -669,7 +681,7 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int, low
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertTokenizerFast
 
-    lines = vocab_file.read_text(encoding="utf-8").splitlines()
+    lines = vocab_tokens(vocab_file)
     lower = _lower_cases(lines) if lower_case is None else lower_case
     wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
     tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",

@@ -363,6 +363,21 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
                                           r"the run's model config \(.*model_config.json\) as --config_file, or the "
                                           r"vocab.txt the shards were made with as --vocab_file"):
         export(zero_run, tmp_path / "hf", config_file=ROOT / "configs/models/bert-demo.json")
+    # The vocab is read as the tokenizers read it (data.vocab.load_vocab): a file that is not UTF-8 had ended in
+    # a UnicodeDecodeError naming no file, and a token holding U+0085 was counted as two lines.
+    latin1, nel = tmp_path / "latin1" / "vocab.txt", tmp_path / "nel" / "vocab.txt"
+    tokens = (zero_run / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    latin1.parent.mkdir()
+    latin1.write_bytes("\n".join(tokens[:-1]).encode("utf-8") + "\ncafé\n".encode("latin-1"))
+    nel.parent.mkdir()
+    nel.write_text("\n".join(tokens[:-1] + ["a\x85b"]) + "\n", encoding="utf-8")
+    with pytest.raises(ExportError, match=rf"^{re.escape(str(latin1))} is not UTF-8 text; a vocab.txt has one token "
+                                          "per line$"):
+        export(zero_run, tmp_path / "hf", vocab_file=latin1)
+    with pytest.raises(ExportError, match=rf"^{re.escape(str(nel))} line {len(tokens)}: 'a\\x85b' holds a line-break "
+                                          "character inside the token"):
+        export(zero_run, tmp_path / "hf", vocab_file=nel)
+    assert not (tmp_path / "hf").exists()
     deeper = tmp_path / "deeper.json"
     deeper.write_text(json.dumps({**json.loads((zero_run / "model_config.json").read_text()), "num_hidden_layers": 3}))
     with pytest.raises(ExportError, match=r"(?s)the weights do not fit .*deeper.json \(.*Missing key\(s\) in state_dict: "

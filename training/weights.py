@@ -24,6 +24,7 @@ from modeling import (
     check_hf_exportable,
     config_differences,
     load_hf,
+    vocab_tokens,
 )
 from training.checkpoint import (
     LOAD_ERRORS,
@@ -357,13 +358,10 @@ def _token_count(vocab_file: Path | None) -> int | None:
 
 
 def _vocab_tokens(path: Path) -> list[str]:
-    """A vocab.txt's tokens, numbered as the tokenizers number them (data.vocab.load_vocab)."""
-    from data.stage import PipelineError
-    from data.vocab import load_vocab
-
+    """A vocab.txt's tokens, numbered as the tokenizers number them (modeling.vocab_tokens)."""
     try:
-        return load_vocab(path).tokens
-    except PipelineError as e:
+        return vocab_tokens(path)
+    except ValueError as e:
         raise CheckpointError(str(e)) from e
 
 
