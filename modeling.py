@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from training.atomic import atomic_write_text
+from training.atomic import atomic_write_text, replace_dir
 
 IGNORE_INDEX = -100  # masked_lm_labels value for "no prediction at this slot"
 
@@ -653,7 +653,7 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)  # a full disk's partial copy would hold on to the space
         raise
-    _replace_dir(staging, directory)
+    replace_dir(staging, directory)
     return directory
 
 
@@ -693,19 +693,6 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int, low
     tokenizer.save_pretrained(directory)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
     (directory / "vocab.txt").write_text("".join(f"{token}\n" for token in tokens), encoding="utf-8")
-
-
-def _replace_dir(new: Path, old: Path) -> None:
-    """Put directory `new` in the place of `old` (which may not exist). A kill between the two renames
-    leaves the previous export in `.<name>.old` and no `old`: the rerun removes it after its own swap."""
-    trash = old.with_name(f".{old.name}.old")
-    if old.exists():
-        if trash.exists():
-            shutil.rmtree(trash)
-        os.replace(old, trash)
-    os.replace(new, old)
-    if trash.exists():
-        shutil.rmtree(trash)
 
 
 def config_from_hf(hf_config, pad_vocab_size_multiple: int = 8, next_sentence_prediction: bool | None = None,

@@ -19,7 +19,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import socket
 import sys
@@ -49,7 +48,7 @@ from modeling import (
 )
 from training import accelerator as accel
 from training import checkpoint
-from training.atomic import atomic_write_text, remove_stale_temporaries
+from training.atomic import atomic_copy, atomic_write_text, remove_stale_temporaries
 from training.checkpoint import CheckpointError
 from training.loader import (
     TOKENIZATION,
@@ -949,13 +948,11 @@ def write_run_files(output_dir: Path, vocab: Path | None, config: BertConfig, lo
     """What export_hf needs beside the checkpoints: the model config, a copy of the shards' vocabulary (`vocab`,
     training.loader.shard_vocab) and, when the shards say it (`lower_case`), whether their text was lower-cased."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("model_config.json", "run_info.json", "starts.jsonl", TOKENIZATION):  # a killed run's temporaries
-        remove_stale_temporaries(output_dir / name)
+    for name in ("model_config.json", "run_info.json", "starts.jsonl", "vocab.txt", TOKENIZATION):
+        remove_stale_temporaries(output_dir / name)  # a killed run's
     config.to_json_file(output_dir / "model_config.json")
     if vocab is not None:
-        tmp = output_dir / ".vocab.txt.tmp"
-        shutil.copyfile(vocab, tmp)
-        tmp.replace(output_dir / "vocab.txt")
+        atomic_copy(vocab, output_dir / "vocab.txt")
     if lower_case is None:  # shards that do not say: the export infers it from the vocab
         (output_dir / TOKENIZATION).unlink(missing_ok=True)
     else:

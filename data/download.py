@@ -39,7 +39,8 @@ from tqdm import tqdm
 
 from data import lockfile
 from data.cli import HelpFormatter, given_options, non_negative_int
-from data.stage import PipelineError, cli_call, write_json_atomic
+from data.stage import PipelineError, cli_call, no_locks, remove_leftovers, write_json_atomic
+from training.atomic import fsync_dir
 
 DEFAULT_DUMP_DATE = "20261101"
 DEFAULT_MIRROR = "https://dumps.wikimedia.org"
@@ -342,9 +343,8 @@ def _read_validators(part: Path) -> dict:
 
 def _write_validators(part: Path, validators: dict) -> None:
     path = _validator_path(part)
-    tmp = path.with_name(f"{path.name}.tmp")
-    tmp.write_text(json.dumps(validators), encoding="utf-8")
-    tmp.replace(path)
+    remove_leftovers(path)  # of a killed run: the lock is held, so no other writes it now
+    write_json_atomic(path, validators, compact=True)
 
 
 def _if_range(recorded: dict) -> dict[str, str]:
@@ -576,11 +576,7 @@ def _download_verified(cfg: DownloadConfig, part: Path, final: Path) -> None:
     _write_record(final, cfg.url, part.stat().st_size, checksum, _unverified(cfg, checksum))
     part.replace(final)
     _validator_path(part).unlink(missing_ok=True)
-    directory = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)
-    finally:
-        os.close(directory)
+    fsync_dir(final.parent)
 
 
 def _record_path(final: Path) -> Path:
@@ -597,6 +593,7 @@ def _unverified(cfg: DownloadConfig, checksum: tuple[str, str] | None) -> str | 
 def _write_record(final: Path, url: str, size: int, checksum: tuple[str, str] | None,
                   unverified: str | None) -> None:
     """Record beside `final` the URL it comes from, its size, and its checksum or why it has none."""
+    remove_leftovers(_record_path(final))  # of a killed run: the lock is held, so no other writes it now
     write_json_atomic(_record_path(final), {
         "url": url, "size": size, "unverified": unverified,
         "checksum": None if checksum is None else {"algorithm": checksum[0], "digest": checksum[1]}})
@@ -693,6 +690,8 @@ def _exclusive(lock_path: Path, what: str) -> Iterator[None]:
         lock = lockfile.acquire(lock_path)
     except lockfile.Busy as exc:
         raise PipelineError(f"{what} is running; wait for it to finish or stop it") from exc
+    except lockfile.NoLocks as exc:
+        raise no_locks(lock_path, exc) from exc
     try:
         yield
     finally:

@@ -28,6 +28,7 @@ import numpy as np
 
 from data import lockfile
 from data.cli import file_in_the_way
+from training.atomic import fsync_dir, fsync_tree
 
 PARAMS_FILE = "_PARAMS.json"
 COMPLETE_FILE = "_COMPLETE.json"
@@ -98,15 +99,19 @@ def save_array(path: Path, array) -> None:
 
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
-    """Yield a temporary path beside `final`; on success rename it to `final`, on error remove it.
+    """Yield a temporary path beside `final`; on success flush it to disk and rename it to `final`, on error
+    remove it.
 
-    Works for a file or a directory written at the temporary path.
+    Works for a file or a directory written at the temporary path. The flush comes before the rename, so
+    that after a power loss a name (and the sizes `_COMPLETE.json` records) never stands for bytes that
+    were not written.
     """
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_name(final)
     _remove(tmp)
     try:
         yield tmp
+        fsync_tree(tmp)
     except OSError as exc:
         _remove(tmp)
         # (a call on a file descriptor, such as os.stat(fd), names it by its number: no file)
@@ -124,6 +129,7 @@ def atomic_path(final: Path) -> Iterator[Path]:
         # the same parameters, so the new one is equal and the old one can go first.
         shutil.rmtree(final)
     os.replace(tmp, final)
+    fsync_dir(final.parent)
 
 
 def remove_leftovers(final: Path) -> None:
@@ -378,13 +384,17 @@ def _lock(stage_dir: Path) -> None:
         raise PipelineError(f"{stage_dir} is being written by another run ({holder}); wait for it to finish, "
                             "or stop it, then rerun") from exc
     except lockfile.NoLocks as exc:
-        raise PipelineError(f"{path} cannot be locked ({exc.strerror}); put the output on a file system that "
-                            "supports POSIX locks") from exc
+        raise no_locks(path, exc) from exc
     except OSError as exc:
         if exc.errno in _DISK_FULL:
             raise  # named by cli_call's line for a full disk
         raise PipelineError(f"{stage_dir}: cannot write there ({exc.strerror}); pass a directory you can write "
                             "to") from exc
+
+
+def no_locks(path: Path, exc: lockfile.NoLocks) -> PipelineError:
+    return PipelineError(f"{path} cannot be locked ({exc.strerror}); put the output on a file system that "
+                         "supports POSIX locks")
 
 
 def _release(stage_dir: Path) -> None:

@@ -274,3 +274,22 @@ def drain(loader) -> None:
 def no_workers_left() -> None:
     """The loaders' workers have stopped (multiprocessing's children of this process)."""
     assert multiprocessing.active_children() == []
+
+
+def record_fsyncs(monkeypatch) -> list[tuple[str, str]]:
+    """Record ("fsync", path) for every os.fsync and ("replace", destination) for every os.replace, in order
+    (paths of descriptors through /proc: Linux)."""
+    events: list[tuple[str, str]] = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    return events

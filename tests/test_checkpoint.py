@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import record_fsyncs
 from training import checkpoint, weights
 from training.accelerator import free_port
 from training.checkpoint import (
@@ -608,30 +609,12 @@ def test_a_conversion_stopped_by_a_full_disk_fails_every_rank_and_gives_the_spac
             "if the disk is full, free space there and rerun the same command)"), out
     assert not (tmp_path / ".step00000010_universal.tmp").exists()
 
-def _record_fsyncs(monkeypatch) -> list[tuple[str, str]]:
-    """Record ("fsync", path) for every os.fsync and ("replace", destination) for every os.replace, in order."""
-    events: list[tuple[str, str]] = []
-    real_fsync, real_replace = os.fsync, os.replace
-
-    def fsync(fd):
-        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}")))
-        real_fsync(fd)
-
-    def replace(src, dst):
-        events.append(("replace", str(dst)))
-        real_replace(src, dst)
-
-    monkeypatch.setattr(os, "fsync", fsync)
-    monkeypatch.setattr(os, "replace", replace)
-    return events
-
-
 def test_saved_files_reach_the_disk_before_latest_names_them(tmp_path, monkeypatch):
     """A power cut after `latest` names a tag must find the tag's files and manifest on disk: every file is
     fsynced when it is described, run_state.json and `latest` before their rename, their directory after it."""
     tag_dir = _fake_deepspeed_tag(tmp_path, 10)
     names = sorted(p.name for p in tag_dir.iterdir())
-    events = _record_fsyncs(monkeypatch)
+    events = record_fsyncs(monkeypatch)
     files = describe_files(tag_dir, names)
     assert events == [("fsync", str(tag_dir / name)) for name in names]
     events.clear()
@@ -642,6 +625,35 @@ def test_saved_files_reach_the_disk_before_latest_names_them(tmp_path, monkeypat
     run_state, latest = str(tag_dir / RUN_STATE), str(tmp_path / LATEST)
     assert written == [("fsync", f"{run_state} (temporary)"), ("replace", run_state), ("fsync", str(tag_dir)),
                        ("fsync", f"{latest} (temporary)"), ("replace", latest), ("fsync", str(tmp_path))]
+
+
+def test_a_copy_and_a_replaced_directory_reach_the_disk_before_their_names(tmp_path, monkeypatch):
+    """The run's vocab.txt (atomic_copy) and an export or TensorBoard directory (replace_dir): a power cut must
+    not leave a name standing for bytes that were never written."""
+    from training.atomic import atomic_copy, replace_dir
+
+    (tmp_path / "shards").mkdir()
+    source = tmp_path / "shards" / "vocab.txt"
+    source.write_text("[PAD]\n[UNK]\n")
+    (tmp_path / ".vocab.txt.999.0123456789ab.tmp").write_text("[PAD]\n[UN")  # a killed copy's: left alone here
+    new, old = tmp_path / ".hf.tmp", tmp_path / "hf"
+    (new / "sub").mkdir(parents=True)
+    (new / "config.json").write_text("{}")
+    (new / "sub" / "x").write_text("x")
+    old.mkdir()
+    (old / "config.json").write_text('{"old": 1}')
+    events = record_fsyncs(monkeypatch)
+    copied = atomic_copy(source, tmp_path / "vocab.txt")
+    replace_dir(new, old)
+    temporary = [(kind, re.sub(r"/\.([^/]+)\.\d+\.[0-9a-f]{12}\.tmp$", r"/\1 (temporary)", path)) for kind, path in events]
+    assert temporary[:3] == [("fsync", f"{copied} (temporary)"), ("replace", str(copied)), ("fsync", str(tmp_path))]
+    assert sorted(temporary[3:7]) == sorted([("fsync", str(new / "config.json")), ("fsync", str(new / "sub" / "x")),
+                                             ("fsync", str(new)), ("fsync", str(new / "sub"))])
+    trash = str(tmp_path / ".hf.old")
+    assert temporary[7:] == [("replace", trash), ("replace", str(old)), ("fsync", str(tmp_path))]
+    assert copied.read_text() == "[PAD]\n[UNK]\n" and (old / "sub" / "x").read_text() == "x"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".vocab.txt.999.0123456789ab.tmp", "hf", "shards",
+                                                          "vocab.txt"]
 
 
 def test_small_files_are_replaced_whole_and_get_the_users_umask(tmp_path):

@@ -78,8 +78,9 @@ _KILLED_AFTER_THE_RENAME = """
 import os, signal, stat, sys
 from data import download
 fsync = os.fsync
-def killing_fsync(fd):
-    if stat.S_ISDIR(os.fstat(fd).st_mode):
+final = os.path.join(sys.argv[2], download.file_name(sys.argv[1]))
+def killing_fsync(fd):  # the fsync of the directory that holds the renamed dump
+    if stat.S_ISDIR(os.fstat(fd).st_mode) and os.path.isfile(final):
         os.kill(os.getpid(), signal.SIGKILL)
     fsync(fd)
 download.os.fsync = killing_fsync

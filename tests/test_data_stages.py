@@ -28,6 +28,7 @@ from data.extract import ExtractConfig, extract
 from data.prepare import PrepareConfig, duration, long_duration, prepare, preset_predictions_problem
 from data.prepare import main as prepare_main
 from data.stage import PipelineError
+from tests.conftest import record_fsyncs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -424,6 +425,26 @@ def test_a_failed_write_in_atomic_path_names_the_final_file_and_keeps_its_type(t
     assert (type(denied), denied.filename) == (PermissionError, str(final))
     other = FileNotFoundError(errno.ENOENT, "No such file or directory", str(tmp_path / "vocab.txt"))
     assert _raised_in_atomic_path(final, lambda tmp: other) is other
+
+
+def test_atomic_path_flushes_what_it_renames_first_then_the_directory(tmp_path, monkeypatch):
+    """After a power loss a part's name (and the size _COMPLETE.json records for it) must not stand for bytes
+    that never reached the disk: every file and directory written at the temporary path is fsynced before the
+    rename, and the directory holding the new name after it."""
+    events = record_fsyncs(monkeypatch)
+    part, record = tmp_path / "stage" / "part-00000", tmp_path / "stage" / "_COMPLETE.json"
+    with stage.atomic_path(part) as tmp:
+        (tmp / "sub").mkdir(parents=True)
+        (tmp / "ids.npy").write_bytes(b"ids")
+        (tmp / "sub" / "mask.npy").write_bytes(b"mask")
+    stage.write_json_atomic(record, {"done": True})
+    written = str(tmp)
+    assert sorted(events[:4]) == sorted([("fsync", f"{written}/ids.npy"), ("fsync", f"{written}/sub/mask.npy"),
+                                         ("fsync", written), ("fsync", f"{written}/sub")])
+    assert events[4:] == [("replace", str(part)), ("fsync", str(part.parent)),
+                          ("fsync", str(record.parent / f".{record.name}.tmp-{os.getpid()}")),
+                          ("replace", str(record)), ("fsync", str(record.parent))]
+    assert (part / "sub" / "mask.npy").read_bytes() == b"mask" and json.loads(record.read_text()) == {"done": True}
 
 
 @pytest.mark.parametrize("error", [FileNotFoundError(errno.ENOENT, "No such file or directory", "out/x"),

@@ -223,8 +223,9 @@ def test_a_file_system_without_locks_is_its_own_error(tmp_path, monkeypatch):
     assert lockfile.held(tmp_path / "lock") is None
 
 
-def test_the_stage_refuses_and_the_training_run_warns_without_locks(tmp_path, monkeypatch, capsys):
+def test_the_stage_and_the_download_refuse_and_the_training_run_warns_without_locks(tmp_path, monkeypatch, capsys):
     from data import stage
+    from data.download import DownloadConfig, download
     from run_pretraining import RUN_LOCK, _try_lock
 
     def no_locks(fd, operation):
@@ -234,6 +235,10 @@ def test_the_stage_refuses_and_the_training_run_warns_without_locks(tmp_path, mo
     with pytest.raises(stage.PipelineError, match=rf"_LOCK cannot be locked \({os.strerror(errno.ENOSYS)}\); put "
                                                   "the output on a file system that supports POSIX locks"):
         stage.begin(tmp_path / "stage", {"input": "x"})
+    # (locked before any request: the address takes no connection)
+    with pytest.raises(stage.PipelineError, match=rf"\.dump\.xml\.bz2\.lock cannot be locked \({os.strerror(errno.ENOSYS)}\); "
+                                                  "put the output on a file system that supports POSIX locks"):
+        download(DownloadConfig("http://127.0.0.1:9/dump.xml.bz2", tmp_path / "download", retries=0))
     assert _try_lock(tmp_path / "run" / RUN_LOCK) == (None, None)
     assert capsys.readouterr().err == (f"warning: cannot lock {tmp_path / 'run' / RUN_LOCK} "
                                        f"({os.strerror(errno.ENOSYS)}); make sure no other run uses this "

@@ -6,7 +6,6 @@ import contextlib
 import functools
 import json
 import math
-import os
 import shutil
 import sys
 import time
@@ -16,7 +15,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from data.stage import PieceWriter
-from training.atomic import atomic_write_text, named, remove_stale_temporaries
+from training.atomic import atomic_write_text, named, remove_stale_temporaries, replace_dir
 from training.planner import device_peak_tflops
 
 # torch's device names ("NVIDIA H100 80GB HBM3", "GAUDI2"; first-generation Gaudi is "GAUDI") -> training.planner's
@@ -156,11 +155,7 @@ def rebuild_tensorboard(tb_dir: Path, logs: dict[str, Path]) -> None:
             if isinstance(record, dict) and isinstance(record.get("step"), int):
                 _add_scalars(tb, prefix, record)
     tb.close()
-    if tb_dir.exists():
-        os.replace(tb_dir, old)
-    os.replace(staging, tb_dir)
-    if old.exists():
-        shutil.rmtree(old)
+    replace_dir(staging, tb_dir)
 
 
 class MetricsWriter:
