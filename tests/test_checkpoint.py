@@ -831,6 +831,13 @@ def test_init_weights_trained_on_text_of_another_case_are_refused(tmp_path):
     # The same case, or shards that do not say (NVIDIA's), pass.
     assert weights.load_initial_weights(model, tmp_path / "hf", vocab, lower_case=False).endswith("(Hugging Face)")
     assert weights.load_initial_weights(model, tmp_path / "hf", vocab, lower_case=None).endswith("(Hugging Face)")
+    # A record that cannot be read is not taken for one that does not say (the check was skipped in silence).
+    for content, why in (('{"lower_case": tr', r"not JSON \(Expecting value: line 1 column 16 \(char 15\)\)"),
+                         ("[true]", "not a JSON object")):
+        (run / "tokenization.json").write_text(content)
+        with pytest.raises(CheckpointError, match=rf"^--init_checkpoint {run}: tokenization.json is {why}; it says "
+                                                  "whether the text the checkpoint was trained on was lower-cased"):
+            weights.load_initial_weights(model, run, lower_case=True)
 
 
 def test_init_weights_from_a_run_of_another_model_name_the_fields(tmp_path):

@@ -341,9 +341,15 @@ def _check_case(record: Path, key: str, lower_case: bool | None) -> None:
     if lower_case is None or not record.is_file():
         return
     try:
-        theirs = json.loads(record.read_text(encoding="utf-8")).get(key)
-    except (ValueError, AttributeError):
-        return  # not a record of the case: nothing to compare (a damaged one is the export's to refuse)
+        content = json.loads(record.read_text(encoding="utf-8"))
+    except ValueError as e:  # (UnicodeDecodeError is one)
+        content = e
+    if not isinstance(content, dict):
+        why = f"not JSON ({content})" if isinstance(content, ValueError) else "not a JSON object"
+        raise CheckpointError(f"--init_checkpoint {record.parent}: {record.name} is {why}; it says whether the text "
+                              "the checkpoint was trained on was lower-cased, which the shards are checked against. "
+                              "Restore it from the run or the model it comes from")
+    theirs = content.get(key)
     if isinstance(theirs, bool) and theirs != lower_case:
         text = {True: "lower-cased text", False: "text that kept its case"}
         raise CheckpointError(f"--init_checkpoint {record.parent} was trained on {text[theirs]} ({record.name}: {key} "
