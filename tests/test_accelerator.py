@@ -3,6 +3,8 @@ CPU figures against the operating system's."""
 
 from __future__ import annotations
 
+import re
+import socket
 import sys
 import types
 from pathlib import Path
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from training import accelerator
-from training.accelerator import Accelerator
+from training.accelerator import Accelerator, AcceleratorError
 
 
 def _acc(name: str, hpu_lazy: bool) -> Accelerator:
@@ -59,18 +61,59 @@ def test_cpu_peak_memory_is_in_bytes():
     assert peak >= held.numel() and peak == pytest.approx(hwm_kib * 1024, rel=0.05)
 
 
-def test_single_process_defaults_fill_only_what_a_launcher_left_unset(monkeypatch):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+def _clear_rendezvous(monkeypatch) -> None:
+    for name in accelerator.RENDEZVOUS_VARIABLES:
         # setenv first, so that monkeypatch removes what the function sets: delenv of an unset
         # variable records nothing to undo, and the values leaked into the rest of the session.
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    monkeypatch.setenv("MASTER_PORT", "31234")
-    accelerator.set_single_process_defaults()
+
+
+def _rendezvous() -> dict[str, str]:
     import os
 
-    assert {k: os.environ[k] for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")} == \
-        {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "31234"}
+    return {k: os.environ[k] for k in accelerator.RENDEZVOUS_VARIABLES if k in os.environ}
+
+
+def test_single_process_defaults_fill_only_what_a_launcher_left_unset(monkeypatch):
+    _clear_rendezvous(monkeypatch)
+    monkeypatch.setenv("MASTER_PORT", "31234")
+    accelerator.set_single_process_defaults()
+    assert _rendezvous() == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+                             "MASTER_PORT": "31234"}
+
+
+def test_two_single_process_runs_get_free_ports_of_their_own(monkeypatch):
+    """The default port had been 29500: a second plain `python run_pretraining.py` on the machine failed with
+    torch's "address already in use"."""
+    ports = []
+    for _ in range(2):
+        _clear_rendezvous(monkeypatch)
+        accelerator.set_single_process_defaults()
+        ports.append(int(_rendezvous()["MASTER_PORT"]))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", ports[-1]))  # free
+    assert _rendezvous()["RANK"] == "0" and len(set(ports)) == 2
+
+
+@pytest.mark.parametrize("given", [{"WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"},
+                                   {"RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}])
+def test_a_launch_that_set_some_rendezvous_variables_must_set_them_all(monkeypatch, given):
+    """A wrapper that forgot to map RANK (or LOCAL_RANK) had made this process rank 0 (or put it on device 0)."""
+    _clear_rendezvous(monkeypatch)
+    for name, value in given.items():
+        monkeypatch.setenv(name, value)
+    missing = next(name for name in accelerator.RENDEZVOUS_VARIABLES if name not in given)
+    shown = ", ".join(f"{name}={given[name]}" for name in accelerator.RENDEZVOUS_VARIABLES if name in given)
+    with pytest.raises(AcceleratorError, match=re.escape(
+            f"the launch set {shown} but not {missing}; a launcher sets all of RANK, LOCAL_RANK, WORLD_SIZE, "
+            "MASTER_ADDR, MASTER_PORT (torchrun, deepspeed and scripts/launch.sh do). Set the missing ones, or "
+            "unset RANK and WORLD_SIZE to train as one process")):
+        accelerator.set_single_process_defaults()
+    assert _rendezvous() == given
+    monkeypatch.setenv(missing, "0")
+    accelerator.set_single_process_defaults()  # all five: left as they are
+    assert _rendezvous() == given | {missing: "0"}
 
 
 def _fake_habana(monkeypatch, is_lazy=None, device_name: str = "GAUDI2") -> list:

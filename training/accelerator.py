@@ -85,14 +85,28 @@ def leave(code: int) -> NoReturn:
     os._exit(code)
 
 
+RENDEZVOUS_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def set_single_process_defaults() -> None:
-    """Plain `python run_pretraining.py` is a one-rank job: give torch.distributed the variables
-    a launcher would have set (otherwise DeepSpeed tries MPI discovery)."""
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("LOCAL_RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
+    """Plain `python run_pretraining.py`, with neither RANK nor WORLD_SIZE set, is a one-rank job: give
+    torch.distributed the variables a launcher would have set (otherwise DeepSpeed tries MPI discovery),
+    with a free port, so that two such runs on one machine do not meet at a fixed one. A launch that set
+    some of the variables must set them all: a missing RANK or LOCAL_RANK taken as 0 would make a second
+    rank 0, or put a node's ranks on one device."""
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        return
+    missing = [name for name in RENDEZVOUS_VARIABLES if name not in os.environ]
+    if missing:
+        given = ", ".join(f"{name}={os.environ[name]}" for name in RENDEZVOUS_VARIABLES if name in os.environ)
+        raise AcceleratorError(
+            f"the launch set {given} but not {', '.join(missing)}; a launcher sets all of "
+            f"{', '.join(RENDEZVOUS_VARIABLES)} (torchrun, deepspeed and scripts/launch.sh do). Set the missing "
+            "ones, or unset RANK and WORLD_SIZE to train as one process")
 
 
 def free_port() -> int:
