@@ -47,12 +47,13 @@ import h5py
 import numpy as np
 
 from data.cli import given_options
+from data.create import DTYPES
 
 SEQ, PREDS, BATCH, VOCAB = 128, 20, 64, 30522
 STALL = 0.010  # --paced: a wait longer than this is a stall (seconds)
-KEYS = {"input_ids": (np.int32, SEQ), "input_mask": (np.int8, SEQ), "segment_ids": (np.int8, SEQ),
-        "masked_lm_positions": (np.int32, PREDS), "masked_lm_ids": (np.int32, PREDS),
-        "next_sentence_labels": (np.int8, None)}
+# The shard format's dtypes (data.create.DTYPES), with each dataset's width per row
+KEYS = {key: (dtype, {"masked_lm_positions": PREDS, "masked_lm_ids": PREDS, "next_sentence_labels": None}.get(key, SEQ))
+        for key, dtype in DTYPES.items()}
 
 
 def write_shard(path: Path, rows: int, compression: str | None, block: int = 50_000) -> None:
