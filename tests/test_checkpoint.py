@@ -324,12 +324,20 @@ def test_deleted_file_is_a_loud_error(tmp_path):
         find_resume(tmp_path)
 
 
-def test_latest_pointing_at_incomplete_tag_is_a_loud_error(tmp_path):
-    _save(tmp_path, 10)
-    _fake_deepspeed_tag(tmp_path, 20)
-    (tmp_path / LATEST).write_text("step00000020\n")
+def test_latest_pointing_at_incomplete_tag_is_a_loud_error_and_deletes_nothing(tmp_path):
+    """A committed tag that lost its run_state.json still holds the weights: the start-up's `recover` had deleted
+    it as a save cut short, then the error said the checkpoint "was deleted"."""
+    for step in (10, 20, 30):
+        _save(tmp_path, step, keep=3)
+    (tmp_path / "step00000030" / RUN_STATE).unlink()
+    (tmp_path / "step00000010" / RUN_STATE).unlink()  # an older one, also committed
+    _fake_deepspeed_tag(tmp_path, 40)  # a save cut short beyond latest: debris
+    files = {tag: sorted(p.name for p in (tmp_path / tag).iterdir()) for tag in ("step00000010", "step00000030")}
+    recover(tmp_path)
+    assert {tag: sorted(p.name for p in (tmp_path / tag).iterdir()) for tag in files} == files
+    assert not (tmp_path / "step00000040").exists()
     with pytest.raises(CheckpointError, match=r"incomplete or was deleted. Point 'latest' at one of the complete "
-                                              r"tags: step00000010$"):
+                                              r"tags: step00000020$"):
         find_resume(tmp_path)
 
 

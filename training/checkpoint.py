@@ -285,12 +285,15 @@ def prune(ckpt_dir: Path, keep: int) -> None:
 
 
 def remove_unfinished(ckpt_dir: Path) -> None:
-    """Drop tags without a run_state.json (a save a crash cut short; never resumable) and their universal
-    copies, and a `latest_universal` naming a copy that is gone."""
+    """Drop tags without a run_state.json beyond `latest` (a save a crash cut short; never resumable) and their
+    universal copies, and a `latest_universal` naming a copy that is gone. A tag up to `latest` was committed:
+    one that lost its run_state.json (deleted by hand, or by a file system) still holds the weights and is kept
+    for find_resume to refuse, naming it."""
     complete = set(complete_tags(ckpt_dir))
+    latest = read_latest(ckpt_dir)
     for path in ckpt_dir.iterdir():
         base = path.name.removesuffix(UNIVERSAL_SUFFIX)
-        if _TAG.match(base) and path.is_dir() and base not in complete:
+        if _TAG.match(base) and path.is_dir() and base not in complete and (latest is None or base > latest):
             shutil.rmtree(path)
     pointer = ckpt_dir / LATEST_UNIVERSAL
     if pointer.is_file() and not (ckpt_dir / pointer.read_text().strip()).is_dir():
