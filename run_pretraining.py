@@ -414,6 +414,13 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         if not isinstance(config.get(key, {}), dict):
             raise RunConfigError(f"{path}: '{key}' must be an object, got {config[key]!r}; write e.g. "
                                  f"{_SECTION_EXAMPLES[key]}")
+    for key in ("fp16", "bf16"):
+        # DeepSpeed takes "false" (or "auto", as Hugging Face's configs write) for a boolean; these checks and
+        # the checkpoint's record of the precision would read the string as true.
+        enabled = config.get(key, {}).get("enabled", False)
+        if not isinstance(enabled, bool):
+            raise RunConfigError(f"{path}: {key}.enabled must be true or false, got {json.dumps(enabled)}; write "
+                                 f"e.g. {_SECTION_EXAMPLES[key]}")
     for key, fix in (("optimizer", "this script builds it from --optimizer/--learning_rate"),
                      ("scheduler", "this script builds it from --warmup_proportion etc."),
                      ("activation_checkpointing", "DeepSpeed applies it only to models that call deepspeed."
@@ -435,6 +442,9 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         raise RunConfigError(f"{path}: fp16 is not supported; use \"bf16\": {{\"enabled\": true}}")
     zero = config.get("zero_optimization", {})
     stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise RunConfigError(f"{path}: zero_optimization.stage must be a number, got {json.dumps(stage)}; use "
+                             "\"zero_optimization\": {\"stage\": 1}")
     # Checkpoints (one optimizer partition per rank) and layer-wise LAMB are built on ZeRO-1/2's layout;
     # other stages would train and then fail at the first checkpoint.
     if stage not in (1, 2):

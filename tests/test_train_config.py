@@ -98,6 +98,13 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     ({"checkpoint": {"load_universal": True}}, r"remove 'checkpoint.load_universal'; this script sets it when a run "
                                                "resumes on another world size"),
     ({"zero_optimization": {"stage": 0}}, r"zero_optimization.stage 0 is not supported; use"),
+    # DeepSpeed takes the strings for 1 and false: the message had said stage 1 is not supported, and a run of
+    # "enabled": "false" trained in fp32 while its checkpoint recorded bf16 (found by an audit).
+    ({"zero_optimization": {"stage": "1"}},
+     r"zero_optimization.stage must be a number, got \"1\"; use \"zero_optimization\": \{\"stage\": 1\}$"),
+    ({"bf16": {"enabled": "false"}}, r"bf16.enabled must be true or false, got \"false\"; write e.g. \"bf16\": "
+                                     r"\{\"enabled\": true\}$"),
+    ({"fp16": {"enabled": "auto"}}, r"fp16.enabled must be true or false, got \"auto\""),
     ({"zero_optimization": {"stage": 3}}, r"zero_optimization.stage 3 is not supported"),
     ({"zero_optimization": {"stage": 2}}, "bf16 needs zero_optimization.stage 1, got 2"),
     # Its optimizer state, a list per group, made --init_optimizer_moments call phase 1 damaged (found by an audit).
