@@ -564,16 +564,25 @@ def run_identity(args: TrainArgs, train_set, sizes: BatchSizes, config: BertConf
     accumulation steps adapt to the world size), the training shards (consumed_samples indexes
     their sample stream), the model config (initializer_range aside: the weights are loaded) and
     the precision (bf16 and fp32 checkpoints hold other optimizer partitions) and the masking budget (shards
-    without static masks or attributes, NVIDIA-style, are masked with up to --max_predictions_per_seq)."""
+    without static masks or attributes, NVIDIA-style, are masked with up to --max_predictions_per_seq). The shards
+    are known by their paths, sample counts and recipe (static or dynamic masks, masked_lm_prob, whole-word
+    masking, lower-casing: shards remade with another recipe have the same counts)."""
+    recipe = sorted({(s.static_masks, s.masked_lm_prob, s.whole_word_masking, s.lower_case) for s in train_set.shards},
+                    key=repr)
     return {"optimizer": args.optimizer, "weight_decay": args.weight_decay, "train_batch_size": sizes.train_batch_size,
             "max_predictions_per_seq": args.max_predictions_per_seq,
             "training_shards": [[Path(s.path).relative_to(args.input_dir).as_posix(), s.num_samples]
                                 for s in train_set.shards],
+            "shard_recipe": [dict(zip(_RECIPE_FIELDS, r)) for r in recipe],
             "model": {k: v for k, v in config.to_dict().items() if k != "initializer_range"}, "bf16": bf16}
 
 
-# Recorded since 2026-11-24: checkpoints saved before lack them, and their resumes are not checked for them.
-_RECORDED_LATER = {"max_predictions_per_seq"}
+_RECIPE_FIELDS = ("static_masks", "masked_lm_prob", "whole_word_masking", "lower_case")
+
+
+# Recorded since 2026-11-24 (max_predictions_per_seq) and 2026-11-25 (shard_recipe): checkpoints saved before lack
+# them, and their resumes are not checked for them.
+_RECORDED_LATER = {"max_predictions_per_seq", "shard_recipe"}
 # Model config fields added later, with the value a record saved before them means (the model it trained).
 _MODEL_FIELDS_ADDED_LATER = {"layer_norm_large_model": False}
 
@@ -611,11 +620,40 @@ def check_resume_identity(tag_dir: Path, saved: dict, now: dict, input_dir: Path
     if old != new:
         first = next((f"{a[0]} ({a[1]} samples) is now {b[0]} ({b[1]} samples)" for a, b in zip(old, new) if a != b),
                      f"{len(old)} shards then, {len(new)} now")
+        below = _common_parent(old, new)
+        fix = (f"these are the same shards under {below}/: pass --input_dir {input_dir / below}" if below else
+               "resume on the original shards, or train on these in a new --output_dir (--phase2 --init_checkpoint "
+               "starts from this run's weights)")
         raise RunConfigError(
             f"{tag_dir} was trained on {sum(n for _, n in old)} samples in {len(old)} shards; --input_dir {input_dir} "
             f"now holds {sum(n for _, n in new)} in {len(new)} ({first}). consumed_samples would index another "
-            "sample stream: resume on the original shards, or train on these in a new --output_dir "
-            "(--phase2 --init_checkpoint starts from this run's weights)")
+            f"sample stream: {fix}")
+    if "shard_recipe" in saved and saved["shard_recipe"] != now["shard_recipe"]:
+        raise RunConfigError(
+            f"{tag_dir} was trained on shards made with {_recipe_text(saved['shard_recipe'])}; the shards in "
+            f"--input_dir {input_dir} have the same paths and sample counts but were made with "
+            f"{_recipe_text(now['shard_recipe'])}, so the samples consumed_samples indexes are others: resume on "
+            "the original shards, or train on these in a new --output_dir (--phase2 --init_checkpoint starts from "
+            "this run's weights)")
+
+
+def _common_parent(old: list, new: list) -> str | None:
+    """The directory that, put before every recorded shard path, gives the new ones (with the same counts): an
+    --input_dir given above the run's."""
+    if len(old) != len(new) or not old:
+        return None
+    parents = set()
+    for (old_path, old_count), (new_path, new_count) in zip(old, new):
+        if old_count != new_count or not new_path.endswith("/" + old_path):
+            return None
+        parents.add(new_path[: -len(old_path) - 1])
+    return parents.pop() if len(parents) == 1 else None
+
+
+def _recipe_text(recipe: list[dict]) -> str:
+    return "; ".join(f"{'static' if r['static_masks'] else 'dynamic'} masks, masked_lm_prob {r['masked_lm_prob']}, "
+                     f"whole_word_masking {str(r['whole_word_masking']).lower()}, lower_case "
+                     f"{'unrecorded' if r['lower_case'] is None else str(r['lower_case']).lower()}" for r in recipe)
 
 
 def check_resume_clipping(tag_dir: Path, saved_config: dict, clipping: float, ds_path: Path) -> None:

@@ -377,10 +377,11 @@ TINY_MODEL = json.loads(Path("configs/models/bert-tiny.json").read_text())
 
 
 def _identity(optimizer="lamb", weight_decay=0.01, batch=64, shards=(("training/w_training_0.hdf5", 40),),
-              bf16=True, predictions=20, **model):
+              bf16=True, predictions=20, recipe=(True, 0.15, False, True), **model):
     return {"optimizer": optimizer, "weight_decay": weight_decay, "train_batch_size": batch,
-            "max_predictions_per_seq": predictions,
-            "training_shards": [list(s) for s in shards], "model": TINY_MODEL | model, "bf16": bf16}
+            "max_predictions_per_seq": predictions, "training_shards": [list(s) for s in shards],
+            "shard_recipe": [dict(zip(("static_masks", "masked_lm_prob", "whole_word_masking", "lower_case"), recipe))],
+            "model": TINY_MODEL | model, "bf16": bf16}
 
 
 @pytest.mark.parametrize("now, message", [
@@ -396,7 +397,21 @@ def _identity(optimizer="lamb", weight_decay=0.01, batch=64, shards=(("training/
      r"trained on 40 samples in 1 shards; --input_dir in now holds 37 in 1 \(training/w_training_0.hdf5 "
      r"\(40 samples\) is now training/w_training_0.hdf5 \(37 samples\)\)"),
     (_identity(shards=(("training/w_training_0.hdf5", 40), ("training/w_training_1.hdf5", 9))),
-     r"now holds 49 in 2 \(1 shards then, 2 now\)"),
+     r"now holds 49 in 2 \(1 shards then, 2 now\)\. consumed_samples would index another sample stream: resume on "
+     r"the original shards"),
+    # The same shards under a parent of the run's --input_dir: the message had told to resume on the original shards.
+    (_identity(shards=(("hdf5/training/w_training_0.hdf5", 40),)),
+     r"\(training/w_training_0.hdf5 \(40 samples\) is now hdf5/training/w_training_0.hdf5 \(40 samples\)\)\. "
+     r"consumed_samples would index another sample stream: these are the same shards under hdf5/: pass --input_dir "
+     r"in/hdf5$"),
+    # Shards remade with another recipe have the same paths and counts (found by an audit: resumed in silence).
+    (_identity(recipe=(False, 0.15, False, True)),
+     r"step00000008 was trained on shards made with static masks, masked_lm_prob 0.15, whole_word_masking false, "
+     r"lower_case true; the shards in --input_dir in have the same paths and sample counts but were made with dynamic "
+     r"masks, masked_lm_prob 0.15, whole_word_masking false, lower_case true, so the samples consumed_samples indexes "
+     r"are others: resume on the original shards"),
+    (_identity(recipe=(True, 0.1, True, True)), r"made with static masks, masked_lm_prob 0.1, whole_word_masking true"),
+    (_identity(recipe=(True, 0.15, False, None)), r"made with static masks, .*, lower_case unrecorded, so the"),
     (_identity(hidden_act="relu", hidden_dropout_prob=0.0),
      r"step00000008 was trained with another model config \(hidden_act 'gelu' there, 'relu' in --config_file; "
      r"hidden_dropout_prob 0.1 there, 0.0 in --config_file\). Resume with the run's config "
@@ -428,6 +443,8 @@ def test_run_identity_records_what_a_resume_checks(tmp_path):
     identity = run_identity(args, train_set, BatchSizes(64, 4, 8), config, bf16=False)
     assert identity == {"optimizer": "lans", "weight_decay": 0.02, "train_batch_size": 64, "max_predictions_per_seq": 20,
                         "training_shards": [["training/w_training_0.hdf5", 40], ["w_training_1.hdf5", 9]],
+                        "shard_recipe": [{"static_masks": True, "masked_lm_prob": 0.15, "whole_word_masking": False,
+                                          "lower_case": None}],
                         "model": {k: v for k, v in config.to_dict().items() if k != "initializer_range"},
                         "bf16": False}
     assert "hidden_size" in identity["model"] and "initializer_range" not in identity["model"]
@@ -442,12 +459,13 @@ def test_run_identity_records_what_a_resume_checks(tmp_path):
 
 def test_resume_refuses_a_checkpoint_that_recorded_other_checks():
     # Saved before the model config and precision were recorded: resuming it would check neither.
-    old = {k: v for k, v in _identity(bf16=False, hidden_act="relu").items() if k not in ("model", "bf16")}
+    old = {k: v for k, v in _identity(bf16=False, hidden_act="relu").items()
+           if k not in ("model", "bf16", "shard_recipe")}
     with pytest.raises(RunConfigError, match=r"step00000008 was saved by another version of run_pretraining.py, which "
                                              r"recorded max_predictions_per_seq, optimizer, train_batch_size, "
                                              r"training_shards, weight_decay for a resume to check, where this one "
-                                             r"checks bf16, max_predictions_per_seq, model, optimizer, train_batch_size, "
-                                             r"training_shards, weight_decay. Resume the run with the version that "
+                                             r"checks bf16, max_predictions_per_seq, model, optimizer, shard_recipe, "
+                                             r"train_batch_size, training_shards, weight_decay. Resume the run with the version that "
                                              r"wrote it, or start a new phase"):
         check_resume_identity(Path("out/checkpoints/step00000008"), old, _identity(), Path("in"))
     newer = _identity() | {"masking_recipe": "x"}
@@ -456,9 +474,11 @@ def test_resume_refuses_a_checkpoint_that_recorded_other_checks():
 
 
 def test_checkpoints_saved_before_the_masking_budget_was_recorded_still_resume():
-    """Their record lacks max_predictions_per_seq (recorded since 2026-11-24): the rest is still checked."""
-    before = {k: v for k, v in _identity().items() if k != "max_predictions_per_seq"}
-    check_resume_identity(Path("out/checkpoints/step00000008"), before, _identity(predictions=80), Path("in"))
+    """Their record lacks max_predictions_per_seq (recorded since 2026-11-24) and shard_recipe (2026-11-25): the
+    rest is still checked."""
+    before = {k: v for k, v in _identity().items() if k not in ("max_predictions_per_seq", "shard_recipe")}
+    check_resume_identity(Path("out/checkpoints/step00000008"), before,
+                          _identity(predictions=80, recipe=(False, 0.1, True, None)), Path("in"))
     with pytest.raises(RunConfigError, match="trained with --optimizer lamb"):
         check_resume_identity(Path("out/checkpoints/step00000008"), before, _identity(optimizer="adamw"), Path("in"))
 

@@ -635,7 +635,7 @@ def with_flag(args: list[str], flag: str, value: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shards, tmp_path):
+def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shards, dynamic_shards, tmp_path):
     args, reference = fp32_setup
     out = tmp_path / "finished"
     shutil.copytree(reference, out)
@@ -651,6 +651,12 @@ def test_resume_refuses_what_would_not_continue_the_run(fp32_setup, phase1_shard
     next((fewer / "training").glob("*_1.hdf5")).unlink()
     result = run(1, args(fewer, out))
     assert result.returncode == 1 and "consumed_samples would index another sample stream" in result.stderr
+    # The same corpus made into shards without static masks: the same paths and sample counts (resumed in silence).
+    result = run(1, args(dynamic_shards, out))
+    assert result.returncode == 1
+    assert ("trained on shards made with static masks, masked_lm_prob 0.15, whole_word_masking false, lower_case true; "
+            f"the shards in --input_dir {dynamic_shards} have the same paths and sample counts but were made with "
+            "dynamic masks") in result.stderr
     # Another vocab.txt beside the same shards: other dynamic masks, and the run's copy (the export's) replaced.
     revocab = tmp_path / "other_vocab"
     shutil.copytree(phase1_shards / "hdf5", revocab / "hdf5")
