@@ -54,6 +54,10 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
             raise PipelineError(
                 "a worker process of this stage died (killed by a signal: the out-of-memory killer, or kill); rerun "
                 "the same command to continue where it stopped, with fewer --workers if memory ran out") from exc
+        except BaseException:
+            # Ctrl-C, or the consumer stopped: the tasks not begun are dropped; the running ones end first.
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
 
 
 _PR_SET_PDEATHSIG = 1
@@ -61,7 +65,11 @@ _PR_SET_PDEATHSIG = 1
 
 def _die_with(parent: int) -> None:
     """Have this worker killed when `parent` dies. A parent killed alone (SIGKILL to its pid, the
-    OOM killer) otherwise leaves its workers blocked on their queues for good, holding their memory."""
+    OOM killer) otherwise leaves its workers blocked on their queues for good, holding their memory.
+    Ctrl-C is the parent's alone: a terminal sends it to the whole process group, and a worker it
+    interrupted while sending a result left the pool's pipe half-written, the parent waiting on it for
+    good (found by an audit, twice in 230 tries)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # it died before the line above
