@@ -107,6 +107,10 @@ def load_vocab(path: Path) -> Vocab:
         )
     if tokens[0] != "[PAD]":
         raise PipelineError(f"{path}: [PAD] must be the first line (id 0), since the HDF5 shards pad with 0")
+    if len(tokens) == len(SPECIAL_TOKENS):  # (they are all there, once each)
+        raise PipelineError(f"{path} holds only the special tokens {', '.join(SPECIAL_TOKENS)}: no word piece to "
+                            "tokenize text into, nor to replace a masked token with; pass a BERT vocab.txt (the "
+                            "standard uncased one has 30,522 tokens)")
     return Vocab(path, tokens)
 
 

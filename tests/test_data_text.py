@@ -498,6 +498,12 @@ def test_vocab_without_special_tokens_is_refused_before_any_work(sample_dump, be
     with pytest.raises(SystemExit, match=lacks_mask):
         prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bad)])
     assert not out.exists()
+    # Nothing but them: data.create's masking found no token to replace with, a traceback after every stage before it
+    bad.write_text("[PAD]\n[UNK]\n[CLS]\n[SEP]\n[MASK]\n")
+    with pytest.raises(SystemExit, match=rf"{re.escape(str(bad))} holds only the special tokens \[PAD\], \[UNK\], "
+                                         r"\[CLS\], \[SEP\], \[MASK\]: no word piece"):
+        prepare_main(["--input", str(sample_dump), "--output_dir", str(out), "--vocab_file", str(bad)])
+    assert not out.exists()
 
 
 def test_impossible_max_predictions_is_refused_before_any_work(sample_dump, bert_vocab, tmp_path, capsys):
