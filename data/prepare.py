@@ -245,19 +245,29 @@ def made_from(failed: Path, cfg: PrepareConfig, text_dir: Path) -> list[Path]:
     return [failed, *(path for path in chain[chain.index(failed) + 1:] if path.exists())]
 
 
-# The directories of <output_dir> that a stage writes whole, by that stage.
-_OUTPUT_STAGES = {"vocab_training": "data.vocab", "instances": "data.create", "hdf5": "data.shard"}
+# What a stage writes whole in <output_dir>, by that stage.
+_OUTPUT_STAGES = {"vocab_training": "data.vocab", "instances": "data.create", "hdf5": "data.shard",
+                  "vocab.txt": "data.vocab (the vocab the shards are made with)"}
 
 
 def check_text_dir(text_dir: Path, output_dir: Path) -> None:
-    """A --text_dir inside a directory a later stage writes would be refused by that stage as holding
-    files it did not make, only once the text stages had run."""
+    """A --text_dir inside what a later stage writes would be refused by that stage as holding files it
+    did not make (or, at vocab.txt, fail to replace it), only once the text stages had run."""
     resolved = text_dir.resolve()
     for name, writer in _OUTPUT_STAGES.items():
         owned = (output_dir / name).resolve()
         if resolved == owned or owned in resolved.parents:
-            raise PipelineError(f"--text_dir {text_dir} is inside {output_dir / name}, which {writer} writes; "
+            raise PipelineError(f"--text_dir {text_dir} is in {output_dir / name}, which {writer} writes; "
                                 "pass a --text_dir outside it (the default is <output_dir>/text)")
+
+
+def check_vocab_target(output_dir: Path) -> None:
+    """<output_dir>/vocab.txt is a file the vocab stage writes; a directory there would fail it after the text
+    stages had run."""
+    target = output_dir / "vocab.txt"
+    if target.is_dir():
+        raise PipelineError(f"{target} is a directory, where data.prepare writes the vocab the shards are made with; "
+                            "move it away, or pass another --output_dir")
 
 
 def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> PrepareResult:
@@ -286,6 +296,7 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
     dump = dump_source(cfg.input)
     if isinstance(dump, Path):
         check_dump(dump)  # a dump refused after the directories are made left an empty <text_dir> behind
+    check_vocab_target(cfg.output_dir)
     if cfg.text_dir is not None:
         check_text_dir(cfg.text_dir, cfg.output_dir)
         make_dir(cfg.text_dir, "--text_dir")

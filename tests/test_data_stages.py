@@ -272,17 +272,30 @@ def test_prepare_wikicorpus_script_makes_both_phases_from_relative_paths(sample_
     assert "; skipped as already complete: extract, segment, tokens (no MB/s figure" in phase2
 
 
-@pytest.mark.parametrize("inside", ["instances", "hdf5/training", "vocab_training"])
+@pytest.mark.parametrize("inside", ["instances", "hdf5/training", "vocab_training", "vocab.txt"])
 def test_a_text_dir_inside_a_later_stages_directory_is_refused_before_any_stage(inside, sample_dump, bert_vocab,
                                                                                   tmp_path):
+    """At vocab.txt, the copy of the vocab failed to replace the text directory after the text stages had run, with
+    a traceback and a temporary file left (found by an audit)."""
     out = tmp_path / "out"
     with pytest.raises(PipelineError) as error:
         prepare(PrepareConfig(sample_dump, out, bert_vocab, text_dir=out / inside, workers=1))
     owner = inside.split("/")[0]
-    assert str(error.value) == (f"--text_dir {out / inside} is inside {out / owner}, which "
-                                f"{ {'instances': 'data.create', 'hdf5': 'data.shard'}.get(owner, 'data.vocab')} "
-                                "writes; pass a --text_dir outside it (the default is <output_dir>/text)")
+    writer = {"instances": "data.create", "hdf5": "data.shard",
+              "vocab.txt": "data.vocab (the vocab the shards are made with)"}.get(owner, "data.vocab")
+    assert str(error.value) == (f"--text_dir {out / inside} is in {out / owner}, which {writer} writes; pass a "
+                                "--text_dir outside it (the default is <output_dir>/text)")
     assert not out.exists()
+
+
+def test_a_directory_where_the_vocab_goes_is_refused_before_any_stage(sample_dump, bert_vocab, tmp_path):
+    out = tmp_path / "out"
+    (out / "vocab.txt").mkdir(parents=True)
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(out / 'vocab.txt'))} is a directory, where data.prepare "
+                                            "writes the vocab the shards are made with; move it away, or pass another "
+                                            "--output_dir$"):
+        prepare(PrepareConfig(sample_dump, out, bert_vocab, workers=1))
+    assert [p.name for p in out.iterdir()] == ["vocab.txt"]
 
 
 @pytest.mark.parametrize("name, message", [
