@@ -570,6 +570,7 @@ def _download_verified(cfg: DownloadConfig, part: Path, final: Path) -> None:
               else f"download: {cfg.url} is not verified (--no_verify)")
     else:
         _verify(cfg, part, *checksum)
+    _check_content(cfg.url, part)
     with part.open("rb") as f:
         os.fsync(f.fileno())  # the bytes are on disk before the name says the file is whole
     # The record before the rename: a final file without one would be taken for a file put there by hand.
@@ -577,6 +578,29 @@ def _download_verified(cfg: DownloadConfig, part: Path, final: Path) -> None:
     part.replace(final)
     _validator_path(part).unlink(missing_ok=True)
     fsync_dir(final.parent)
+
+
+def _check_content(url: str, part: Path) -> None:
+    """Refuse bytes that are not what the name says (an error page a mirror sends with status 200, which no
+    checksum catches where none is published), before they get the final name, which a rerun would take."""
+    with part.open("rb") as f:
+        head = f.read(512)
+    name = file_name(url)
+    page = head.lstrip().lower().startswith((b"<!doctype html", b"<html"))
+    if (name.endswith(".bz2") and not head.startswith(b"BZh")) or (name.endswith(".xml") and page):
+        part.unlink()
+        _validator_path(part).unlink(missing_ok=True)
+        shown = head[:60].decode("utf-8", "replace")
+        raise PipelineError(f"{url}: the server sent {'an HTML page' if page else 'bytes'} that {name} cannot hold "
+                            f"(it begins {shown!r}), not the file; check the URL (or --mirror), then rerun")
+
+
+def download_again(path: Path) -> str:
+    """How to replace a dump that turned out truncated or damaged."""
+    record = _record_path(path)
+    if record.is_file():  # data.download would take the finished file as it is
+        return f"Delete it and its download record {record}, then rerun to download it again"
+    return "Download or copy it again (python -m data.download resumes a download and checks the checksum)"
 
 
 def _record_path(final: Path) -> Path:

@@ -54,7 +54,7 @@ from wikiextractor.extract import (
 
 from data import multistream, stage
 from data.cli import HelpFormatter, add_workers_argument, plural
-from data.download import is_http, local_path
+from data.download import download_again, is_http, local_path
 from data.parallel import bounded_map
 from data.stage import PipelineError
 
@@ -179,8 +179,7 @@ def _dump_form(path: Path) -> str:
     except OSError as exc:
         raise stage.unreadable_input(path, exc, "--input") from exc
     if not head:
-        raise PipelineError(f"{path} is empty (0 bytes), not a dump; download or copy the dump again "
-                            "(python -m data.download resumes and checks the checksum)")
+        raise PipelineError(f"{path} is empty (0 bytes), not a dump. {download_again(path)}")
     if head == b"BZh":
         return "bz2"
     if head[:1] in (b"<", b"\xef", b" ", b"\n", b"\r", b"\t"):
@@ -241,13 +240,12 @@ def _read_pages(path: Path, root_only: bool) -> Iterator[tuple[str, tuple[str, s
                 root.clear()
     except EOFError as exc:
         raise PipelineError(
-            f"{path} is truncated: the bz2 stream ends before its end-of-stream marker. "
-            "Download it again (python -m data.download resumes and checks the checksum)."
+            f"{path} is truncated: the bz2 stream ends before its end-of-stream marker. {download_again(path)}."
         ) from exc
     except OSError as exc:
         if exc.errno is not None:  # the file's or the disk's (bz2's own data errors have none)
             raise stage.unreadable_input(path, exc, "--input") from exc
-        raise PipelineError(f"{path} is not a readable bz2 file ({exc}); download it again") from exc
+        raise PipelineError(f"{path} is not a readable bz2 file ({exc}). {download_again(path)}") from exc
     except ET.ParseError as exc:
         if root is None and exc.code == _NO_ELEMENTS:  # nothing, or only white space, comments and <?xml ...?>
             raise PipelineError(f"{path} is empty: no XML element in it") from exc
@@ -672,7 +670,7 @@ def _units(path: Path) -> tuple[list[int], int | None] | None:
     if not multistream.tail_xml(path, offsets, level=level).rstrip().endswith(b"</mediawiki>"):
         raise PipelineError(
             f"{path} is truncated: its last {unit} does not end with </mediawiki>, so the pages after it are "
-            "missing. Download it again (python -m data.download resumes and checks the checksum)."
+            f"missing. {download_again(path)}."
         )
     return offsets, level
 

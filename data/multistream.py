@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from data.download import download_again
 from data.stage import PipelineError
 
 # Every bz2 stream starts "BZh" + block size digit, then its first block's magic (pi in BCD). Blocks
@@ -143,8 +144,8 @@ def block_offsets(path: Path, progress: Callable[[int], None] | None = None, blo
     ends = [pad for pad in range(8) if len(tail) == 11 and (tail_bits >> (pad + 32)) & _MASK48 == _END_BITS]
     if not ends:
         raise PipelineError(
-            f"{path} is truncated: its bz2 stream does not end with an end-of-stream marker. Download it again "
-            "(python -m data.download resumes and checks the checksum)."
+            f"{path} is truncated: its bz2 stream does not end with an end-of-stream marker (or bytes follow it). "
+            f"{download_again(path)}."
         )
     end = size * 8 - ends[0] - 80
     stream_crc = (tail_bits >> ends[0]) & 0xFFFFFFFF
@@ -153,7 +154,8 @@ def block_offsets(path: Path, progress: Callable[[int], None] | None = None, blo
     if not starts:
         return [end]  # an empty stream
     if starts[0] != 32:
-        raise PipelineError(f"{path}: no bz2 block follows its stream header; the file is damaged: download it again")
+        raise PipelineError(f"{path}: no bz2 block follows its stream header; the file is damaged. "
+                            f"{download_again(path)}")
     false = _false_block_start(crcs, stream_crc, path)
     if false is not None:
         del starts[false], crcs[false]
@@ -181,7 +183,7 @@ def _false_block_start(crcs: list[int], stream_crc: int, path: Path) -> int | No
         suffix ^= _rotl(crcs[j], n - 1 - j)
     if len(candidates) != 1 or candidates[0] == 0:
         raise PipelineError(f"{path}: its bz2 block checksums do not add up to the stream's: the file is damaged. "
-                            "Download it again (python -m data.download resumes and checks the checksum).")
+                            f"{download_again(path)}.")
     return candidates[0]
 
 
@@ -203,7 +205,7 @@ def decompress_block(f, start: int, end: int, level: int, path: Path) -> bytes:
     except (OSError, EOFError, ValueError) as exc:
         raise PipelineError(
             f"{path}: the bz2 block at byte {first} (bit {start % 8}) does not decompress ({exc}); the file is "
-            "damaged or truncated: download it again (python -m data.download checks the checksum)"
+            f"damaged or truncated. {download_again(path)}"
         ) from exc
 
 
@@ -260,7 +262,7 @@ def decompress_range(f, start: int, end: int, path: Path) -> bytes:
     except (OSError, EOFError, ValueError) as exc:
         raise PipelineError(
             f"{path}: the bz2 stream at byte {start} does not decompress ({exc}); the file is damaged or "
-            "truncated: download it again (python -m data.download checks the checksum)"
+            f"truncated. {download_again(path)}"
         ) from exc
 
 

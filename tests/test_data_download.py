@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bz2
 import email.utils
 import hashlib
 import json
@@ -135,7 +136,7 @@ def test_a_file_downloaded_from_another_url_is_not_used_in_its_place(wiki_mirror
     # Deleted as the error says, the file is downloaded from the other URL: the old record goes with it (it had
     # stayed, and refused every later run of either URL).
     path.unlink()
-    site.files[f"/b{_dump_path()}"] = other_data = data[::-1]
+    site.files[f"/b{_dump_path()}"] = other_data = bz2.compress(data[::-1])  # another file (a bz2 one)
     assert download(DownloadConfig(other, tmp_path, backoff_s=0.01)).read_bytes() == other_data
     assert json.loads((tmp_path / RECORD).read_text(encoding="utf-8"))["url"] == other
 
@@ -152,6 +153,38 @@ def test_a_file_downloaded_where_no_checksum_is_published_is_not_checked_again(w
     capsys.readouterr()
     assert download(_cfg(mirror, tmp_path, retries=0)).read_bytes() == multistream_sample.read_bytes()
     assert site.requests == [] and capsys.readouterr().out == ""
+
+
+def test_an_error_page_sent_for_the_dump_never_gets_its_name(wiki_mirror, tmp_path):
+    """A mirror that publishes no checksum list and answers 200 with an HTML page: the page was renamed into place as
+    the dump, extraction refused it, and every rerun took it as downloaded (found by an audit)."""
+    mirror, site = wiki_mirror
+    site.files.pop(_sums_path())
+    site.files[_dump_path()] = b"<!DOCTYPE html>\n<html><body>Service unavailable</body></html>\n"
+    url = dump_url(mirror, DATE)
+    for _ in range(2):  # and again: nothing was kept
+        with pytest.raises(PipelineError, match=rf"^{re.escape(url)}: the server sent an HTML page that {NAME} cannot "
+                                                r"hold \(it begins '<!DOCTYPE html>\\n<html><body>Service unavailable"
+                                                r"</body></html'\), not the file; check the URL \(or --mirror\), "
+                                                "then rerun$"):
+            download(_cfg(mirror, tmp_path))
+        assert list(tmp_path.iterdir()) == []
+
+
+def test_a_finished_download_found_truncated_says_to_delete_it_and_its_record(wiki_mirror, multistream_sample,
+                                                                              tmp_path):
+    """A server whose Content-Length was short, with no checksum published: the file is whole as far as anything can
+    tell, until extraction finds it cut. The advice had been to rerun data.download, which took the file as done."""
+    from data.extract import ExtractConfig, extract
+
+    mirror, site = wiki_mirror
+    site.files.pop(_sums_path())
+    site.files[_dump_path()] = multistream_sample.read_bytes()[:len(multistream_sample.read_bytes()) // 2]
+    path = download(_cfg(mirror, tmp_path))
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(path))}: .*truncated\. Delete it and its download "
+                                            rf"record {re.escape(str(tmp_path / RECORD))}, then rerun to download it "
+                                            r"again$"):
+        extract(ExtractConfig(path, tmp_path / "extracted"))
 
 
 @pytest.mark.parametrize("published", [False, True])

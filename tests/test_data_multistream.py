@@ -146,7 +146,7 @@ def test_multistream_dump_cut_at_a_stream_boundary_is_named(multistream_sample, 
     truncated = tmp_path / "truncated.xml.bz2"
     truncated.write_bytes(multistream_sample.read_bytes()[:offsets[-1 - streams_dropped]])
     with pytest.raises(PipelineError, match=f"{re.escape(str(truncated))} is truncated: its last bz2 stream does not "
-                                            "end with </mediawiki>.*Download it again"):
+                                            "end with </mediawiki>.*Download or copy it again"):
         extract(ExtractConfig(truncated, tmp_path / "out"))
     assert list_parts(tmp_path / "out") == []
 

@@ -301,14 +301,14 @@ def test_a_directory_where_the_vocab_goes_is_refused_before_any_stage(sample_dum
 @pytest.mark.parametrize("name, message", [
     ("missing.xml.bz2", "{dump}: no such file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input"),
     ("a directory", "{dump}: is a directory, not a file; pass a MediaWiki XML dump (.xml or .xml.bz2) with --input"),
-    ("empty.xml.bz2", "{dump} is empty (0 bytes), not a dump; download or copy the dump again"),
+    ("empty.xml.bz2", "{dump} is empty (0 bytes), not a dump. Download or copy it again"),
     ("notes.xml.bz2", "{dump} is not a MediaWiki XML dump: it is neither bz2-compressed nor XML"),
     ("compressed-notes.xml.bz2", "{dump} is not a MediaWiki XML dump: its text starts 'some notes, not a dump\\n', "
                                  "not with an XML tag"),
     ("page.xml", "{dump} is XML but not a MediaWiki dump: its root element is <html>, expected <mediawiki>"),
     ("blank.xml", "{dump} is empty: no XML element in it"),
-    ("cut.xml.bz2", "{dump} is truncated: the bz2 stream ends before its end-of-stream marker. Download it again"),
-    ("damaged.xml.bz2", "{dump} is not a readable bz2 file (Invalid data stream); download it again")])
+    ("cut.xml.bz2", "{dump} is truncated: the bz2 stream ends before its end-of-stream marker. Download or copy it again"),
+    ("damaged.xml.bz2", "{dump} is not a readable bz2 file (Invalid data stream). Download or copy it again")])
 def test_a_refused_input_leaves_no_directory_behind(name, message, sample_dump, bert_vocab, tmp_path):
     """data.prepare --input /nonexistent.xml.bz2 (or a directory) made <output_dir>/text/ and then refused the
     dump, leaving it empty, where a missing --vocab_file made nothing: the dump is checked first. data.extract

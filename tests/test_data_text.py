@@ -483,8 +483,8 @@ def test_an_empty_dump_is_named_empty(sample_dump, tmp_path):
     """It was "neither bz2-compressed nor XML"."""
     empty = tmp_path / sample_dump.name
     empty.touch()  # what an interrupted copy of the sample can leave
-    with pytest.raises(PipelineError, match=rf"^{re.escape(str(empty))} is empty \(0 bytes\), not a dump; download or "
-                                            "copy the dump again"):
+    with pytest.raises(PipelineError, match=rf"^{re.escape(str(empty))} is empty \(0 bytes\), not a dump\. Download or "
+                                            r"copy it again \(python -m data.download resumes a download"):
         extract(ExtractConfig(empty, tmp_path / "out"))
 
 
