@@ -55,7 +55,8 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
                 "a worker process of this stage died (killed by a signal: the out-of-memory killer, or kill); rerun "
                 "the same command to continue where it stopped, with fewer --workers if memory ran out") from exc
         except BaseException:
-            # Ctrl-C, or the consumer stopped: the tasks not begun are dropped; the running ones end first.
+            # Ctrl-C, or the consumer stopped: the tasks handed to the pool's queue end first (at most 2 per worker);
+            # the pool's futures not yet queued are dropped.
             pool.shutdown(wait=True, cancel_futures=True)
             raise
 
