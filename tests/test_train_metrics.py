@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 import time
 
 import pytest
@@ -168,6 +169,11 @@ def test_a_resumed_run_drops_what_was_logged_past_its_checkpoint(tmp_path):
     before = sorted(p.name for p in (tmp_path / "tensorboard").iterdir())
     MetricsWriter(tmp_path, total_steps=10, start_step=10, enabled=True).close()
     assert set(before) < {p.name for p in (tmp_path / "tensorboard").iterdir()}
+    # a resume whose TensorBoard directory is gone (deleted, or not copied with the run) gets it back from the
+    # logs; it had started an empty one (found by an audit)
+    shutil.rmtree(tmp_path / "tensorboard")
+    MetricsWriter(tmp_path, total_steps=10, start_step=10, enabled=True).close()
+    assert tensorboard_scalars(tmp_path / "tensorboard") == scalars
 
 
 LOG_THEN_SIGKILL = """

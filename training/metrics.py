@@ -202,7 +202,8 @@ class MetricsWriter:
                   f"{' and '.join(name.replace('.jsonl', '.dropped.jsonl') for name in dropped)}", file=sys.stderr)
         # Unbuffered: a record that a full disk cut short stays in no buffer to fail again at close.
         self.jsonl, self.eval_jsonl = (open(path, "ab", buffering=0) for path in paths)  # noqa: SIM115
-        if any(tb_dir.parent.glob(f".{tb_dir.name}.*")):
+        # (also a resumed run's directory without TensorBoard's: deleted, or not copied with the rest)
+        if any(tb_dir.parent.glob(f".{tb_dir.name}.*")) or (start_step > 0 and not tb_dir.is_dir()):
             rebuild_tensorboard(tb_dir, {"train": paths[0], "eval": paths[1]})
         self.tb = SummaryWriter(log_dir=str(tb_dir))
         self.bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
