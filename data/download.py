@@ -23,7 +23,6 @@ import glob
 import hashlib
 import http.client
 import json
-import os
 import re
 import ssl
 import time
@@ -40,7 +39,7 @@ from tqdm import tqdm
 from data import lockfile
 from data.cli import HelpFormatter, given_options, non_negative_int
 from data.stage import PipelineError, cli_call, no_locks, remove_leftovers, write_json_atomic
-from training.atomic import fsync_dir
+from training.atomic import fsync_dir, fsync_file
 
 DEFAULT_DUMP_DATE = "20261101"
 DEFAULT_MIRROR = "https://dumps.wikimedia.org"
@@ -571,8 +570,7 @@ def _download_verified(cfg: DownloadConfig, part: Path, final: Path) -> None:
     else:
         _verify(cfg, part, *checksum)
     _check_content(cfg.url, part)
-    with part.open("rb") as f:
-        os.fsync(f.fileno())  # the bytes are on disk before the name says the file is whole
+    fsync_file(part)  # the bytes are on disk before the name says the file is whole
     # The record before the rename: a final file without one would be taken for a file put there by hand.
     _write_record(final, cfg.url, part.stat().st_size, checksum, _unverified(cfg, checksum))
     part.replace(final)
@@ -597,9 +595,8 @@ def _check_content(url: str, part: Path) -> None:
 
 def download_again(path: Path) -> str:
     """How to replace a dump that turned out truncated or damaged."""
-    record = _record_path(path)
-    if record.is_file():  # data.download would take the finished file as it is
-        return f"Delete it and its download record {record}, then rerun to download it again"
+    if _record_path(path).is_file():  # data.download would take the finished file as it is (its record goes with it)
+        return "Delete it, then rerun to download it again"
     return "Download or copy it again (python -m data.download resumes a download and checks the checksum)"
 
 

@@ -255,7 +255,7 @@ def _read_pages(path: Path, root_only: bool) -> Iterator[tuple[str, tuple[str, s
             raise PipelineError(f"{path} is not a MediaWiki XML dump: its text starts {start!r}, not with an XML tag "
                                 "(expected e.g. enwiki-<date>-pages-articles.xml.bz2)") from exc
         raise PipelineError(
-            f"{path} is not well-formed MediaWiki XML ({exc}); the file is damaged or truncated"
+            f"{path} is not well-formed MediaWiki XML ({exc}); the file is damaged or truncated. {download_again(path)}"
         ) from exc
 
 
