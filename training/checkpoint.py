@@ -22,6 +22,7 @@ back to a fresh start.
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 import pickle
@@ -287,14 +288,18 @@ def prune(ckpt_dir: Path, keep: int) -> None:
 def remove_unfinished(ckpt_dir: Path) -> None:
     """Drop tags without a run_state.json beyond `latest` (a save a crash cut short; never resumable) and their
     universal copies, and a `latest_universal` naming a copy that is gone. A tag up to `latest` was committed:
-    one that lost its run_state.json (deleted by hand, or by a file system) still holds the weights and is kept
-    for find_resume to refuse, naming it."""
+    one that lost its run_state.json (deleted by hand, or by a file system) still holds the weights and is set
+    aside as `<tag>.incomplete`, where neither this nor pruning deletes it, once `latest` is pointed elsewhere."""
     complete = set(complete_tags(ckpt_dir))
     latest = read_latest(ckpt_dir)
-    for path in ckpt_dir.iterdir():
+    for path in sorted(ckpt_dir.iterdir()):
         base = path.name.removesuffix(UNIVERSAL_SUFFIX)
-        if _TAG.match(base) and path.is_dir() and base not in complete and (latest is None or base > latest):
+        if not (_TAG.match(base) and path.is_dir() and base not in complete):
+            continue
+        if latest is None or base > latest:
             shutil.rmtree(path)
+        elif path.name == base:
+            _set_aside(ckpt_dir, base, "incomplete", f"was committed but has no {RUN_STATE}; its weights are kept")
     pointer = ckpt_dir / LATEST_UNIVERSAL
     if pointer.is_file() and not (ckpt_dir / pointer.read_text().strip()).is_dir():
         pointer.unlink()
@@ -422,8 +427,11 @@ def find_resume(ckpt_dir: Path) -> tuple[str, RunState] | None:
                                 f"No tag there is complete (none has a {RUN_STATE}), so there is nothing to start "
                                 f"from: use another run's directory, or remove {ckpt_dir / LATEST} to train this one "
                                 "from scratch")
+        kept = sorted(ckpt_dir.glob(f"{glob.escape(latest)}.incomplete*"))
+        aside = (f" Its files are kept in {kept[-1]}: with its {RUN_STATE} put back, rename it to {latest} to resume "
+                 "from it." if kept else "")
         raise CheckpointError(f"{ckpt_dir / LATEST} names {latest!r} but {tag_dir / RUN_STATE} does not exist: the "
-                              f"checkpoint is incomplete or was deleted. {fix}")
+                              f"checkpoint is incomplete or was deleted.{aside} {fix}")
     state = read_state(tag_dir)
     verify_files(tag_dir, state)
     return latest, state
