@@ -442,8 +442,9 @@ def load_ds_config(path: Path, world_size: int, optimizer: str) -> tuple[dict, B
         raise RunConfigError(f"{path}: fp16 is not supported; use \"bf16\": {{\"enabled\": true}}")
     zero = config.get("zero_optimization", {})
     stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
-    if not isinstance(stage, int) or isinstance(stage, bool):
-        raise RunConfigError(f"{path}: zero_optimization.stage must be a number, got {json.dumps(stage)}; use "
+    # (1.0 is 1 to DeepSpeed too; "1" and true, which it also takes, are refused rather than guessed at)
+    if isinstance(stage, bool) or not (isinstance(stage, int) or (isinstance(stage, float) and stage.is_integer())):
+        raise RunConfigError(f"{path}: zero_optimization.stage must be an integer, got {json.dumps(stage)}; use "
                              "\"zero_optimization\": {\"stage\": 1}")
     # Checkpoints (one optimizer partition per rank) and layer-wise LAMB are built on ZeRO-1/2's layout;
     # other stages would train and then fail at the first checkpoint.

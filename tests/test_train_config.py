@@ -101,7 +101,9 @@ def test_shipped_config_is_zero1_bf16_with_fp32_accumulation_and_clipping(tmp_pa
     # DeepSpeed takes the strings for 1 and false: the message had said stage 1 is not supported, and a run of
     # "enabled": "false" trained in fp32 while its checkpoint recorded bf16 (found by an audit).
     ({"zero_optimization": {"stage": "1"}},
-     r"zero_optimization.stage must be a number, got \"1\"; use \"zero_optimization\": \{\"stage\": 1\}$"),
+     r"zero_optimization.stage must be an integer, got \"1\"; use \"zero_optimization\": \{\"stage\": 1\}$"),
+    ({"zero_optimization": {"stage": True}}, r"zero_optimization.stage must be an integer, got true"),
+    ({"zero_optimization": {"stage": 1.5}}, r"zero_optimization.stage must be an integer, got 1.5"),
     ({"bf16": {"enabled": "false"}}, r"bf16.enabled must be true or false, got \"false\"; write e.g. \"bf16\": "
                                      r"\{\"enabled\": true\}$"),
     ({"fp16": {"enabled": "auto"}}, r"fp16.enabled must be true or false, got \"auto\""),
@@ -146,6 +148,13 @@ def test_deepspeed_json_errors(tmp_path, change, message):
     path.write_text(json.dumps(config))
     with pytest.raises(RunConfigError, match=message):
         load_ds_config(path, world_size=1, optimizer="lamb")
+
+
+def test_a_zero_stage_written_as_a_whole_float_is_taken(tmp_path):
+    """1.0 is 1 to DeepSpeed as well: it had been refused as "not a number" for a while (found by a review)."""
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(json.loads(DEFAULT_DS_CONFIG.read_text()) | {"zero_optimization": {"stage": 1.0}}))
+    assert load_ds_config(path, world_size=1, optimizer="lamb")[0]["zero_optimization"]["stage"] == 1
 
 
 @pytest.mark.parametrize("key, meant", [("gradient_cliping", "gradient_clipping"),
