@@ -672,6 +672,28 @@ def test_a_copy_and_a_replaced_directory_reach_the_disk_before_their_names(tmp_p
                                                           "vocab.txt"]
 
 
+def test_a_file_system_that_refuses_to_fsync_a_directory_is_not_an_error(tmp_path, monkeypatch):
+    """Some refuse it with EINVAL (PostgreSQL allows that too); since the data stages flush their directories,
+    such a file system would have failed every stage. Any other error is raised."""
+    import errno
+    import stat
+
+    from training.atomic import atomic_write_text, fsync_dir
+
+    fsync = os.fsync
+
+    def refusing(fd, error=errno.EINVAL):
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(error, os.strerror(error))
+        fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", refusing)
+    assert atomic_write_text(tmp_path / "run_info.json", "{}\n").read_text() == "{}\n"
+    monkeypatch.setattr(os, "fsync", lambda fd: refusing(fd, errno.EIO))
+    with pytest.raises(OSError, match="Input/output error"):
+        fsync_dir(tmp_path)
+
+
 def test_small_files_are_replaced_whole_and_get_the_users_umask(tmp_path):
     from training.atomic import atomic_write_text
 

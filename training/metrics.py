@@ -140,10 +140,9 @@ def rebuild_tensorboard(tb_dir: Path, logs: dict[str, Path]) -> None:
     leaves leftovers that the next start removes, and it rebuilds from the logs again."""
     from torch.utils.tensorboard import SummaryWriter
 
-    staging, old = tb_dir.with_name(f".{tb_dir.name}.tmp"), tb_dir.with_name(f".{tb_dir.name}.old")
-    for leftover in (staging, old):
-        if leftover.exists():
-            shutil.rmtree(leftover)
+    staging = tb_dir.with_name(f".{tb_dir.name}.tmp")
+    if staging.exists():  # (a `.old` left by a kill in the swap is replace_dir's to remove)
+        shutil.rmtree(staging)
     tb = SummaryWriter(log_dir=str(staging))
     for prefix, path in logs.items():
         lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
