@@ -27,7 +27,8 @@ R = TypeVar("R")
 
 def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Iterator[R]:
     """Yield fn(item) for each item, in input order. workers <= 1 runs in this process. A worker that dies (a
-    signal: the out-of-memory killer, kill -9) is a PipelineError."""
+    signal: the out-of-memory killer, kill -9) is a PipelineError. Ctrl-C, or a caller that drops the generator,
+    stops the workers at once; a task's error lets the other running tasks end first."""
     if isinstance(items, Sized):
         workers = min(workers, len(items))  # with fork, every worker is started, busy or not
     if workers <= 1:
@@ -38,29 +39,41 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
     ctx = multiprocessing.get_context("fork")
     pending: collections.deque[Future[R]] = collections.deque()
     others = set(multiprocessing.active_children())
-    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with,
-                             initargs=(os.getpid(),)) as pool:
-        try:
-            # With fork, the first submit starts every worker. Do it before `items` is first read: a
-            # producer may start threads (the dump read-ahead does), and forking while a thread holds
-            # a lock can deadlock the child.
-            pool.submit(os.getpid).result()
-            for item in items:
-                pending.append(pool.submit(fn, item))
-                if len(pending) >= 2 * workers:
-                    yield pending.popleft().result()
-            while pending:
+    pool = ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_die_with, initargs=(os.getpid(),))
+    try:
+        # With fork, the first submit starts every worker. Do it before `items` is first read: a
+        # producer may start threads (the dump read-ahead does), and forking while a thread holds
+        # a lock can deadlock the child.
+        pool.submit(os.getpid).result()
+        for item in items:
+            pending.append(pool.submit(fn, item))
+            if len(pending) >= 2 * workers:
                 yield pending.popleft().result()
-        except BrokenProcessPool as exc:
-            raise PipelineError(
-                "a worker process of this stage died (killed by a signal: the out-of-memory killer, or kill); rerun "
-                "the same command to continue where it stopped, with fewer --workers if memory ran out") from exc
-        except BaseException:
-            # Ctrl-C, or the consumer stopped: the workers are stopped at once. Their tasks write only temporary
-            # files, which the rerun removes; waiting for them to end, a second Ctrl-C had hung the pool's shutdown.
-            for worker in set(multiprocessing.active_children()) - others:
-                worker.kill()
+        while pending:
+            yield pending.popleft().result()
+    except BrokenProcessPool as exc:
+        raise PipelineError(
+            "a worker process of this stage died (killed by a signal: the out-of-memory killer, or kill); rerun "
+            "the same command to continue where it stopped, with fewer --workers if memory ran out") from exc
+    except (KeyboardInterrupt, GeneratorExit):  # Ctrl-C here, or in the caller, which then drops this generator
+        _stop_workers(others)
+        raise
+    finally:
+        try:
+            # After a task's error: the other running tasks end first (one that fails removes its temporary files);
+            # a no-op for workers stopped above.
+            pool.shutdown(wait=True, cancel_futures=True)
+        except KeyboardInterrupt:
+            _stop_workers(others)
             raise
+
+
+def _stop_workers(others: set) -> None:
+    """Ctrl-C, or a caller that stopped reading: stop this process's workers (its children but `others`) at once.
+    Their tasks write only temporary files, which the rerun removes; waited for, a second Ctrl-C hung the pool's
+    shutdown until a third."""
+    for worker in set(multiprocessing.active_children()) - others:
+        worker.kill()
 
 
 _PR_SET_PDEATHSIG = 1

@@ -682,17 +682,28 @@ from data.parallel import bounded_map
 from data.stage import cli_call
 # As at a terminal: a test run started in the background (nohup make test &) passes SIGINT on ignored.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+BUSY_CALLER = bool(os.environ.get("BUSY_CALLER"))
 def task(i):
     os.write(1, b"start %d %d\\n" % (i, os.getpid()))
-    time.sleep(60)
-    os.write(1, b"done %d\\n" % i)
+    if not (BUSY_CALLER and i < 2):
+        time.sleep(60)
+        os.write(1, b"done %d\\n" % i)
     return i
-cli_call(lambda _: list(bounded_map(task, range(12), 2)), None)
+# Busy callers: Ctrl-C lands in the caller's own work on task 0's result, not in a wait for one.
+def drops_the_map(_):  # unwinding drops the generator
+    for i in bounded_map(task, range(12), 2):
+        time.sleep(60)
+def holds_the_map(_):  # the traceback keeps the generator
+    results = bounded_map(task, range(12), 2)
+    for i in results:
+        time.sleep(60)
+callers = {"drops the map": drops_the_map, "holds the map": holds_the_map}
+cli_call(callers[os.environ["BUSY_CALLER"]] if BUSY_CALLER else lambda _: list(bounded_map(task, range(12), 2)), None)
 """
 
 
-@pytest.mark.parametrize("presses", [1, 2])
-def test_ctrl_c_stops_the_workers_at_once_with_one_line(tmp_path, presses):
+@pytest.mark.parametrize("presses, busy_caller", [(1, None), (2, None), (1, "drops the map"), (1, "holds the map")])
+def test_ctrl_c_stops_the_workers_at_once_with_one_line(tmp_path, presses, busy_caller):
     """The workers had taken the SIGINT too: one interrupted while sending its result left the pool's pipe
     half-written and the command hung for good (an audit, 2 in 230 tries); and waiting for the running tasks to
     end, a second Ctrl-C hung the pool's shutdown (a review). Now the parent alone takes it and stops the workers at
@@ -700,9 +711,11 @@ def test_ctrl_c_stops_the_workers_at_once_with_one_line(tmp_path, presses):
     out = tmp_path / "out"
     with out.open("w") as stdout:
         proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED], cwd=ROOT, stdout=stdout, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+                                text=True, start_new_session=True,
+                                env=os.environ | ({"BUSY_CALLER": busy_caller} if busy_caller else {}))
+    running = [2, 3] if busy_caller else [0, 1]  # the tasks the workers are in when Ctrl-C comes
     deadline = time.monotonic() + 60
-    while out.read_text().count("start") < 2:
+    while out.read_text().count("start") < running[-1] + 1:
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
     for _ in range(presses):
@@ -714,7 +727,7 @@ def test_ctrl_c_stops_the_workers_at_once_with_one_line(tmp_path, presses):
         proc.kill()
     started = [line.split() for line in out.read_text().splitlines()]
     assert proc.returncode == 130 and err == "interrupted; rerun the same command to continue where it stopped\n"
-    assert sorted(int(i) for _, i, _ in started) == [0, 1]  # no task begun after, none finished
+    assert sorted(int(i) for _, i, _ in started) == sorted({0, 1, *running})  # no task begun after, none finished
     workers = [int(pid) for _, _, pid in started]
     deadline = time.monotonic() + 10
     while any(map(_running, workers)) and time.monotonic() < deadline:
