@@ -558,6 +558,10 @@ def build_optimizer(model: torch.nn.Module, args: TrainArgs) -> torch.optim.Opti
                              weight_decay=args.weight_decay)
 
 
+# What a shard recipe is recorded by (training.loader.ShardInfo fields)
+_RECIPE_FIELDS = ("static_masks", "masked_lm_prob", "whole_word_masking", "lower_case")
+
+
 def run_identity(args: TrainArgs, train_set, sizes: BatchSizes, config: BertConfig, bf16: bool) -> dict:
     """What a resumed run must share with its checkpoint, or it would not continue the same run:
     the optimizer (its state is loaded as is), the weight decay (the checkpoint's param groups
@@ -568,17 +572,13 @@ def run_identity(args: TrainArgs, train_set, sizes: BatchSizes, config: BertConf
     without static masks or attributes, NVIDIA-style, are masked with up to --max_predictions_per_seq). The shards
     are known by their paths, sample counts and recipe (static or dynamic masks, masked_lm_prob, whole-word
     masking, lower-casing: shards remade with another recipe have the same counts)."""
-    recipe = sorted({(s.static_masks, s.masked_lm_prob, s.whole_word_masking, s.lower_case) for s in train_set.shards},
-                    key=repr)
+    recipe = sorted({tuple(getattr(s, name) for name in _RECIPE_FIELDS) for s in train_set.shards}, key=repr)
     return {"optimizer": args.optimizer, "weight_decay": args.weight_decay, "train_batch_size": sizes.train_batch_size,
             "max_predictions_per_seq": args.max_predictions_per_seq,
             "training_shards": [[Path(s.path).relative_to(args.input_dir).as_posix(), s.num_samples]
                                 for s in train_set.shards],
             "shard_recipe": [dict(zip(_RECIPE_FIELDS, r)) for r in recipe],
             "model": {k: v for k, v in config.to_dict().items() if k != "initializer_range"}, "bf16": bf16}
-
-
-_RECIPE_FIELDS = ("static_masks", "masked_lm_prob", "whole_word_masking", "lower_case")
 
 
 # Recorded since 2026-11-24 (max_predictions_per_seq) and 2026-11-25 (shard_recipe): checkpoints saved before lack

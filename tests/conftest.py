@@ -293,3 +293,13 @@ def record_fsyncs(monkeypatch) -> list[tuple[str, str]]:
     monkeypatch.setattr(os, "fsync", fsync)
     monkeypatch.setattr(os, "replace", replace)
     return events
+
+
+def clear_rendezvous(monkeypatch) -> None:
+    """Unset the launch variables for one test. setenv first, so that monkeypatch removes what the code under
+    test sets: delenv of an unset variable records nothing to undo, and the values leaked into the session."""
+    from training.accelerator import RENDEZVOUS_VARIABLES
+
+    for name in RENDEZVOUS_VARIABLES:
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)

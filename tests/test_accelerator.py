@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.conftest import clear_rendezvous
 from training import accelerator
 from training.accelerator import Accelerator, AcceleratorError
 
@@ -61,14 +62,6 @@ def test_cpu_peak_memory_is_in_bytes():
     assert peak >= held.numel() and peak == pytest.approx(hwm_kib * 1024, rel=0.05)
 
 
-def _clear_rendezvous(monkeypatch) -> None:
-    for name in accelerator.RENDEZVOUS_VARIABLES:
-        # setenv first, so that monkeypatch removes what the function sets: delenv of an unset
-        # variable records nothing to undo, and the values leaked into the rest of the session.
-        monkeypatch.setenv(name, "")
-        monkeypatch.delenv(name)
-
-
 def _rendezvous() -> dict[str, str]:
     import os
 
@@ -76,7 +69,7 @@ def _rendezvous() -> dict[str, str]:
 
 
 def test_single_process_defaults_fill_only_what_a_launcher_left_unset(monkeypatch):
-    _clear_rendezvous(monkeypatch)
+    clear_rendezvous(monkeypatch)
     monkeypatch.setenv("MASTER_PORT", "31234")
     accelerator.set_single_process_defaults()
     assert _rendezvous() == {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
@@ -88,7 +81,7 @@ def test_two_single_process_runs_get_free_ports_of_their_own(monkeypatch):
     torch's "address already in use"."""
     ports = []
     for _ in range(2):
-        _clear_rendezvous(monkeypatch)
+        clear_rendezvous(monkeypatch)
         accelerator.set_single_process_defaults()
         ports.append(int(_rendezvous()["MASTER_PORT"]))
         with socket.socket() as s:
@@ -100,7 +93,7 @@ def test_two_single_process_runs_get_free_ports_of_their_own(monkeypatch):
                                    {"RANK": "5", "WORLD_SIZE": "8", "MASTER_ADDR": "node0", "MASTER_PORT": "29500"}])
 def test_a_launch_that_set_some_rendezvous_variables_must_set_them_all(monkeypatch, given):
     """A wrapper that forgot to map RANK (or LOCAL_RANK) had made this process rank 0 (or put it on device 0)."""
-    _clear_rendezvous(monkeypatch)
+    clear_rendezvous(monkeypatch)
     for name, value in given.items():
         monkeypatch.setenv(name, value)
     missing = next(name for name in accelerator.RENDEZVOUS_VARIABLES if name not in given)
@@ -156,9 +149,7 @@ def _setup_with(monkeypatch, accelerator_class, local_rank: int) -> tuple[Accele
     """accelerator.setup() on rank `local_rank` with DeepSpeed replaced by a stand-in whose accelerator is
     `accelerator_class`; returns the Accelerator and the calls made to the stand-in."""
     calls = []
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(name, "")  # recorded, so that what setup sets is undone after the test
-        monkeypatch.delenv(name)
+    clear_rendezvous(monkeypatch)
     monkeypatch.setenv("LOCAL_RANK", str(local_rank))
     ds_accelerator = types.ModuleType("deepspeed.accelerator")
     ds_accelerator.get_accelerator = lambda: accelerator_class(calls)

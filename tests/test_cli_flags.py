@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.conftest import clear_rendezvous
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKERS = (os.cpu_count() or 1) + 3  # not --workers' default (the cores) on any machine
 
@@ -384,9 +386,7 @@ def test_local_rank_flag_is_taken_unless_the_environment_sets_it(monkeypatch, en
     """--local_rank (from DeepSpeed's launcher) when LOCAL_RANK is unset; LOCAL_RANK wins, as the help says."""
     from training import accelerator
 
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(name, "")  # recorded, so that what setup sets is undone after the test
-        monkeypatch.delenv(name)
+    clear_rendezvous(monkeypatch)
     if environment is not None:
         monkeypatch.setenv("LOCAL_RANK", environment)
     ds_accelerator = types.ModuleType("deepspeed.accelerator")

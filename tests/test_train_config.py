@@ -34,7 +34,7 @@ from run_pretraining import (
     start_lines,
     write_run_files,
 )
-from tests.conftest import drain, no_workers_left, to_reference_format
+from tests.conftest import clear_rendezvous, drain, no_workers_left, to_reference_format
 from training.loader import ShardInfo, shard_vocab
 
 
@@ -507,9 +507,7 @@ def test_checkpoints_saved_before_layer_norm_large_model_existed_still_resume():
 
 
 def test_a_run_on_a_cpu_nobody_asked_for_is_one_error_line(monkeypatch, capsys):
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        monkeypatch.setenv(name, "")  # recorded, so that the one-rank defaults setup() fills in are undone
-        monkeypatch.delenv(name)
+    clear_rendezvous(monkeypatch)
     monkeypatch.delenv("DS_ACCELERATOR", raising=False)
     assert main(REQUIRED) == 1
     err = capsys.readouterr().err
