@@ -1,9 +1,9 @@
 # shellcheck shell=bash
 # Environment for Intel Gaudi (HPU) runs: the only place this project sets Habana variables.
-# Sourced by scripts/launch.sh on every node (and written to the DeepSpeed launcher's environment
-# file, so that pdsh carries it to the other nodes). Each value can be overridden by exporting the
-# variable before launching. These variables are read only by Habana's PyTorch bridge and HCCL, so
-# they change nothing on CUDA or CPU.
+# Sourced by scripts/launch.sh on every node; the deepspeed launcher's environment file carries every
+# exported PT_HPU_*, HCCL_*, HABANA_* and LOG_LEVEL_* variable, and ENABLE_CONSOLE, to the other nodes.
+# Each value can be overridden by exporting the variable before launching. These variables are read
+# only by Habana's PyTorch bridge and HCCL, so they change nothing on CUDA or CPU.
 # Reference: Habana's "Runtime Environment Variables" table, for the release in use: for 1.19,
 # https://docs.habana.ai/en/v1.19.0/PyTorch/Reference/Runtime_Flags.html; current releases at
 # https://docs.habana.ai/en/latest/PyTorch/Runtime_Flags.html (some defaults differ, PT_HPU_LAZY_MODE's among them).
@@ -27,7 +27,3 @@ export PT_HPU_RECIPE_CACHE_CONFIG="${PT_HPU_RECIPE_CACHE_CONFIG:-/tmp/bert_pretr
 #   HABANA_VISIBLE_MODULES=0,1 restrict a node to some of its cards, by module ID; Habana supports 2- and
 #                              4-card subsets ("0,1", "0,1,2,3", ...); pass --devices_per_node to match
 #   LOG_LEVEL_ALL=3 ENABLE_CONSOLE=true   Habana software logs on the console when debugging
-
-# The variables above, for launch.sh to forward to other nodes.
-HPU_ENV_VARS=(PT_HPU_LAZY_MODE PT_HPU_RECIPE_CACHE_CONFIG HCCL_SOCKET_IFNAME HABANA_VISIBLE_MODULES
-              LOG_LEVEL_ALL ENABLE_CONSOLE)

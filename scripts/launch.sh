@@ -9,10 +9,12 @@
 #
 # Launchers (--launcher):
 #   deepspeed  (default) Run once, on the first node. DeepSpeed's launcher starts every node over pdsh/ssh
-#              (ssh port 3022 as in Habana's containers). Needs --hostfile, or --hosts to build one.
+#              (ssh port 3022 as in Habana's containers). Needs --hostfile, or --hosts to build one, except on
+#              one node, which then runs here (on the first devices of CUDA_VISIBLE_DEVICES, when it is set).
+#              <output_dir>/launch/deepspeed_env carries the environment to the nodes (write_env_file below).
 #   torchrun   Run once per node with --node_rank 0..N-1; static rendezvous at --master_addr:--master_port.
 #   slurm      Run once inside an sbatch allocation: starts one task per node with srun, each of which
-#              runs torchrun with node rank SLURM_NODEID and the allocation's first host as master.
+#              runs torchrun with node rank SLURM_NODEID and the step's first host as master.
 #   aws-batch  Run by every node of an AWS Batch multi-node parallel job: the node count and master address
 #              come from AWS_BATCH_JOB_NUM_NODES and AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS (unset on the
 #              main node, which uses its own address); the node rank is AWS_BATCH_JOB_NODE_INDEX counted from
@@ -43,6 +45,7 @@ if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)); then
 fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+CALLER_DIR="$PWD"
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -160,6 +163,43 @@ hostfile_problem() {
       printf "hostfile %s line %d: host %s has %s, fewer than the %d devices per node of this run; " \
              "fix slots or pass --devices_per_node %d\n", file, NR, $1, $2, devices, substr($2, 7); exit }' "$HOSTFILE"
 }
+# DeepSpeed's environment file for pdsh (DS_ENV_FILE): the variables every node's ranks need, as set here.
+# An ssh session does not get a container's ENV (Docker gives it to the container's processes, not to sshd's
+# sessions), so the search paths and the runtime variables Habana's images set are carried too; every node
+# runs the same image or install, as the interpreter path already assumes. DeepSpeed itself forwards only
+# NCCL*, PYTHON*, UCX*, MV2* and MLFLOW* variables, so the families of Habana's bridge and HCCL, libfabric
+# (HCCL and NCCL over OFI/EFA), gloo and torch's NCCL are carried whole. Then the lines of the user's
+# ~/.deepspeed_env and ./.deepspeed_env (the directory launch.sh is called from), which DeepSpeed reads
+# only without DS_ENV_FILE; as there, the later value of a variable wins.
+FORWARDED_FAMILIES='^(PT_HPU_|HCCL_|HABANA_|FI_|GLOO_|NCCL_|TORCH_NCCL_|LOG_LEVEL_)'
+IMAGE_ENV_VARS=(PATH LD_LIBRARY_PATH LD_PRELOAD GC_KERNEL_PATH HABANA_SCAL_BIN_PATH HABANA_PLUGINS_LIB_PATH
+                HABANA_LOGS RDMA_CORE_ROOT RDMA_CORE_LIB)
+write_env_file() {
+  local out="$1" var line n user_file family=() written=" " seen=" "
+  mapfile -t family < <(compgen -e | grep -E "$FORWARDED_FAMILIES" || true)
+  : >"$out.tmp.$$"
+  for var in PYTHONPATH DS_ACCELERATOR ENABLE_CONSOLE "${IMAGE_ENV_VARS[@]}" "${family[@]}"; do
+    [[ -n "${!var:-}" && "$written" != *" $var "* ]] || continue
+    [[ "${!var}" != *$'\n'* ]] || die "$var holds a line break, which DeepSpeed's environment file cannot carry to the other nodes"
+    written+="$var "
+    printf '%s=%s\n' "$var" "${!var}" >>"$out.tmp.$$"
+  done
+  for user_file in "$HOME/.deepspeed_env" "$CALLER_DIR/.deepspeed_env"; do
+    [[ -f "$user_file" ]] || continue
+    user_file="$(realpath -- "$user_file")"
+    [[ "$seen" != *" $user_file "* ]] || continue
+    seen+="$user_file "
+    n=0
+    while IFS= read -r line || [[ -n "$line" ]]; do
+      n=$((n + 1))
+      [[ -n "${line//[[:space:]]/}" ]] || continue  # DeepSpeed stops at a blank line; it means nothing
+      [[ "$line" =~ ^[[:space:]]*[A-Za-z_][A-Za-z0-9_]*= ]] \
+        || die "$user_file line $n: '$line' is not NAME=VALUE, the format of DeepSpeed's environment file"
+      printf '%s\n' "$line" >>"$out.tmp.$$"
+    done <"$user_file"
+  done
+  mv "$out.tmp.$$" "$out"
+}
 NNODES="$NODES"
 # Options that a launcher would not use are errors, never silently ignored.
 [[ -z "$SSH_PORT" || "$LAUNCHER" == deepspeed ]] || die "--ssh_port is for the deepspeed launcher (pdsh), not $LAUNCHER"
@@ -178,6 +218,10 @@ case "$LAUNCHER" in
   slurm)
     if [[ -z "${BERT_LAUNCH_SRUN_TASK:-}" ]]; then
       [[ -n "${SLURM_JOB_ID:-}" ]] || die "--launcher slurm runs inside an allocation (sbatch or salloc); SLURM_JOB_ID is not set"
+      # A step of fewer nodes than the allocation is fine (its tasks read the step's variables below).
+      job_nodes="$(job_var SLURM_JOB_NUM_NODES "sbatch and salloc set it in an allocation")"
+      [[ "$job_nodes" =~ ^[1-9][0-9]*$ && "$job_nodes" -ge "$NODES" ]] \
+        || die "--nodes is $NODES but the slurm allocation has $job_nodes node(s); allocate $NODES (sbatch --nodes=$NODES) or launch on at most $job_nodes"
       # The node's one task gets all of the job's CPUs there: srun takes no --cpus-per-task from sbatch or
       # salloc since Slurm 22.05, and a task of one CPU, where Slurm binds tasks to their CPUs, would run the
       # node's every rank and loader worker on that one core. SLURM_JOB_CPUS_PER_NODE ("96(x2),64"; sbatch
@@ -197,10 +241,11 @@ case "$LAUNCHER" in
       if [[ "$DRY_RUN" == 1 ]]; then printf '%q ' "${CMD[@]}"; echo; exit 0; fi
       exec "${CMD[@]}"
     fi
-    NNODES="${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-}}"
+    # The step's, not the job's: srun's step may hold fewer nodes than the allocation.
+    NNODES="$(job_var SLURM_STEP_NUM_NODES "srun sets it in each task")"
     NODE_RANK="$(job_var SLURM_NODEID "srun sets it in each task")"
     if [[ -z "$MASTER_ADDR_ARG" ]]; then
-      nodelist="$(job_var SLURM_JOB_NODELIST "the master is the allocation's first host; pass --master_addr")"
+      nodelist="$(job_var SLURM_STEP_NODELIST "the master is the step's first host; pass --master_addr")"
       command -v scontrol >/dev/null \
         || die "scontrol is not on PATH on $(hostname), so the first host of the node list '$nodelist' cannot be found; pass --master_addr"
       # awk reads the whole list: `head -n 1` would exit early, and under pipefail a later write of
@@ -254,8 +299,7 @@ SCRIPT=("$ROOT/run_pretraining.py" --input_dir "$INPUT_DIR" --output_dir "$OUTPU
 # ---- the command ------------------------------------------------------------------------------------------
 case "$LAUNCHER" in
   deepspeed)
-    DS=("$PYTHON" -m deepspeed.launcher.runner --num_nodes "$NODES" --num_gpus "$DEVICES"
-        --master_addr "$MASTER_ADDR_ARG" --master_port "$MASTER_PORT_ARG")
+    DS=("$PYTHON" -m deepspeed.launcher.runner --master_addr "$MASTER_ADDR_ARG" --master_port "$MASTER_PORT_ARG")
     if [[ -n "$HOSTS" ]]; then
       HOSTFILE="$LAUNCH_DIR/hostfile"
       tr ',' '\n' <<<"$HOSTS" | awk -v slots="$DEVICES" 'NF {print $1 " slots=" slots}' >"$HOSTFILE.tmp.$$"
@@ -266,22 +310,37 @@ case "$LAUNCHER" in
       [[ -z "$problem" ]] || die "$problem"
       listed="$(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l)"
       [[ "$listed" -ge "$NODES" ]] || die "hostfile $HOSTFILE lists $listed host(s), fewer than --nodes $NODES"
-      # pdsh starts the remote ranks; DeepSpeed exports the variables named in this file on every node.
-      # An ssh session does not get a container's ENV (Docker gives it to the container's processes, not to
-      # sshd's sessions), so the search paths and the runtime variables Habana's images set are carried too;
-      # every node runs the same image or install, as the interpreter path above already assumes.
-      IMAGE_ENV_VARS=(PATH LD_LIBRARY_PATH LD_PRELOAD GC_KERNEL_PATH HABANA_SCAL_BIN_PATH HABANA_PLUGINS_LIB_PATH
-                      HABANA_LOGS RDMA_CORE_ROOT RDMA_CORE_LIB)
-      ENV_FILE="$LAUNCH_DIR/deepspeed_env"
-      : >"$ENV_FILE.tmp.$$"
-      for var in "${HPU_ENV_VARS[@]}" PYTHONPATH DS_ACCELERATOR "${IMAGE_ENV_VARS[@]}"; do
-        [[ -z "${!var:-}" ]] || echo "$var=${!var}" >>"$ENV_FILE.tmp.$$"
+      # pdsh runs `cd <root>; <python> -u -m deepspeed.launcher.launch ... <root>/run_pretraining.py ...` in a
+      # shell on each node, and DeepSpeed quotes only the arguments after the script: a space in either path
+      # splits it there.
+      for path in "$ROOT" "$(command -v "$PYTHON")"; do
+        [[ "$path" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]] || die "the deepspeed launcher starts each node with a shell command" \
+          "holding the path '$path' unquoted, and it has a character a shell would split or expand; move the checkout" \
+          "or the interpreter (PYTHON) to a plain path, or use --launcher torchrun"
       done
-      mv "$ENV_FILE.tmp.$$" "$ENV_FILE"
-      export DS_ENV_FILE="$ENV_FILE"
-      DS+=(--hostfile "$HOSTFILE" --launcher pdsh --ssh_port "$SSH_PORT")
+      write_env_file "$LAUNCH_DIR/deepspeed_env"
+      export DS_ENV_FILE="$LAUNCH_DIR/deepspeed_env"
+      # --force_multi: one node of the hostfile is still started over pdsh, on that host; DeepSpeed would
+      # otherwise start one host's ranks here, with the master at that host.
+      DS+=(--num_nodes "$NODES" --num_gpus "$DEVICES" --hostfile "$HOSTFILE" --launcher pdsh --ssh_port "$SSH_PORT"
+           --force_multi)
     elif [[ "$NODES" -gt 1 ]]; then
       die "the deepspeed launcher on $NODES nodes needs --hostfile or --hosts"
+    elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+      # Given --num_gpus, DeepSpeed's runner drops CUDA_VISIBLE_DEVICES and numbers the devices from 0 (a shared
+      # machine's other devices); --include keeps the run on the first D visible ones, as --num_gpus D takes the
+      # first D of all.
+      IFS=, read -ra visible <<<"$CUDA_VISIBLE_DEVICES"
+      for id in "${visible[@]}"; do
+        [[ "$id" =~ ^[0-9]+$ ]] || die "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES is not a list of device" \
+          "indices, which the deepspeed launcher needs; give indices (nvidia-smi -L lists them) or use --launcher torchrun"
+      done
+      [[ "${#visible[@]}" -ge "$DEVICES" ]] || die "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES makes" \
+        "${#visible[@]} device(s) visible, fewer than the $DEVICES devices per node of this run; pass" \
+        "--devices_per_node ${#visible[@]} or make more devices visible"
+      DS+=(--include "localhost:$(IFS=,; echo "${visible[*]:0:DEVICES}")")
+    else
+      DS+=(--num_nodes 1 --num_gpus "$DEVICES")
     fi
     CMD=("${DS[@]}" "${SCRIPT[@]}") ;;
   *)

@@ -124,6 +124,7 @@ def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     assert "LD_LIBRARY_PATH=/opt/habanalabs/lib:/usr/lib/habanalabs" in env_file
     assert "GC_KERNEL_PATH=/usr/lib/habanalabs/libtpc_kernels.so" in env_file
     assert not any(line.startswith("LD_PRELOAD=") for line in env_file)  # not set here: not written
+    assert "--force_multi" in cmd
     # the recipe cache: on local disk, one directory per user (another user's would not be writable)
     assert f"PT_HPU_RECIPE_CACHE_CONFIG=/tmp/bert_pretraining_recipe_cache_{os.getuid()},false,8192" in env_file
     script = cmd.index(str(ROOT / "run_pretraining.py"))
@@ -132,6 +133,85 @@ def test_deepspeed_pdsh_mode_builds_hostfile_and_env(tmp_path: Path):
     assert _flag(run_args, "--learning_rate") == "0.0015" and _flag(run_args, "--poly_power") == "1.0"
     ds = json.loads(Path(_flag(run_args, "--deepspeed_config")).read_text())
     assert ds["gradient_accumulation_steps"] == 24  # 12288 / (32 x 16 devices)
+
+
+def test_deepspeed_env_file_carries_the_variable_families_and_the_users_env_files(tmp_path: Path):
+    """DeepSpeed forwards only NCCL*, PYTHON*, UCX*, MV2* and MLFLOW* itself, and reads ~/.deepspeed_env and
+    ./.deepspeed_env only without DS_ENV_FILE: HCCL over libfabric's settings reached the first node's ranks only,
+    and the env files Habana's README asks for were skipped. Their lines come after ours: the later value wins."""
+    home, caller = tmp_path / "home", tmp_path / "caller"
+    home.mkdir()
+    caller.mkdir()
+    (home / ".deepspeed_env").write_text("SITE_VAR=from home\n\nPT_HPU_LAZY_MODE=0\n")
+    (caller / ".deepspeed_env").write_text("FI_PROVIDER=tcp")  # no final line break
+    env = _env(HOME=str(home), HCCL_OVER_OFI="1", FI_PROVIDER="efa", PT_HPU_MAX_COMPOUND_OP_SIZE="4",
+               GLOO_SOCKET_IFNAME="ens5", TORCH_NCCL_ASYNC_ERROR_HANDLING="1", UNRELATED_VAR="x")
+    args = ["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "a,b", "--input_dir", ".", "--output_dir",
+            str(tmp_path / "run"), "--dry_run"]
+    proc = subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True, env=env, cwd=caller,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "run" / "launch" / "deepspeed_env").read_text().splitlines()
+    for line in ("HCCL_OVER_OFI=1", "FI_PROVIDER=efa", "PT_HPU_MAX_COMPOUND_OP_SIZE=4", "GLOO_SOCKET_IFNAME=ens5",
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "PT_HPU_LAZY_MODE=1"):
+        assert line in lines
+    assert not any(line.startswith("UNRELATED_VAR=") for line in lines)
+    assert lines[-3:] == ["SITE_VAR=from home", "PT_HPU_LAZY_MODE=0", "FI_PROVIDER=tcp"]
+    # what DeepSpeed's runner does with each line (runner.py: key, val = var.split('=', maxsplit=1)): the last wins
+    exports = dict(line.split("=", 1) for line in lines)
+    assert (exports["PT_HPU_LAZY_MODE"], exports["FI_PROVIDER"]) == ("0", "tcp")
+    # a line DeepSpeed would stop at with a traceback: the file and line, before anything starts
+    (caller / ".deepspeed_env").write_text("FI_PROVIDER=tcp\nexport FOO=1\n")
+    proc = subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True, env=env, cwd=caller,
+                          timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().endswith(
+        f"launch.sh: error: {caller / '.deepspeed_env'} line 2: 'export FOO=1' is not NAME=VALUE, the format of "
+        "DeepSpeed's environment file")
+
+
+def test_deepspeed_launcher_keeps_the_visible_cuda_devices(tmp_path: Path):
+    """Given --num_gpus, DeepSpeed's runner drops CUDA_VISIBLE_DEVICES and numbers the devices from 0: on a shared
+    machine the run landed on another user's devices. --include names the first D visible ones instead."""
+    args = [*TINY, "--nodes", "1", "--devices_per_node", "2", "--input_dir", str(tmp_path), "--output_dir",
+            str(tmp_path / "run"), "--dry_run"]
+    cmd = _command(_launch(args, env=_env(CUDA_VISIBLE_DEVICES="4,6,7")))
+    assert _flag(cmd, "--include") == "localhost:4,6" and "--num_gpus" not in cmd and "--num_nodes" not in cmd
+    plain = _env()
+    plain.pop("CUDA_VISIBLE_DEVICES", None)
+    cmd = _command(_launch(args, env=plain))
+    assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--num_gpus")) == ("1", "2") and "--include" not in cmd
+    few = _launch(args, env=_env(CUDA_VISIBLE_DEVICES="3"))
+    assert few.returncode == 2 and "CUDA_VISIBLE_DEVICES=3 makes 1 device(s) visible, fewer than the 2 devices per " \
+                                   "node of this run; pass --devices_per_node 1" in few.stderr
+    uuid = _launch(args, env=_env(CUDA_VISIBLE_DEVICES="GPU-5e8c,GPU-77a1"))
+    assert uuid.returncode == 2 and "is not a list of device indices" in uuid.stderr and "torchrun" in uuid.stderr
+
+
+def test_deepspeed_launcher_refuses_paths_pdsh_would_split(tmp_path: Path):
+    """pdsh's command line holds the checkout's path and the interpreter's unquoted (DeepSpeed quotes only the
+    script's arguments): `cd /a b` failed on every node after the launch. Refused before it, naming torchrun."""
+    spaced = tmp_path / "py dir"
+    spaced.mkdir()
+    (spaced / "python").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} "$@"\n')
+    (spaced / "python").chmod(0o755)
+    args = ["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "a,b", "--input_dir", str(tmp_path),
+            "--output_dir", str(tmp_path / "run"), "--dry_run"]
+    proc = _launch(args, env=_env(PYTHON=str(spaced / "python")))
+    assert proc.returncode == 2 and f"holding the path '{spaced / 'python'}' unquoted" in proc.stderr
+    assert "or use --launcher torchrun" in proc.stderr
+    # the checkout itself, under a directory with a space
+    checkout = tmp_path / "check out"
+    (checkout / "scripts").mkdir(parents=True)
+    for name in ("launch.sh", "hpu_env.sh"):
+        (checkout / "scripts" / name).write_text((ROOT / "scripts" / name).read_text())
+    for name in ("training", "configs", "data", "modeling.py"):
+        (checkout / name).symlink_to(ROOT / name)
+    proc = _launch(args, script=checkout / "scripts" / "launch.sh")
+    assert proc.returncode == 2 and f"holding the path '{checkout}' unquoted" in proc.stderr
+    # torchrun takes argument lists: the same paths are fine there
+    _command(_launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--launcher", "torchrun", "--node_rank", "0",
+                      "--master_addr", "a", "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"),
+                      "--dry_run"], env=_env(PYTHON=str(spaced / "python"))))
 
 
 def test_deepspeed_launcher_starts_in_the_root_with_the_env_file_exported(tmp_path: Path):
@@ -318,21 +398,21 @@ def test_aws_batch_mode_maps_the_job_variables(tmp_path: Path):
 def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     common = ["--preset", "bert-large-phase1", "--nodes", "2", "--launcher", "slurm", "--input_dir", str(tmp_path),
               "--output_dir", str(tmp_path / "run"), "--dry_run"]
-    outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="96(x2)")))
+    outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2", SLURM_JOB_CPUS_PER_NODE="96(x2)")))
     # All of the node's CPUs for its one task (srun does not inherit sbatch's --cpus-per-task since 22.05).
     assert outer[:6] == ["srun", "--nodes=2", "--ntasks=2", "--ntasks-per-node=1", "--cpus-per-task=96",
                          "--kill-on-bad-exit=1"]
     # The line that launches: the tasks' arguments without --dry_run (a pasted line had only dry-run on each node).
     assert outer[6:9] == ["env", "BERT_LAUNCH_SRUN_TASK=1", str(LAUNCH)] and outer[9:] == common[:-1]
-    after = _command(_launch([*common, "--", "--seed", "7"], env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="96(x2)")))
+    after = _command(_launch([*common, "--", "--seed", "7"], env=_env(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2", SLURM_JOB_CPUS_PER_NODE="96(x2)")))
     assert after[9:] == [*common[:-1], "--", "--seed", "7"]
     # salloc sets no SLURM_CPUS_ON_NODE; nodes of other sizes get the least count, which each of them has.
-    mixed = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="64,36(x3)")))
+    mixed = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2", SLURM_JOB_CPUS_PER_NODE="64,36(x3)")))
     assert mixed[4] == "--cpus-per-task=36"
-    no_cpus = _launch(common, env=_env(SLURM_JOB_ID="77"))
+    no_cpus = _launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2"))
     assert no_cpus.returncode == 2 and no_cpus.stderr.strip() == (
         "launch.sh: error: SLURM_JOB_CPUS_PER_NODE is not set: sbatch and salloc set it in an allocation")
-    odd = _launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="96(x2),lots"))
+    odd = _launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2", SLURM_JOB_CPUS_PER_NODE="96(x2),lots"))
     assert odd.returncode == 2 and odd.stderr.strip() == (
         "launch.sh: error: SLURM_JOB_CPUS_PER_NODE is '96(x2),lots', not a list of CPU counts like 96(x2),64")
     # The preset is resolved before srun, as --dry_run's help says: a refused one had started a task per node,
@@ -341,9 +421,9 @@ def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     for wrong, said in ((["--preset", "no-such-preset"], "error: unknown preset 'no-such-preset'"),
                         (["--", "--max_steps", "3"], "error: the launch already gives run_pretraining.py --max_steps")):
         args = [*common, *wrong] if wrong[0] == "--" else [*wrong, *common[2:]]
-        refused = _launch(args, env=_env(SLURM_JOB_ID="77", SLURM_JOB_CPUS_PER_NODE="96(x2)"))
+        refused = _launch(args, env=_env(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2", SLURM_JOB_CPUS_PER_NODE="96(x2)"))
         assert refused.returncode == 2 and said in refused.stderr and "srun" not in refused.stdout
-    task = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="2")
+    task = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="1", SLURM_STEP_NUM_NODES="2")
     inner = _command(_launch([*common, "--master_addr", "node-a", "--master_port", "31337"], env=task))
     assert (_flag(inner, "--nnodes"), _flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("2", "1", "node-a")
     assert _flag(inner, "--master_port") == "31337"
@@ -358,19 +438,46 @@ def test_slurm_mode_starts_one_task_per_node_then_torchrun(tmp_path: Path):
     scontrol.write_text('#!/usr/bin/env bash\n[[ "$*" == "show hostnames gpu[07-08]" ]] || exit 1\n'
                         'echo gpu07\nsleep 0.5\necho gpu08\n')
     scontrol.chmod(0o755)
-    listed = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="0", SLURM_JOB_NUM_NODES="2",
-                  SLURM_JOB_NODELIST="gpu[07-08]", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    listed = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="0", SLURM_STEP_NUM_NODES="2",
+                  SLURM_STEP_NODELIST="gpu[07-08]", PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     inner = _command(_launch(common, env=listed))
     assert (_flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("0", "gpu07")
     # Without scontrol, or without the variables srun sets, the error names what is missing and the way out.
-    no_scontrol = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="0", SLURM_JOB_NUM_NODES="2",
-                       SLURM_JOB_NODELIST="gpu[07-08]", PATH=f"{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin")
+    no_scontrol = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="0", SLURM_STEP_NUM_NODES="2",
+                       SLURM_STEP_NODELIST="gpu[07-08]", PATH=f"{Path(sys.executable).parent}{os.pathsep}/usr/bin:/bin")
     result = _launch(common, env=no_scontrol)
     assert result.returncode == 2 and "scontrol is not on PATH" in result.stderr
     assert "the first host of the node list 'gpu[07-08]' cannot be found; pass --master_addr" in result.stderr
-    no_rank = _launch(common, env=_env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_JOB_NUM_NODES="2"))
+    no_rank = _launch(common, env=_env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_STEP_NUM_NODES="2"))
     assert no_rank.returncode == 2
     assert no_rank.stderr.strip() == "launch.sh: error: SLURM_NODEID is not set: srun sets it in each task"
+
+
+def test_slurm_step_smaller_than_its_allocation(tmp_path: Path):
+    """A 2-node step inside a 4-node allocation: each task reads the step's node count and node list (the job's
+    had made every task die with '--nodes is 2 but the slurm job has 4 nodes', after a dry run that exited 0).
+    An allocation smaller than --nodes is refused before srun."""
+    common = ["--preset", "bert-large-phase1", "--nodes", "2", "--launcher", "slurm", "--input_dir", str(tmp_path),
+              "--output_dir", str(tmp_path / "run"), "--dry_run"]
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text('#!/usr/bin/env bash\ncase "$*" in "show hostnames gpu[03-04]") echo gpu03; echo gpu04 ;;\n'
+                        '"show hostnames gpu[01-04]") echo gpu01; echo gpu02; echo gpu03; echo gpu04 ;;\n'
+                        '*) exit 1 ;; esac\n')
+    scontrol.chmod(0o755)
+    task = _env(SLURM_JOB_ID="77", BERT_LAUNCH_SRUN_TASK="1", SLURM_NODEID="1", SLURM_JOB_NUM_NODES="4",
+                SLURM_JOB_NODELIST="gpu[01-04]", SLURM_STEP_NUM_NODES="2", SLURM_STEP_NODELIST="gpu[03-04]",
+                PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    inner = _command(_launch(common, env=task))
+    assert (_flag(inner, "--nnodes"), _flag(inner, "--node_rank"), _flag(inner, "--master_addr")) == ("2", "1", "gpu03")
+    outer = _command(_launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="4",
+                                              SLURM_JOB_CPUS_PER_NODE="96(x4)")))
+    assert outer[:3] == ["srun", "--nodes=2", "--ntasks=2"]
+    small = _launch(common, env=_env(SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="1", SLURM_JOB_CPUS_PER_NODE="96"))
+    assert small.returncode == 2 and "srun" not in small.stdout
+    assert small.stderr.strip() == ("launch.sh: error: --nodes is 2 but the slurm allocation has 1 node(s); "
+                                    "allocate 2 (sbatch --nodes=2) or launch on at most 1")
 
 
 def test_clear_errors(tmp_path: Path):
