@@ -19,8 +19,10 @@ The model config and vocab default to the run's `model_config.json` and `vocab.t
 lower-cases as the run's shards were made (their `lower_case` attribute, which the run keeps in
 `tokenization.json`); for shards that do not record it (NVIDIA's, Habana's), as the vocab suggests,
 unless --do_lower_case or --no_do_lower_case says.
-The result loads with `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM)
-and `AutoTokenizer.from_pretrained`.
+The result loads with `transformers.AutoModelForPreTraining.from_pretrained` (a model trained without NSP:
+AutoModelForMaskedLM, as it has no pooler or NSP head to load) and `AutoTokenizer.from_pretrained`.
+--config_file and --vocab_file stand in for a run's model_config.json and vocab.txt where it lacks them;
+beside the run's own they must agree with it, as must --do_lower_case/--no_do_lower_case with its record.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from modeling import (
     check_export_dir,
     check_hf_exportable,
     check_vocab_size,
+    config_differences,
     require_transformers_torch,
     save_hf,
     vocab_lower_cases,
@@ -58,7 +61,7 @@ from training.checkpoint import (
 from training.habana_deepspeed import check_config, load_deepspeed_reference
 from training.loader import TOKENIZATION
 from training.reference_checkpoint import load_reference_checkpoint, reference_checkpoint
-from training.weights import is_tag_dir, is_tag_file, read_fp32_weights
+from training.weights import ARCHITECTURE, is_tag_dir, is_tag_file, read_fp32_weights, vocab_difference
 
 
 class ExportError(RuntimeError):
@@ -137,29 +140,63 @@ def check_complete(loc: CheckpointLocation) -> None:
             verify_files(tag_dir, state, checksum=list(state.files))
         except CheckpointError as e:
             raise ExportError(f"{e}, or export another tag with --tag") from e
-    elif not loc.tag.endswith(UNIVERSAL_SUFFIX) and (fix := pick_complete_tag(loc.checkpoints_dir, "pass --tag with",
-                                                                                 "")):
-        raise ExportError(f"{tag_dir}: no {RUN_STATE}, so this tag was never completed (the run stopped while "
-                          f"saving it); {fix}")
+    elif not loc.tag.endswith(UNIVERSAL_SUFFIX):
+        fix = pick_complete_tag(loc.checkpoints_dir, "pass --tag with", "")
+        if not fix and (loc.run_dir / "run_info.json").is_file():  # this project's run, which completed no tag
+            fix = (f"the run completed no checkpoint; resume it (run_pretraining.py with --output_dir {loc.run_dir}) "
+                   "until it saves one")
+        if fix:
+            raise ExportError(f"{tag_dir}: no {RUN_STATE}, so this tag was never completed (the run stopped while "
+                              f"saving it); {fix}")
+
+
+def check_overrides(run_dir: Path, config_file: Path | None, vocab_file: Path | None) -> None:
+    """--config_file and --vocab_file stand in for a run's missing model_config.json and vocab.txt; where the
+    run has its own, they must say the same: another architecture computes another function of the same
+    weights, and another numbering of the tokens gives the model ids it was not trained on."""
+    run_config, run_vocab = run_dir / "model_config.json", run_dir / "vocab.txt"
+    if config_file is not None and run_config.is_file() and config_file.resolve() != run_config.resolve():
+        try:
+            then, now = BertConfig.from_json_file(run_config), BertConfig.from_json_file(config_file)
+        except ConfigError as e:
+            raise ExportError(str(e)) from e
+        differ = config_differences(then.to_dict(), now.to_dict(), ARCHITECTURE)
+        if differ:
+            raise ExportError(f"{config_file}: not the model the run trained ({run_config}: {'; '.join(differ)}); "
+                              "drop --config_file, and the run's own is used")
+    if vocab_file is not None and run_vocab.is_file() and vocab_file.is_file() \
+            and vocab_file.resolve() != run_vocab.resolve():
+        try:
+            differ = vocab_difference(run_vocab, vocab_file)
+        except CheckpointError as e:
+            raise ExportError(str(e)) from e
+        if differ is not None:
+            raise ExportError(f"{vocab_file}: not the vocabulary the run trained with ({run_vocab}, {differ[0]}: "
+                              f"{differ[1]}); drop --vocab_file, and the run's own is used")
 
 
 def tokenizer_case(run_dir: Path | None, vocab_file: Path, lower_case: bool | None) -> tuple[bool, str]:
-    """Whether the exported tokenizer lower-cases, and why: `lower_case` (the command line's) or the run's
-    record of its shards' lower_case attribute, else a guess from the vocab. `run_dir`: None for a
-    checkpoint of another project's, which has no record."""
-    if lower_case is not None:
-        return lower_case, "as --do_lower_case/--no_do_lower_case says"
+    """Whether the exported tokenizer lower-cases, and why: the run's record of its shards' lower_case
+    attribute (which --do_lower_case/--no_do_lower_case may only repeat), else the command line's, else a
+    guess from the vocab. `run_dir`: None for a checkpoint of another project's, which has no record."""
     record = run_dir / TOKENIZATION if run_dir is not None else None
     if record is not None and record.is_file():
         try:
-            lower_case = json.loads(record.read_text(encoding="utf-8"))["lower_case"]
+            recorded = json.loads(record.read_text(encoding="utf-8"))["lower_case"]
         except (ValueError, KeyError, TypeError) as e:
-            raise ExportError(f"{record}: not a tokenization record ({e}); pass --do_lower_case or "
-                              "--no_do_lower_case as the shards were made") from e
-        if not isinstance(lower_case, bool):
-            raise ExportError(f"{record}: lower_case is {lower_case!r}, not true or false; pass --do_lower_case or "
-                              "--no_do_lower_case as the shards were made")
-        return lower_case, f"as the run's shards were made ({record})"
+            raise ExportError(f"{record}: not a tokenization record ({e}); restore it, or delete it and pass "
+                              "--do_lower_case or --no_do_lower_case as the shards were made") from e
+        if not isinstance(recorded, bool):
+            raise ExportError(f"{record}: lower_case is {recorded!r}, not true or false; restore it, or delete it and "
+                              "pass --do_lower_case or --no_do_lower_case as the shards were made")
+        if lower_case is not None and lower_case != recorded:
+            flag = "--do_lower_case" if lower_case else "--no_do_lower_case"
+            raise ExportError(f"{flag} contradicts {record}: the run's shards were made "
+                              f"{'lower-cased' if recorded else 'keeping case'}, and the model learned the ids that "
+                              f"tokenization gives; drop {flag}")
+        return recorded, f"as the run's shards were made ({record})"
+    if lower_case is not None:
+        return lower_case, "as --do_lower_case/--no_do_lower_case says"
     return vocab_lower_cases(vocab_file), (f"guessed from {vocab_file}: the shards do not record it; pass "
                                            "--do_lower_case or --no_do_lower_case if that is wrong")
 
@@ -190,14 +227,12 @@ def their_checkpoint(checkpoint: Path, tag: str | None) -> tuple[Path, str] | No
     return found
 
 
-def vocab_fix(loc: CheckpointLocation | None, config_file: Path) -> str:
-    """What to pass when the vocab and the model config differ in size: either may be the wrong one."""
+def vocab_fix(loc: CheckpointLocation | None) -> str:
+    """What to pass when the vocab and the model config differ in size: either may be the wrong one (a
+    --config_file of another architecture than the run's own is refused before, by check_overrides)."""
     vocab = "the vocab.txt the shards were made with as --vocab_file"
     if loc is None:  # NVIDIA's or Habana's ckpt_<step>.pt: both were given
         return f"pass their bert_config.json as --config_file, or {vocab}"
-    run_config = loc.run_dir / "model_config.json"
-    if config_file.resolve() != run_config.resolve() and run_config.is_file():
-        return f"pass the run's model config ({run_config}) as --config_file, or {vocab}"
     return f"pass {vocab}, or the model config the run trained with as --config_file"
 
 
@@ -217,6 +252,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
                               "no vocabulary: pass --config_file (their bert_config.json, with \"layer_norm_eps\": "
                               "1e-12 added) and --vocab_file (the vocab.txt their shards were made with)")
     else:
+        check_overrides(loc.run_dir, config_file, vocab_file)
         config_file = config_file or loc.run_dir / "model_config.json"
         vocab_file = vocab_file or loc.run_dir / "vocab.txt"
     if not config_file.is_file():
@@ -236,7 +272,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
         raise ExportError(f"{e}. Nothing was exported; the checkpoint remains usable with this project (resume "
                           "its run, or start phase 2 from it with --phase2 --init_checkpoint)") from e
     try:
-        check_vocab_size(vocab_file, config, config_file, vocab_fix(loc, config_file))  # before the weights are read
+        check_vocab_size(vocab_file, config, config_file, vocab_fix(loc))  # before the weights are read
     except ValueError as e:
         raise ExportError(str(e)) from e
     lower, why = tokenizer_case(loc.run_dir if loc is not None else None, vocab_file, lower_case)

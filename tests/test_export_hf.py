@@ -230,7 +230,9 @@ def test_a_bf16_weight_is_its_master_rounded_in_any_mode():
     assert not rounds_to(torch.tensor([1e-37]), torch.tensor([0.0]).bfloat16())
 
 
-def test_the_tokenizer_case_comes_from_the_flag_then_the_run_record_then_the_vocab(tmp_path: Path, bert_vocab):
+def test_the_tokenizer_case_comes_from_the_run_record_then_the_flag_then_the_vocab(tmp_path: Path, bert_vocab):
+    """The run's record of its shards' case decides; a flag may repeat it, not contradict it (a lower-cased run
+    exported with --no_do_lower_case gave the model cased ids it never saw: [UNK] for 'The')."""
     lines = bert_vocab.read_text(encoding="utf-8").splitlines()
     lines[lines.index("gunners")] = "McDonald"  # within the stray cased tokens a lower-cased run accepts
     vocab = tmp_path / "vocab.txt"
@@ -241,14 +243,21 @@ def test_the_tokenizer_case_comes_from_the_flag_then_the_run_record_then_the_voc
     record = tmp_path / "tokenization.json"
     record.write_text('{"lower_case": false}\n')
     assert tokenizer_case(tmp_path, vocab, None) == (False, f"as the run's shards were made ({record})")
-    assert tokenizer_case(tmp_path, vocab, True) == (True, "as --do_lower_case/--no_do_lower_case says")
+    assert tokenizer_case(tmp_path, vocab, False) == (False, f"as the run's shards were made ({record})")
+    with pytest.raises(ExportError) as refused:
+        tokenizer_case(tmp_path, vocab, True)
+    assert str(refused.value) == (f"--do_lower_case contradicts {record}: the run's shards were made keeping case, "
+                                  "and the model learned the ids that tokenization gives; drop --do_lower_case")
     for bad, why in (('{"lower_case": "no"}', r"lower_case is 'no', not true or false"),
                      ("{}", r"not a tokenization record \('lower_case'\)"), ("[", "not a tokenization record"),
                      ("[]", "not a tokenization record"), ("\xff", "not a tokenization record")):
         record.write_text(bad)
-        with pytest.raises(ExportError, match=f"{record}: {why}.*; pass --do_lower_case or --no_do_lower_case"):
-            tokenizer_case(tmp_path, vocab, None)
-        assert tokenizer_case(tmp_path, vocab, False)[0] is False  # the flag is the way past a damaged record
+        for flag in (None, False):
+            with pytest.raises(ExportError, match=f"{record}: {why}.*; restore it, or delete it and pass "
+                                                  "--do_lower_case or --no_do_lower_case as the shards were made"):
+                tokenizer_case(tmp_path, vocab, flag)
+    record.unlink()  # the way past a damaged record, as its message says
+    assert tokenizer_case(tmp_path, vocab, False) == (False, "as --do_lower_case/--no_do_lower_case says")
 
 
 def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path: Path):
@@ -314,8 +323,9 @@ def test_a_missing_tag_of_another_deepspeed_run_names_its_tag_directories(tmp_pa
 
 
 def test_a_vocab_and_config_of_other_sizes_name_both_files_and_both_fixes(tmp_path: Path, bert_vocab: Path):
-    """A --config_file of another model blamed the run's vocab.txt alone ("pass the vocab.txt the shards were made
-    with") without naming the config; either file may be the wrong one. Checked before any weight is read."""
+    """A --config_file of another model than the run's own is refused as such (it had been blamed on the run's
+    vocab.txt alone); a vocab of another size than the run's own config names both files and both fixes, as either
+    may be the wrong one. Checked before any weight is read."""
     run = tmp_path / "run"
     tag_dir = run / "checkpoints" / "step00000002"
     tag_dir.mkdir(parents=True)
@@ -325,9 +335,8 @@ def test_a_vocab_and_config_of_other_sizes_name_both_files_and_both_fixes(tmp_pa
     shutil.copy(bert_vocab, run / "vocab.txt")
     demo = ROOT / "configs/models/bert-demo.json"  # 2048
     with pytest.raises(ExportError, match=re.escape(
-            f"{run.resolve() / 'vocab.txt'}: 30522 tokens, but {demo} says vocab_size 2048; pass the run's model config "
-            f"({run.resolve() / 'model_config.json'}) as --config_file, or the vocab.txt the shards were made with as "
-            "--vocab_file")):
+            f"{demo}: not the model the run trained ({run.resolve() / 'model_config.json'}: vocab_size 30522 there, "
+            "2048 in --config_file; ")):
         export(run, tmp_path / "hf", config_file=demo)
     shutil.copy(demo, run / "model_config.json")  # the run's own config, and a vocab of another size
     with pytest.raises(ExportError, match=re.escape(
@@ -359,9 +368,9 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     empty.mkdir(parents=True)
     with pytest.raises(ExportError, match="no 'latest' file, so no checkpoint was completed there"):
         export(empty.parent, tmp_path / "hf")
-    with pytest.raises(ExportError, match=r"vocab.txt: 30522 tokens, but .*bert-demo.json says vocab_size 2048; pass "
-                                          r"the run's model config \(.*model_config.json\) as --config_file, or the "
-                                          r"vocab.txt the shards were made with as --vocab_file"):
+    with pytest.raises(ExportError, match=r"bert-demo.json: not the model the run trained \(.*model_config.json: "
+                                          r"vocab_size 30522 there, 2048 in --config_file; .*\); drop --config_file, "
+                                          r"and the run's own is used$"):
         export(zero_run, tmp_path / "hf", config_file=ROOT / "configs/models/bert-demo.json")
     # The vocab is read as the tokenizers read it (data.vocab.load_vocab): a file that is not UTF-8 had ended in
     # a UnicodeDecodeError naming no file, and a token holding U+0085 was counted as two lines.
@@ -380,13 +389,17 @@ def test_clear_errors(zero_run: Path, tmp_path: Path):
     assert not (tmp_path / "hf").exists()
     deeper = tmp_path / "deeper.json"
     deeper.write_text(json.dumps({**json.loads((zero_run / "model_config.json").read_text()), "num_hidden_layers": 3}))
-    with pytest.raises(ExportError, match=r"(?s)the weights do not fit .*deeper.json \(.*Missing key\(s\) in state_dict: "
-                                          r'"bert.encoder.layer.2.*; pass the model config the run trained with'):
+    with pytest.raises(ExportError, match=r"deeper.json: not the model the run trained \(.*model_config.json: "
+                                          r"num_hidden_layers 2 there, 3 in --config_file\); drop --config_file"):
         export(zero_run, tmp_path / "hf", config_file=deeper)
     broken = tmp_path / "broken"
     shutil.copytree(zero_run / "checkpoints", broken / "checkpoints")
-    shutil.copy(zero_run / "model_config.json", broken)
     shutil.copy(zero_run / "vocab.txt", broken)
+    # without the run's model_config.json (checkpoints copied alone), --config_file stands in, checked by the weights
+    with pytest.raises(ExportError, match=r"(?s)the weights do not fit .*deeper.json \(.*Missing key\(s\) in state_dict: "
+                                          r'"bert.encoder.layer.2.*; pass the model config the run trained with'):
+        export(broken, tmp_path / "hf", config_file=deeper)
+    shutil.copy(zero_run / "model_config.json", broken)
     tag = (broken / "checkpoints" / "latest").read_text().strip()
     partition = broken / "checkpoints" / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     partition.write_bytes(partition.read_bytes()[:1000])  # truncated: was a torch.load traceback
@@ -502,17 +515,84 @@ def test_an_export_to_a_full_disk_says_so_keeps_the_earlier_export_and_leaves_no
     assert {p.name: p.read_bytes() for p in hf.iterdir()} == before  # the same checkpoint: the same export
 
 
-def test_the_command_says_how_it_chose_the_tokenizer_case_and_the_flag_overrides_the_run(zero_run: Path, tmp_path):
+def test_the_command_says_how_it_chose_the_tokenizer_case_and_a_flag_may_not_contradict_the_run(zero_run: Path,
+                                                                                                 tmp_path):
     cmd = [sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--checkpoint", str(zero_run)]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    for flags, lower, why in (([], True, f"as the run's shards were made ({zero_run.resolve() / 'tokenization.json'})"),
-                              (["--no_do_lower_case"], False, "as --do_lower_case/--no_do_lower_case says")):
+    record = zero_run.resolve() / "tokenization.json"
+    for flags in ([], ["--do_lower_case"]):
         hf = tmp_path / f"hf{len(flags)}"
         result = subprocess.run(cmd + ["--output", str(hf)] + flags, capture_output=True, text=True, timeout=300,
                                 cwd=ROOT, env=env)
         assert result.returncode == 0, result.stderr[-3000:]
-        assert result.stdout.splitlines()[-1] == f"  tokenizer: {'lower-cases' if lower else 'keeps case'}, {why}"
-        assert json.loads((hf / "tokenizer_config.json").read_text())["do_lower_case"] is lower
+        assert result.stdout.splitlines()[-1] == f"  tokenizer: lower-cases, as the run's shards were made ({record})"
+        assert json.loads((hf / "tokenizer_config.json").read_text())["do_lower_case"] is True
         from transformers import AutoTokenizer
 
-        assert AutoTokenizer.from_pretrained(hf).tokenize("The Fox")[0] == ("the" if lower else "[UNK]")
+        assert AutoTokenizer.from_pretrained(hf).tokenize("The Fox")[0] == "the"
+    result = subprocess.run(cmd + ["--output", str(tmp_path / "cased"), "--no_do_lower_case"], capture_output=True,
+                            text=True, timeout=300, cwd=ROOT, env=env)
+    assert result.returncode == 2 and result.stderr.strip() == (
+        f"error: --no_do_lower_case contradicts {record}: the run's shards were made lower-cased, and the model "
+        "learned the ids that tokenization gives; drop --no_do_lower_case")
+    assert not (tmp_path / "cased").exists()
+
+
+def test_a_config_or_vocab_given_must_agree_with_the_runs_own(zero_run: Path, tmp_path: Path):
+    """--config_file and --vocab_file stand in for files a run lacks. Given beside the run's own, another
+    hidden_act had exported a model computing another function, and a vocab with two ids swapped a tokenizer
+    giving ids the model was not trained on, both without a word. The same contents at another path are fine."""
+    tokens = (zero_run / "vocab.txt").read_text(encoding="utf-8").split("\n")[:-1]
+    tokens[2000], tokens[2001] = tokens[2001], tokens[2000]
+    swapped = tmp_path / "swapped.txt"
+    swapped.write_text("\n".join(tokens) + "\n", encoding="utf-8")
+    run_vocab = zero_run.resolve() / "vocab.txt"
+    with pytest.raises(ExportError) as refused:
+        export(zero_run, tmp_path / "hf", vocab_file=swapped)
+    assert str(refused.value) == (
+        f"{swapped}: not the vocabulary the run trained with ({run_vocab}, 30522 tokens, against 30522: token id 2000 "
+        f"is {tokens[2001]!r} there, {tokens[2000]!r} here); drop --vocab_file, and the run's own is used")
+    config = json.loads((zero_run / "model_config.json").read_text())
+    relu = tmp_path / "relu.json"
+    relu.write_text(json.dumps({**config, "hidden_act": "relu", "layer_norm_eps": 1e-5}))
+    with pytest.raises(ExportError) as refused:
+        export(zero_run, tmp_path / "hf", config_file=relu)
+    assert str(refused.value) == (
+        f"{relu}: not the model the run trained ({zero_run.resolve() / 'model_config.json'}: hidden_act 'gelu' there, "
+        "'relu' in --config_file; layer_norm_eps 1e-12 there, 1e-05 in --config_file); drop --config_file, and the "
+        "run's own is used")
+    assert not (tmp_path / "hf").exists()
+    same_vocab, same_config = tmp_path / "copy" / "vocab.txt", tmp_path / "copy" / "config.json"
+    same_vocab.parent.mkdir()
+    shutil.copy(run_vocab, same_vocab)
+    same_config.write_text(json.dumps({**config, "hidden_dropout_prob": 0.0}))  # dropout: not the architecture
+    export(zero_run, tmp_path / "hf", config_file=same_config, vocab_file=same_vocab)
+    assert (tmp_path / "hf" / "model.safetensors").is_file()
+
+
+def test_a_run_that_completed_no_checkpoint_is_refused_and_a_missing_last_partition_named(zero_run: Path,
+                                                                                       tmp_path: Path):
+    """A run killed while saving its first checkpoint holds one tag without run_state.json and no complete one: it
+    was read as another DeepSpeed run's tag and exported. Another DeepSpeed run's tag (no run_info.json) is still
+    read as it is, and one without its last rank's partition (no gap to show it) is named incomplete."""
+    tag = (zero_run / "checkpoints" / "latest").read_text().strip()
+    killed = tmp_path / "killed"
+    shutil.copytree(zero_run / "checkpoints" / tag, killed / "checkpoints" / tag)
+    for name in ("model_config.json", "vocab.txt", "run_info.json", "tokenization.json"):
+        shutil.copy(zero_run / name, killed)
+    (killed / "checkpoints" / tag / "run_state.json").unlink()
+    with pytest.raises(ExportError) as refused:
+        export(killed, tmp_path / "hf", tag=tag)
+    assert str(refused.value) == (
+        f"{killed.resolve() / 'checkpoints' / tag}: no run_state.json, so this tag was never completed (the run "
+        f"stopped while saving it); the run completed no checkpoint; resume it (run_pretraining.py with --output_dir "
+        f"{killed.resolve()}) until it saves one")
+    (killed / "run_info.json").unlink()  # now another DeepSpeed run's directory, as far as can be told
+    partition = killed / "checkpoints" / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    partition.unlink()
+    with pytest.raises(ExportError) as refused:
+        export(killed, tmp_path / "hf", tag=tag)
+    assert str(refused.value) == (
+        f"{killed.resolve() / 'checkpoints' / tag}: 1 optimizer partition(s) for a run of 2 data-parallel ranks "
+        f"({partition.name} is missing); the checkpoint is incomplete; export another tag with --tag")
+    assert not (tmp_path / "hf").exists()

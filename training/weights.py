@@ -165,6 +165,12 @@ def _read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool) -> tuple[dict[
     if not isinstance(module, dict):
         raise CheckpointError(f"{tag_dir / MODEL_STATES}: no 'module' weights in it")
     files = partition_files(tag_dir)
+    ranks = model_states.get("dp_world_size")
+    if files and isinstance(ranks, int) and len(files) != ranks:  # the last ranks' files gone: no gap to show it
+        missing = re.sub(r"zero_pp_rank_\d+_", f"zero_pp_rank_{len(files)}_", files[-1].name, count=1)
+        detail = f"{missing} is missing" if len(files) < ranks else "files of another save are mixed in"
+        raise CheckpointError(f"{tag_dir}: {len(files)} optimizer partition(s) for a run of {ranks} data-parallel "
+                              f"ranks ({detail}); the checkpoint is incomplete")
     if fp32_module_suffices and all(v.dtype == torch.float32 for v in module.values() if v.is_floating_point()):
         files = []
     if files and files[0].name.startswith(_BF16_PARTITION_PREFIX):
@@ -213,7 +219,7 @@ _SUPPORTED = ("point it at the --output_dir of a finished phase-1 run, a Hugging
               "ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py (or the directory holding them), or a "
               "DeepSpeed checkpoint folder of Habana's deepspeed-bert (or a tag directory in it)")
 # Fields that make two BERTs the same function of their weights (dropout and init do not).
-_ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
                  "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pre_layer_norm",
                  "next_sentence_prediction", "layer_norm_large_model")
 
@@ -271,7 +277,7 @@ def _check_phase1_config(config_file: Path, model: BertForPreTraining) -> None:
         then = BertConfig.from_json_file(config_file)
     except ConfigError as e:
         raise CheckpointError(f"--init_checkpoint: {e}") from e
-    differ = config_differences(then.to_dict(), model.config.to_dict(), _ARCHITECTURE)
+    differ = config_differences(then.to_dict(), model.config.to_dict(), ARCHITECTURE)
     if differ:
         raise CheckpointError(f"{config_file}: the phase-1 run trained another model than --config_file "
                               f"({'; '.join(differ)}); pass that run's model config as --config_file")
@@ -313,19 +319,27 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
                           "with that vocabulary (data.prepare --vocab_file)")
 
 
+def vocab_difference(then: Path, now: Path) -> tuple[str, str] | None:
+    """None where two vocab.txt number the same tokens alike; else their sizes ('<n> tokens, against <m>') and
+    where they first differ ('token id <i> is <token> there, <token> here')."""
+    theirs, ours = _vocab_tokens(then), _vocab_tokens(now)
+    if theirs == ours:
+        return None
+    first, there, here = _first_difference(theirs, ours)
+    return f"{len(theirs)} tokens, against {len(ours)}", f"token id {first} is {there} there, {here} here"
+
+
 def check_resumed_vocab(run_vocab: Path, vocab_file: Path | None) -> None:
     """A resumed run's copy of its shards' vocab.txt (`run_vocab`, written at its first start) against the shards'
     vocab.txt now: dynamic masking draws its special tokens and replacements from it, and the export ships the
     run's copy, which this start would replace."""
     if vocab_file is None or not run_vocab.is_file():
         return
-    theirs, ours = _vocab_tokens(run_vocab), _vocab_tokens(vocab_file)
-    if theirs == ours:
-        return
-    first, there, here = _first_difference(theirs, ours)
-    raise CheckpointError(f"{vocab_file} is not the vocabulary this run trained with ({run_vocab}, {len(theirs)} tokens, "
-                          f"against {len(ours)}): token id {first} is {there} there, {here} here. Put the run's "
-                          "vocab.txt back beside the shards, or train on these shards in another --output_dir")
+    differ = vocab_difference(run_vocab, vocab_file)
+    if differ is not None:
+        raise CheckpointError(f"{vocab_file} is not the vocabulary this run trained with ({run_vocab}, {differ[0]}): "
+                              f"{differ[1]}. Put the run's vocab.txt back beside the shards, or train on these "
+                              "shards in another --output_dir")
 
 
 def _first_difference(theirs: list[str], ours: list[str]) -> tuple[int, str, str]:
@@ -386,7 +400,7 @@ def _load_hf(model: BertForPreTraining, hf_dir: Path) -> str:
     except (ConfigError, OSError, KeyError, ValueError, RuntimeError, SafetensorError) as e:
         raise CheckpointError(f"--init_checkpoint {hf_dir}: cannot load it as a Hugging Face BERT "
                               f"({type(e).__name__}: {e})") from e
-    differ = config_differences(source.config.to_dict(), model.config.to_dict(), _ARCHITECTURE)
+    differ = config_differences(source.config.to_dict(), model.config.to_dict(), ARCHITECTURE)
     if differ:
         raise CheckpointError(f"{config_file}: not the model of --config_file ({'; '.join(differ)}); pass a "
                               "--config_file with the same architecture")
