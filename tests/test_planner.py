@@ -566,8 +566,8 @@ def test_cli_refuses_a_reduce_bucket_size_the_optimizer_does_not_use(capsys):
             "--reduce_bucket_size", "100000000"]
     assert planner.main(args) == 2
     assert capsys.readouterr().err == ("error: --reduce_bucket_size 100000000 sizes the ZeRO optimizer's buffer, "
-                                       "which ZeRO-1 with bf16 does not use; drop it, or plan ZeRO-1/2 with fp32, or "
-                                       "ZeRO-2 with bf16\n")
+                                       "which ZeRO-1 with bf16 does not use; drop it, or plan ZeRO-1/2 with fp32 (ZeRO-2 "
+                                       "with bf16 uses it too, but run_pretraining.py trains bf16 with ZeRO-1 only)\n")
     assert planner.main([*args, "--zero_stage", "3", "--precision", "fp32"]) == 2
     assert "which ZeRO-3 with fp32 does not use" in capsys.readouterr().err
     buckets = {}

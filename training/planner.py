@@ -543,7 +543,8 @@ def report(args: argparse.Namespace) -> str:
                                                 or args.zero_stage not in (1, 2)):
         raise ValueError(f"--reduce_bucket_size {args.reduce_bucket_size} sizes the ZeRO optimizer's buffer, which "
                          f"ZeRO-{args.zero_stage} with {args.precision} does not use; drop it, or plan ZeRO-1/2 "
-                         "with fp32, or ZeRO-2 with bf16")
+                         "with fp32 (ZeRO-2 with bf16 uses it too, but run_pretraining.py trains bf16 with ZeRO-1 "
+                         "only)")
     bucket_elements = 500_000_000 if args.reduce_bucket_size is None else args.reduce_bucket_size
     max_predictions = args.max_predictions or default_max_predictions(args.seq_len)
     if max_predictions > args.seq_len - 3:  # [CLS] and two [SEP] are never masked
