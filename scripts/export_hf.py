@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,7 @@ from modeling import (
     require_transformers_torch,
     save_hf,
     vocab_lower_cases,
+    vocab_tokens,
 )
 from training.checkpoint import (
     CHECKPOINTS,
@@ -142,6 +144,9 @@ def check_complete(loc: CheckpointLocation) -> None:
             raise ExportError(f"{e}, or export another tag with --tag") from e
     elif not loc.tag.endswith(UNIVERSAL_SUFFIX):
         fix = pick_complete_tag(loc.checkpoints_dir, "pass --tag with", "")
+        if re.search(r"\.incomplete(-\d+)?$", loc.tag):  # training.checkpoint's name for a tag it set aside
+            raise ExportError(f"{tag_dir}: a start of the run set this tag aside, as it was committed but had lost its "
+                              f"{RUN_STATE}; put that file back into it to export it" + (f", or {fix}" if fix else ""))
         if not fix and (loc.run_dir / "run_info.json").is_file():  # this project's run, which completed no tag
             fix = (f"the run completed no checkpoint; resume it (run_pretraining.py with --output_dir {loc.run_dir}) "
                    "until it saves one")
@@ -156,8 +161,9 @@ def check_overrides(run_dir: Path, config_file: Path | None, vocab_file: Path | 
     weights, and another numbering of the tokens gives the model ids it was not trained on."""
     run_config, run_vocab = run_dir / "model_config.json", run_dir / "vocab.txt"
     if config_file is not None and run_config.is_file() and config_file.resolve() != run_config.resolve():
+        then = _read_own(run_config, "--config_file", BertConfig.from_json_file)
         try:
-            then, now = BertConfig.from_json_file(run_config), BertConfig.from_json_file(config_file)
+            now = BertConfig.from_json_file(config_file)
         except ConfigError as e:
             raise ExportError(str(e)) from e
         differ = config_differences(then.to_dict(), now.to_dict(), ARCHITECTURE)
@@ -166,6 +172,7 @@ def check_overrides(run_dir: Path, config_file: Path | None, vocab_file: Path | 
                               "drop --config_file, and the run's own is used")
     if vocab_file is not None and run_vocab.is_file() and vocab_file.is_file() \
             and vocab_file.resolve() != run_vocab.resolve():
+        _read_own(run_vocab, "--vocab_file", vocab_tokens)
         try:
             differ = vocab_difference(run_vocab, vocab_file)
         except CheckpointError as e:
@@ -173,6 +180,16 @@ def check_overrides(run_dir: Path, config_file: Path | None, vocab_file: Path | 
         if differ is not None:
             raise ExportError(f"{vocab_file}: not the vocabulary the run trained with ({run_vocab}, {differ[0]}: "
                               f"{differ[1]}); drop --vocab_file, and the run's own is used")
+
+
+def _read_own(path: Path, flag: str, read):
+    """`read(path)` of a run's own file, which an override is checked against; one that cannot be read is
+    named with the way past it: restored, or moved aside so that the override stands in for it."""
+    try:
+        return read(path)
+    except ValueError as e:  # ConfigError, and load_vocab's errors
+        raise ExportError(f"{e}. Restore it, or move it out of the run directory so that {flag} stands in "
+                          "for it") from e
 
 
 def tokenizer_case(run_dir: Path | None, vocab_file: Path, lower_case: bool | None) -> tuple[bool, str]:

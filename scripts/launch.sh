@@ -46,6 +46,7 @@ fi
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 CALLER_DIR="$PWD"
+USER_ENV_NAME="${DS_ENV_FILE:-.deepspeed_env}"  # launch.sh sets DS_ENV_FILE to its own file (write_env_file)
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -169,13 +170,13 @@ hostfile_problem() {
 # runs the same image or install, as the interpreter path already assumes. DeepSpeed itself forwards only
 # NCCL*, PYTHON*, UCX*, MV2* and MLFLOW* variables, so the families of Habana's bridge and HCCL, libfabric
 # (HCCL and NCCL over OFI/EFA), gloo and torch's NCCL are carried whole. Then the lines of the user's
-# ~/.deepspeed_env and ./.deepspeed_env (the directory launch.sh is called from), which DeepSpeed reads
-# only without DS_ENV_FILE; as there, the later value of a variable wins.
+# ~/.deepspeed_env and ./.deepspeed_env (the directory launch.sh is called from; both named by the user's
+# DS_ENV_FILE, if set), which DeepSpeed would read in place of this file; as there, the later value wins.
 FORWARDED_FAMILIES='^(PT_HPU_|HCCL_|HABANA_|FI_|GLOO_|NCCL_|TORCH_NCCL_|LOG_LEVEL_)'
 IMAGE_ENV_VARS=(PATH LD_LIBRARY_PATH LD_PRELOAD GC_KERNEL_PATH HABANA_SCAL_BIN_PATH HABANA_PLUGINS_LIB_PATH
                 HABANA_LOGS RDMA_CORE_ROOT RDMA_CORE_LIB)
 write_env_file() {
-  local out="$1" var line n user_file family=() written=" " seen=" "
+  local out="$1" var line n user_file user_files family=() written=" " seen=" "
   mapfile -t family < <(compgen -e | grep -E "$FORWARDED_FAMILIES" || true)
   : >"$out.tmp.$$"
   for var in PYTHONPATH DS_ACCELERATOR ENABLE_CONSOLE "${IMAGE_ENV_VARS[@]}" "${family[@]}"; do
@@ -184,7 +185,10 @@ write_env_file() {
     written+="$var "
     printf '%s=%s\n' "$var" "${!var}" >>"$out.tmp.$$"
   done
-  for user_file in "$HOME/.deepspeed_env" "$CALLER_DIR/.deepspeed_env"; do
+  # DeepSpeed joins its name to ~ and . (an absolute name stays itself); ~ works where HOME is unset, as there
+  if [[ "$USER_ENV_NAME" == /* ]]; then user_files=("$USER_ENV_NAME")
+  else user_files=(~/"$USER_ENV_NAME" "$CALLER_DIR/$USER_ENV_NAME"); fi
+  for user_file in "${user_files[@]}"; do
     [[ -f "$user_file" ]] || continue
     user_file="$(realpath -- "$user_file")"
     [[ "$seen" != *" $user_file "* ]] || continue
@@ -192,7 +196,8 @@ write_env_file() {
     n=0
     while IFS= read -r line || [[ -n "$line" ]]; do
       n=$((n + 1))
-      [[ -n "${line//[[:space:]]/}" ]] || continue  # DeepSpeed stops at a blank line; it means nothing
+      [[ -n "${line//[[:space:]]/}" ]] || continue  # DeepSpeed fails on a blank line; it means nothing
+      # (DeepSpeed takes what is left of the first '=' as the name: 'export A=1' would export 'export A')
       [[ "$line" =~ ^[[:space:]]*[A-Za-z_][A-Za-z0-9_]*= ]] \
         || die "$user_file line $n: '$line' is not NAME=VALUE, the format of DeepSpeed's environment file"
       printf '%s\n' "$line" >>"$out.tmp.$$"
@@ -310,10 +315,12 @@ case "$LAUNCHER" in
       [[ -z "$problem" ]] || die "$problem"
       listed="$(awk '!/^[[:space:]]*(#|$)/' "$HOSTFILE" | wc -l)"
       [[ "$listed" -ge "$NODES" ]] || die "hostfile $HOSTFILE lists $listed host(s), fewer than --nodes $NODES"
-      # pdsh runs `cd <root>; <python> -u -m deepspeed.launcher.launch ... <root>/run_pretraining.py ...` in a
-      # shell on each node, and DeepSpeed quotes only the arguments after the script: a space in either path
-      # splits it there.
-      for path in "$ROOT" "$(command -v "$PYTHON")"; do
+      # pdsh runs `cd <cwd>; <sys.executable> -u -m deepspeed.launcher.launch ... <root>/run_pretraining.py ...`
+      # in a shell on each node (cwd as os.path.abspath gives it: symlinks resolved), and DeepSpeed quotes only
+      # the arguments after the script: a space in any of these paths splits it there.
+      interpreter="$("$PYTHON" -c 'import sys; print(sys.executable)')" \
+        || die "the interpreter PYTHON=$PYTHON does not run; set PYTHON to one (e.g. .venv/bin/python)"
+      for path in "$ROOT" "$(pwd -P)" "$interpreter"; do
         [[ "$path" =~ ^[A-Za-z0-9_@%+=:,./-]+$ ]] || die "the deepspeed launcher starts each node with a shell command" \
           "holding the path '$path' unquoted, and it has a character a shell would split or expand; move the checkout" \
           "or the interpreter (PYTHON) to a plain path, or use --launcher torchrun"
@@ -326,10 +333,11 @@ case "$LAUNCHER" in
            --force_multi)
     elif [[ "$NODES" -gt 1 ]]; then
       die "the deepspeed launcher on $NODES nodes needs --hostfile or --hosts"
-    elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" ]]; then
+    elif [[ -n "${CUDA_VISIBLE_DEVICES:-}" && "${DS_ACCELERATOR:-cuda}" == cuda ]]; then
       # Given --num_gpus, DeepSpeed's runner drops CUDA_VISIBLE_DEVICES and numbers the devices from 0 (a shared
       # machine's other devices); --include keeps the run on the first D visible ones, as --num_gpus D takes the
-      # first D of all.
+      # first D of all. (Other accelerators: CPU ranks are no devices, and DeepSpeed's runner checks --include
+      # against its NUMA nodes.)
       IFS=, read -ra visible <<<"$CUDA_VISIBLE_DEVICES"
       for id in "${visible[@]}"; do
         [[ "$id" =~ ^[0-9]+$ ]] || die "CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES is not a list of device" \

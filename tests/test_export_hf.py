@@ -568,6 +568,24 @@ def test_a_config_or_vocab_given_must_agree_with_the_runs_own(zero_run: Path, tm
     same_config.write_text(json.dumps({**config, "hidden_dropout_prob": 0.0}))  # dropout: not the architecture
     export(zero_run, tmp_path / "hf", config_file=same_config, vocab_file=same_vocab)
     assert (tmp_path / "hf" / "model.safetensors").is_file()
+    # A run's own file that cannot be read: named, with the way past it (it is checked before the checkpoint is read)
+    damaged = tmp_path / "damaged"
+    (damaged / "checkpoints" / "step00000001").mkdir(parents=True)
+    (damaged / "checkpoints" / "latest").write_text("step00000001\n")
+    (damaged / "model_config.json").write_text('{"vocab_size": ')
+    shutil.copy(run_vocab, damaged / "vocab.txt")
+    with pytest.raises(ExportError) as refused:
+        export(damaged, tmp_path / "hf2", config_file=same_config)
+    assert str(refused.value) == (
+        f"{damaged.resolve() / 'model_config.json'}: not valid JSON (line 1, column 16: Expecting value). Restore it, "
+        "or move it out of the run directory so that --config_file stands in for it")
+    shutil.copy(zero_run / "model_config.json", damaged)
+    (damaged / "vocab.txt").write_bytes(b"caf\xe9\n")
+    with pytest.raises(ExportError) as refused:
+        export(damaged, tmp_path / "hf2", vocab_file=same_vocab)
+    assert str(refused.value) == (
+        f"{damaged.resolve() / 'vocab.txt'} is not UTF-8 text; a vocab.txt has one token per line. Restore it, or move "
+        "it out of the run directory so that --vocab_file stands in for it")
 
 
 def test_a_run_that_completed_no_checkpoint_is_refused_and_a_missing_last_partition_named(zero_run: Path,
@@ -587,6 +605,15 @@ def test_a_run_that_completed_no_checkpoint_is_refused_and_a_missing_last_partit
         f"{killed.resolve() / 'checkpoints' / tag}: no run_state.json, so this tag was never completed (the run "
         f"stopped while saving it); the run completed no checkpoint; resume it (run_pretraining.py with --output_dir "
         f"{killed.resolve()}) until it saves one")
+    # A committed tag that lost its run_state.json, which a start of the run set aside: not "stopped while saving"
+    aside = killed / "checkpoints" / f"{tag}.incomplete"
+    (killed / "checkpoints" / tag).rename(aside)
+    with pytest.raises(ExportError) as refused:
+        export(killed, tmp_path / "hf", tag=aside.name)
+    assert str(refused.value) == (
+        f"{aside.resolve()}: a start of the run set this tag aside, as it was committed but had lost its "
+        "run_state.json; put that file back into it to export it")
+    aside.rename(killed / "checkpoints" / tag)
     (killed / "run_info.json").unlink()  # now another DeepSpeed run's directory, as far as can be told
     partition = killed / "checkpoints" / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     partition.unlink()
@@ -594,5 +621,5 @@ def test_a_run_that_completed_no_checkpoint_is_refused_and_a_missing_last_partit
         export(killed, tmp_path / "hf", tag=tag)
     assert str(refused.value) == (
         f"{killed.resolve() / 'checkpoints' / tag}: 1 optimizer partition(s) for a run of 2 data-parallel ranks "
-        f"({partition.name} is missing); the checkpoint is incomplete; export another tag with --tag")
+        "(no optimizer partition of rank 1); the checkpoint is incomplete; export another tag with --tag")
     assert not (tmp_path / "hf").exists()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +21,10 @@ TINY = ["--preset", "demo", "--set", "model_config=configs/models/bert-tiny.json
 
 
 def _env(**extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "AWS_BATCH_", "BERT_LAUNCH_"))}
+    """The launch's environment without the job schedulers' variables or the visible devices. (HOME stays: DeepSpeed
+    keeps its compiled ops under it, unless TORCH_EXTENSIONS_DIR says; the env-file tests set their own.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "AWS_BATCH_", "BERT_LAUNCH_"))
+           and k != "CUDA_VISIBLE_DEVICES"}
     return {**env, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", **extra}
 
 
@@ -156,11 +160,20 @@ def test_deepspeed_env_file_carries_the_variable_families_and_the_users_env_file
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "PT_HPU_LAZY_MODE=1"):
         assert line in lines
     assert not any(line.startswith("UNRELATED_VAR=") for line in lines)
-    assert lines[-3:] == ["SITE_VAR=from home", "PT_HPU_LAZY_MODE=0", "FI_PROVIDER=tcp"]
-    # what DeepSpeed's runner does with each line (runner.py: key, val = var.split('=', maxsplit=1)): the last wins
-    exports = dict(line.split("=", 1) for line in lines)
-    assert (exports["PT_HPU_LAZY_MODE"], exports["FI_PROVIDER"]) == ("0", "tcp")
-    # a line DeepSpeed would stop at with a traceback: the file and line, before anything starts
+    assert lines[-3:] == ["SITE_VAR=from home", "PT_HPU_LAZY_MODE=0", "FI_PROVIDER=tcp"]  # DeepSpeed: the last wins
+    # without HOME, ~ is the user's home from the password database, as DeepSpeed's expanduser takes it
+    unset = {k: v for k, v in env.items() if k != "HOME"}
+    proc = subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True, env=unset, cwd=caller,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    # a DS_ENV_FILE of the user's names the files DeepSpeed would read: ~/<name> and ./<name>
+    (caller / "site.env").write_text("SITE_VAR=from site.env\n")
+    proc = subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True,
+                          env={**env, "DS_ENV_FILE": "site.env"}, cwd=caller, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = (tmp_path / "run" / "launch" / "deepspeed_env").read_text().splitlines()
+    assert lines[-1] == "SITE_VAR=from site.env" and "FI_PROVIDER=tcp" not in lines
+    # a line that is not NAME=VALUE (DeepSpeed would export a variable named 'export FOO'): its file and line
     (caller / ".deepspeed_env").write_text("FI_PROVIDER=tcp\nexport FOO=1\n")
     proc = subprocess.run(["bash", str(LAUNCH), *args], capture_output=True, text=True, env=env, cwd=caller,
                           timeout=120)
@@ -174,30 +187,48 @@ def test_deepspeed_launcher_keeps_the_visible_cuda_devices(tmp_path: Path):
     machine the run landed on another user's devices. --include names the first D visible ones instead."""
     args = [*TINY, "--nodes", "1", "--devices_per_node", "2", "--input_dir", str(tmp_path), "--output_dir",
             str(tmp_path / "run"), "--dry_run"]
-    cmd = _command(_launch(args, env=_env(CUDA_VISIBLE_DEVICES="4,6,7")))
-    assert _flag(cmd, "--include") == "localhost:4,6" and "--num_gpus" not in cmd and "--num_nodes" not in cmd
-    plain = _env()
-    plain.pop("CUDA_VISIBLE_DEVICES", None)
-    cmd = _command(_launch(args, env=plain))
+    for accelerator in ("cuda", None):  # DeepSpeed picks CUDA where DS_ACCELERATOR is unset and a GPU is there
+        cuda = _env(CUDA_VISIBLE_DEVICES="4,6,7")
+        cuda.pop("DS_ACCELERATOR") if accelerator is None else cuda.update(DS_ACCELERATOR=accelerator)
+        cmd = _command(_launch(args, env=cuda))
+        assert _flag(cmd, "--include") == "localhost:4,6" and "--num_gpus" not in cmd and "--num_nodes" not in cmd
+    cmd = _command(_launch(args, env=_env(DS_ACCELERATOR="cuda")))
     assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--num_gpus")) == ("1", "2") and "--include" not in cmd
-    few = _launch(args, env=_env(CUDA_VISIBLE_DEVICES="3"))
+    few = _launch(args, env=_env(DS_ACCELERATOR="cuda", CUDA_VISIBLE_DEVICES="3"))
     assert few.returncode == 2 and "CUDA_VISIBLE_DEVICES=3 makes 1 device(s) visible, fewer than the 2 devices per " \
                                    "node of this run; pass --devices_per_node 1" in few.stderr
-    uuid = _launch(args, env=_env(CUDA_VISIBLE_DEVICES="GPU-5e8c,GPU-77a1"))
+    uuid = _launch(args, env=_env(DS_ACCELERATOR="cuda", CUDA_VISIBLE_DEVICES="GPU-5e8c,GPU-77a1"))
     assert uuid.returncode == 2 and "is not a list of device indices" in uuid.stderr and "torchrun" in uuid.stderr
+    # CPU ranks are no devices: DeepSpeed's runner checks --include against its NUMA nodes ("No slot '1'")
+    cmd = _command(_launch(args, env=_env(CUDA_VISIBLE_DEVICES="-1")))
+    assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--num_gpus")) == ("1", "2") and "--include" not in cmd
+
+
+def test_one_node_of_a_hostfile_starts_on_that_host(tmp_path: Path):
+    """With one active host, DeepSpeed's runner starts the ranks here, not over pdsh, while the master is that
+    host's address: on any other machine the rendezvous waited for a host running nothing. --force_multi."""
+    cmd = _command(_launch(["--preset", "bert-1.5b-phase1", "--nodes", "1", "--hosts", "gaudi-b", "--input_dir",
+                            str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"]))
+    assert "--force_multi" in cmd and _flag(cmd, "--master_addr") == "gaudi-b"
+    assert (_flag(cmd, "--num_nodes"), _flag(cmd, "--hostfile")) == ("1", str(tmp_path / "run" / "launch" / "hostfile"))
 
 
 def test_deepspeed_launcher_refuses_paths_pdsh_would_split(tmp_path: Path):
     """pdsh's command line holds the checkout's path and the interpreter's unquoted (DeepSpeed quotes only the
     script's arguments): `cd /a b` failed on every node after the launch. Refused before it, naming torchrun."""
+    # This interpreter under a path with a space, as sys.executable (which pdsh runs) gives it: a link to it in a
+    # copy of its environment's layout (a wrapper script that execs it would give the original path).
     spaced = tmp_path / "py dir"
-    spaced.mkdir()
-    (spaced / "python").write_text(f'#!/usr/bin/env bash\nexec {sys.executable} "$@"\n')
-    (spaced / "python").chmod(0o755)
+    (spaced / "bin").mkdir(parents=True)
+    python = spaced / "bin" / "python"
+    python.symlink_to(sys.executable)
+    if (Path(sys.prefix) / "pyvenv.cfg").is_file():
+        shutil.copy(Path(sys.prefix) / "pyvenv.cfg", spaced)
+        (spaced / "lib").symlink_to(Path(sys.prefix) / "lib")
     args = ["--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "a,b", "--input_dir", str(tmp_path),
             "--output_dir", str(tmp_path / "run"), "--dry_run"]
-    proc = _launch(args, env=_env(PYTHON=str(spaced / "python")))
-    assert proc.returncode == 2 and f"holding the path '{spaced / 'python'}' unquoted" in proc.stderr
+    proc = _launch(args, env=_env(PYTHON=str(python)))
+    assert proc.returncode == 2 and f"holding the path '{python}' unquoted" in proc.stderr
     assert "or use --launcher torchrun" in proc.stderr
     # the checkout itself, under a directory with a space
     checkout = tmp_path / "check out"
@@ -208,10 +239,14 @@ def test_deepspeed_launcher_refuses_paths_pdsh_would_split(tmp_path: Path):
         (checkout / name).symlink_to(ROOT / name)
     proc = _launch(args, script=checkout / "scripts" / "launch.sh")
     assert proc.returncode == 2 and f"holding the path '{checkout}' unquoted" in proc.stderr
+    # ... and reached through a symlink without a space: DeepSpeed's `cd` takes the resolved path
+    (tmp_path / "link").symlink_to(checkout)
+    proc = _launch(args, script=tmp_path / "link" / "scripts" / "launch.sh")
+    assert proc.returncode == 2 and f"holding the path '{checkout}' unquoted" in proc.stderr
     # torchrun takes argument lists: the same paths are fine there
     _command(_launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--launcher", "torchrun", "--node_rank", "0",
                       "--master_addr", "a", "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"),
-                      "--dry_run"], env=_env(PYTHON=str(spaced / "python"))))
+                      "--dry_run"], env=_env(PYTHON=str(python))))
 
 
 def test_deepspeed_launcher_starts_in_the_root_with_the_env_file_exported(tmp_path: Path):
@@ -221,7 +256,7 @@ def test_deepspeed_launcher_starts_in_the_root_with_the_env_file_exported(tmp_pa
     real = sys.executable
     stub = tmp_path / "python"
     record = tmp_path / "started.txt"
-    stub.write_text(f'#!/usr/bin/env bash\nif [[ "$1 $2" == "-m training.presets" ]]; then exec {real} "$@"; fi\n'
+    stub.write_text(f'#!/usr/bin/env bash\nif [[ "$1 $2" == "-m training.presets" || "$1" == -c ]]; then exec {real} "$@"; fi\n'
                     f'printf "%s\\n" "DS_ENV_FILE=${{DS_ENV_FILE:-}}" "PWD=$PWD" "$@" > {record}\n')
     stub.chmod(0o755)
     out = tmp_path / "run"

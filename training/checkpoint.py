@@ -113,7 +113,8 @@ def pick_complete_tag(ckpt_dir: Path, do: str, otherwise: str) -> str:
     return f"{do} one of the complete tags: {', '.join(tags)}" if tags else otherwise
 
 
-def _expected_partitions(tag_dir: Path, world_size: int) -> list[str]:
+def missing_partitions(tag_dir: Path, world_size: int) -> list[str]:
+    """What a save of `world_size` data-parallel ranks lacks in `tag_dir`: partitions by rank, the model states."""
     missing = []
     for rank in range(world_size):
         if not list(tag_dir.glob(f"*zero_pp_rank_{rank}_mp_rank_00_optim_states.pt")):
@@ -168,7 +169,7 @@ def commit(ckpt_dir: Path, tag: str, state_fields: dict, keep: int, files: dict[
     """Rank 0, after every rank saved `tag` and the files were described: verify, write the
     manifest, point `latest` at the tag, prune."""
     tag_dir = ckpt_dir / tag
-    missing = _expected_partitions(tag_dir, state_fields["world_size"])
+    missing = missing_partitions(tag_dir, state_fields["world_size"])
     if missing:
         raise CheckpointError(f"{tag_dir}: DeepSpeed did not write {', '.join(missing)}; 'latest' was left "
                               "at the previous checkpoint")

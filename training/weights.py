@@ -32,6 +32,7 @@ from training.checkpoint import (
     CheckpointError,
     checkpoint_dir,
     find_resume,
+    missing_partitions,
     verify_checksums,
 )
 from training.habana_deepspeed import check_config, deepspeed_tag, load_deepspeed_reference
@@ -166,11 +167,12 @@ def _read_fp32_weights(tag_dir: Path, fp32_module_suffices: bool) -> tuple[dict[
         raise CheckpointError(f"{tag_dir / MODEL_STATES}: no 'module' weights in it")
     files = partition_files(tag_dir)
     ranks = model_states.get("dp_world_size")
-    if files and isinstance(ranks, int) and len(files) != ranks:  # the last ranks' files gone: no gap to show it
-        missing = re.sub(r"zero_pp_rank_\d+_", f"zero_pp_rank_{len(files)}_", files[-1].name, count=1)
-        detail = f"{missing} is missing" if len(files) < ranks else "files of another save are mixed in"
-        raise CheckpointError(f"{tag_dir}: {len(files)} optimizer partition(s) for a run of {ranks} data-parallel "
-                              f"ranks ({detail}); the checkpoint is incomplete")
+    if files and isinstance(ranks, int):  # the last ranks' files gone: partition_files sees no gap
+        missing = missing_partitions(tag_dir, ranks)
+        if missing or len(files) > ranks:
+            detail = f"no {', '.join(missing)}" if missing else "files of another save are mixed in"
+            raise CheckpointError(f"{tag_dir}: {len(files)} optimizer partition(s) for a run of {ranks} data-parallel "
+                                  f"ranks ({detail}); the checkpoint is incomplete")
     if fp32_module_suffices and all(v.dtype == torch.float32 for v in module.values() if v.is_floating_point()):
         files = []
     if files and files[0].name.startswith(_BF16_PARTITION_PREFIX):
