@@ -190,9 +190,9 @@ class BertConfig:
 
 @dataclass
 class ActivationCheckpointing:
-    """Recompute encoder activations in backward (torch.utils.checkpoint, non-reentrant). `interval`
-    layers form one checkpointed segment, whose input alone is kept (with layer_norm_large_model, its two
-    inputs: the layer input and the residual stream)."""
+    """Recompute encoder activations in backward (torch.utils.checkpoint, reentrant). `interval` layers
+    form one checkpointed segment, whose input alone is kept (with layer_norm_large_model, its two inputs:
+    the layer input and the residual stream)."""
 
     enabled: bool = False
     interval: int = 1
@@ -369,8 +369,11 @@ class BertEncoder(nn.Module):
             x, r = self._run_layers(0, len(self.layer))(x, r, attn_mask)
         else:
             for start in range(0, len(self.layer), ckpt.interval):
+                # Reentrant: the segment's forward runs under no_grad. The non-reentrant form calls a Python
+                # hook for every tensor an op saves, which doubled the forward's CPU time and, on a GPU fast
+                # enough to wait for the CPU, the forward itself (BERT-1.5B on an H200, docs/PERFORMANCE.md).
                 x, r = torch_checkpoint(self._run_layers(start, start + ckpt.interval), x, r, attn_mask,
-                                        use_reentrant=False)
+                                        use_reentrant=True)
         return x if self.ln is None else self.ln(x)
 
 

@@ -737,3 +737,21 @@ def test_the_exported_tokenizer_keeps_case_when_told_whatever_the_vocab_suggests
     assert exported.convert_ids_to_tokens(ids.tolist()) == ["McDonald", "and", "the", "[UNK]", "in", "[UNK]"]  # nor accents stripped
     (tmp_path / "hf" / "tokenizer.json").unlink()  # tools that read only vocab.txt and tokenizer_config.json
     assert AutoTokenizer.from_pretrained(tmp_path / "hf")(text, add_special_tokens=False)["input_ids"] == ids.tolist()
+
+
+def test_checkpointing_under_torch_compile_traces_into_one_graph_with_the_same_gradients():
+    """HPU eager mode runs the model through torch.compile: the checkpointed encoder must trace into one graph
+    (a graph break inside a checkpoint runs the model eager) and give the gradients of the model without it."""
+    config = small_config(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (2, 32), generator=g)
+    inputs = (ids, torch.zeros_like(ids), torch.ones_like(ids), torch.arange(5).repeat(2, 1),
+              torch.randint(0, config.vocab_size, (2, 5), generator=g), torch.zeros(2, dtype=torch.long))
+    torch.manual_seed(0)
+    plain = BertForPreTraining(config).train()
+    checkpointed = BertForPreTraining(config, ActivationCheckpointing(enabled=True)).train()
+    checkpointed.load_state_dict(plain.state_dict())
+    plain(*inputs).loss.backward()
+    torch.compile(checkpointed, backend="aot_eager", fullgraph=True)(*inputs).loss.backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), checkpointed.named_parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-6, rtol=1e-5, msg=name)
