@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +55,7 @@ from training.checkpoint import (
     RUN_STATE,
     UNIVERSAL_SUFFIX,
     CheckpointError,
+    is_set_aside_incomplete,
     pick_complete_tag,
     read_state,
     verify_files,
@@ -144,7 +144,7 @@ def check_complete(loc: CheckpointLocation) -> None:
             raise ExportError(f"{e}, or export another tag with --tag") from e
     elif not loc.tag.endswith(UNIVERSAL_SUFFIX):
         fix = pick_complete_tag(loc.checkpoints_dir, "pass --tag with", "")
-        if re.search(r"\.incomplete(-\d+)?$", loc.tag):  # training.checkpoint's name for a tag it set aside
+        if is_set_aside_incomplete(loc.tag):
             raise ExportError(f"{tag_dir}: a start of the run set this tag aside, as it was committed but had lost its "
                               f"{RUN_STATE}; put that file back into it to export it" + (f", or {fix}" if fix else ""))
         if not fix and (loc.run_dir / "run_info.json").is_file():  # this project's run, which completed no tag
@@ -172,11 +172,12 @@ def check_overrides(run_dir: Path, config_file: Path | None, vocab_file: Path | 
                               "drop --config_file, and the run's own is used")
     if vocab_file is not None and run_vocab.is_file() and vocab_file.is_file() \
             and vocab_file.resolve() != run_vocab.resolve():
-        _read_own(run_vocab, "--vocab_file", vocab_tokens)
+        then = _read_own(run_vocab, "--vocab_file", vocab_tokens)
         try:
-            differ = vocab_difference(run_vocab, vocab_file)
-        except CheckpointError as e:
+            now = vocab_tokens(vocab_file)
+        except ValueError as e:
             raise ExportError(str(e)) from e
+        differ = vocab_difference(then, now)
         if differ is not None:
             raise ExportError(f"{vocab_file}: not the vocabulary the run trained with ({run_vocab}, {differ[0]}: "
                               f"{differ[1]}); drop --vocab_file, and the run's own is used")

@@ -286,6 +286,13 @@ def prune(ckpt_dir: Path, keep: int) -> None:
     remove_unfinished(ckpt_dir)
 
 
+INCOMPLETE = "incomplete"  # `<tag>.incomplete[-n]`: a committed tag set aside for lack of its run_state.json
+
+
+def is_set_aside_incomplete(tag: str) -> bool:
+    return re.search(rf"\.{INCOMPLETE}(-\d+)?$", tag) is not None
+
+
 def remove_unfinished(ckpt_dir: Path) -> None:
     """Drop tags without a run_state.json beyond `latest` (a save a crash cut short; never resumable) and their
     universal copies, and a `latest_universal` naming a copy that is gone. A tag up to `latest` was committed:
@@ -300,7 +307,7 @@ def remove_unfinished(ckpt_dir: Path) -> None:
         if latest is None or base > latest:
             shutil.rmtree(path)
         elif path.name == base:
-            _set_aside(ckpt_dir, base, "incomplete", f"was committed but has no {RUN_STATE}; its weights are kept")
+            _set_aside(ckpt_dir, base, INCOMPLETE, f"was committed but has no {RUN_STATE}; its weights are kept")
     pointer = ckpt_dir / LATEST_UNIVERSAL
     if pointer.is_file() and not (ckpt_dir / pointer.read_text().strip()).is_dir():
         pointer.unlink()
@@ -428,7 +435,7 @@ def find_resume(ckpt_dir: Path) -> tuple[str, RunState] | None:
                                 f"No tag there is complete (none has a {RUN_STATE}), so there is nothing to start "
                                 f"from: use another run's directory, or remove {ckpt_dir / LATEST} to train this one "
                                 "from scratch")
-        kept = sorted(ckpt_dir.glob(f"{glob.escape(latest)}.incomplete*"))
+        kept = sorted(ckpt_dir.glob(f"{glob.escape(latest)}.{INCOMPLETE}*"))
         aside = (f" Its files are kept in {kept[-1]}: with its {RUN_STATE} put back, rename it to {latest} to resume "
                  "from it." if kept else "")
         raise CheckpointError(f"{ckpt_dir / LATEST} names {latest!r} but {tag_dir / RUN_STATE} does not exist: the "

@@ -321,10 +321,9 @@ def _check_vocab(init_dir: Path, vocab_file: Path | None) -> None:
                           "with that vocabulary (data.prepare --vocab_file)")
 
 
-def vocab_difference(then: Path, now: Path) -> tuple[str, str] | None:
-    """None where two vocab.txt number the same tokens alike; else their sizes ('<n> tokens, against <m>') and
-    where they first differ ('token id <i> is <token> there, <token> here')."""
-    theirs, ours = _vocab_tokens(then), _vocab_tokens(now)
+def vocab_difference(theirs: list[str], ours: list[str]) -> tuple[str, str] | None:
+    """None where two vocabularies (vocab.txt tokens in id order) are the same; else their sizes ('<n> tokens,
+    against <m>') and where they first differ ('token id <i> is <token> there, <token> here')."""
     if theirs == ours:
         return None
     first, there, here = _first_difference(theirs, ours)
@@ -337,7 +336,7 @@ def check_resumed_vocab(run_vocab: Path, vocab_file: Path | None) -> None:
     run's copy, which this start would replace."""
     if vocab_file is None or not run_vocab.is_file():
         return
-    differ = vocab_difference(run_vocab, vocab_file)
+    differ = vocab_difference(_vocab_tokens(run_vocab), _vocab_tokens(vocab_file))
     if differ is not None:
         raise CheckpointError(f"{vocab_file} is not the vocabulary this run trained with ({run_vocab}, {differ[0]}): "
                               f"{differ[1]}. Put the run's vocab.txt back beside the shards, or train on these "
