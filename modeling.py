@@ -582,9 +582,12 @@ def to_hf_model(model: BertForPreTraining):
     return hf_model.eval()
 
 
+# save_hf's record of what it exported, beside the model: the mark of a directory it may replace, since a model
+# that transformers' save_pretrained wrote has the same file names.
+EXPORT_INFO = "export_info.json"
 # What save_hf writes (transformers may add generation_config.json): the only files it replaces.
 HF_EXPORT_FILES = frozenset({"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                             "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"})
+                             "tokenizer_config.json", "special_tokens_map.json", "vocab.txt", EXPORT_INFO})
 
 
 def check_export_dir(directory: str | os.PathLike) -> Path:
@@ -600,10 +603,12 @@ def check_export_dir(directory: str | os.PathLike) -> Path:
             raise ValueError(f"{directory}: holds {', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}, "
                              "which no export writes; an export replaces its directory whole, so pass a new "
                              "directory (or an earlier export) as the output")
-        # Names alone do not make an export: a user's folder holding just a vocab.txt is not one.
-        if names and not {"config.json", "model.safetensors"} <= set(names):
-            raise ValueError(f"{directory}: holds {', '.join(names)} but no earlier export (config.json and "
-                             "model.safetensors); an export replaces its directory whole, so pass a new directory")
+        # Names alone do not make an export: a model saved by transformers, or a folder holding a vocab.txt.
+        if names and EXPORT_INFO not in names:
+            raise ValueError(f"{directory}: holds {', '.join(names)} but no {EXPORT_INFO}, so it is no export "
+                             "of this project (a model saved by transformers has the same file names; exports "
+                             "before 2026-11-25 had none); an export replaces its directory whole, so pass a new "
+                             "directory, or delete this one if nothing in it is needed")
     return directory
 
 
@@ -631,13 +636,14 @@ def check_vocab_size(vocab_file: Path, config: BertConfig, config_file: Path | N
 
 
 def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file: str | os.PathLike | None = None,
-            lower_case: bool | None = None) -> Path:
+            lower_case: bool | None = None, provenance: dict[str, str] | None = None) -> Path:
     """Write a Hugging Face model directory (config.json + model.safetensors) that
     `transformers.AutoModelForPreTraining.from_pretrained` (or AutoModelForMaskedLM) loads.
     With `vocab_file` (a WordPiece vocab.txt), the tokenizer files are written too, lower-casing as
     `lower_case` says (None: as `vocab_lower_cases` infers from the vocab).
+    `provenance` (where the weights came from, how the tokenizer was chosen) goes into EXPORT_INFO.
     The directory is staged beside its final name and swapped in whole; an existing directory is
-    replaced only when it holds nothing but an earlier export's files."""
+    replaced only when it is an earlier export: EXPORT_INFO and nothing an export does not write."""
     if vocab_file is not None:
         check_vocab_size(Path(vocab_file), model.config)
     directory = check_export_dir(directory)
@@ -648,6 +654,8 @@ def save_hf(model: BertForPreTraining, directory: str | os.PathLike, vocab_file:
         to_hf_model(model).save_pretrained(staging)
         if vocab_file is not None:
             save_tokenizer(Path(vocab_file), staging, model.config.max_position_embeddings, lower_case)
+        info = {"written_by": "bert-pretraining (modeling.save_hf)"} | (provenance or {})
+        (staging / EXPORT_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         # safetensors writes through a 0600 temporary file; give every file the mode config.json got
         # from the user's umask.
         mode = (staging / "config.json").stat().st_mode & 0o777
@@ -680,7 +688,8 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int, low
     becomes [UNK]). `model_max_length` (the model's positions) is what `truncation=True` cuts to.
     `lower_case`: whether it lower-cases and strips accents (None: `vocab_lower_cases`).
     A vocab.txt, written from the tokenizer in id order, goes beside tokenizer.json for the tools
-    that read only it (transformers 4.x's slow BertTokenizer, NVIDIA's and Google's scripts)."""
+    that read only it (transformers 4.x's slow BertTokenizer, NVIDIA's and Google's scripts).
+    Decoding joins "don ' t" back into "don't", as BERT's tokenizer did (transformers 5 no longer does by default)."""
     from tokenizers import BertWordPieceTokenizer
     from transformers import BertTokenizerFast
 
@@ -689,7 +698,7 @@ def save_tokenizer(vocab_file: Path, directory: Path, model_max_length: int, low
     wordpiece = BertWordPieceTokenizer(str(vocab_file), lowercase=lower, strip_accents=lower)
     tokenizer = BertTokenizerFast(tokenizer_object=wordpiece._tokenizer, do_lower_case=lower, unk_token="[UNK]",
                                   sep_token="[SEP]", pad_token="[PAD]", cls_token="[CLS]", mask_token="[MASK]",
-                                  model_max_length=model_max_length)
+                                  model_max_length=model_max_length, clean_up_tokenization_spaces=True)
     if len(tokenizer) != len(lines):
         raise ValueError(f"{vocab_file}: the tokenizer built from it has {len(tokenizer)} tokens but the file has "
                          f"{len(lines)} lines; remove duplicate or blank lines")

@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 
 from data.cli import HelpFormatter
 from modeling import (
+    EXPORT_INFO,
     BertConfig,
     BertForPreTraining,
     ConfigError,
@@ -226,7 +227,8 @@ class Exported:
     tokenizer: str  # how the tokenizer's case was decided
 
     def lines(self) -> str:
-        return f"exported {self.weights}\n  -> {self.path} (config.json, model.safetensors, tokenizer files)\n" \
+        return f"exported {self.weights}\n  -> {self.path} (config.json, model.safetensors, tokenizer files, " \
+               f"{EXPORT_INFO})\n" \
                f"  tokenizer: {self.tokenizer}"
 
 
@@ -294,6 +296,7 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
     except ValueError as e:
         raise ExportError(str(e)) from e
     lower, why = tokenizer_case(loc.run_dir if loc is not None else None, vocab_file, lower_case)
+    tokenizer = f"{'lower-cases' if lower else 'keeps case'}, {why}"
     model = BertForPreTraining(config)
     if theirs is not None:
         try:
@@ -316,14 +319,16 @@ def export(checkpoint: Path, output: Path, tag: str | None = None, config_file: 
                 raise ExportError(f"{loc.tag_dir}: the weights do not fit {config_file} ({e}); pass the model "
                                   "config the run trained with (--config_file)") from e
     try:
-        save_hf(model.eval(), output, vocab_file=vocab_file, lower_case=lower)
+        save_hf(model.eval(), output, vocab_file=vocab_file, lower_case=lower,
+                provenance={"weights": source, "config": str(config_file.resolve()),
+                            "vocab": str(vocab_file.resolve()), "tokenizer": tokenizer})
     except ValueError as e:
         raise ExportError(str(e)) from e
     except (OSError, SafetensorError) as e:  # safetensors reports a full disk as a SafetensorError
         raise ExportError(f"could not write {output} ({type(e).__name__}: {e}); nothing was written under that "
                           "name and an earlier export there is kept. If the disk is full, free space there and "
                           "rerun the same command") from e
-    return Exported(output, source, f"{'lower-cases' if lower else 'keeps case'}, {why}")
+    return Exported(output, source, tokenizer)
 
 
 def main(argv: list[str] | None = None) -> int:

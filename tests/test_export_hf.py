@@ -39,6 +39,11 @@ def zero_export(zero_run: Path, tmp_path_factory) -> tuple[Path, dict[str, torch
     # The run kept its shards' lower_case attribute, and the export's tokenizer follows it.
     assert json.loads((zero_run / "tokenization.json").read_text()) == {"lower_case": True}
     assert done.tokenizer == f"lower-cases, as the run's shards were made ({zero_run.resolve() / 'tokenization.json'})"
+    # The export records where it came from; the record is also the mark that lets a later export replace it.
+    assert json.loads((hf / "export_info.json").read_text()) == {
+        "written_by": "bert-pretraining (modeling.save_hf)", "weights": done.weights,
+        "config": str(zero_run.resolve() / "model_config.json"), "vocab": str(zero_run.resolve() / "vocab.txt"),
+        "tokenizer": done.tokenizer}
     weights, _ = read_weights(locate(zero_run))
     return hf, weights
 

@@ -141,6 +141,8 @@ def test_save_hf_writes_a_working_tokenizer(tmp_path, bert_vocab):
     assert len(tokenizer) == 30522
     ids = tokenizer("The quick brown fox jumps.")["input_ids"]
     assert tokenizer.convert_ids_to_tokens(ids) == ["[CLS]", "the", "quick", "brown", "fox", "jumps", ".", "[SEP]"]
+    ids = tokenizer("Don't stop: it's John's, isn't it?")["input_ids"]  # joined as BERT's tokenizer joined them
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "don't stop : it's john's, isn't it?"
     fill = transformers.pipeline("fill-mask", model=str(tmp_path / "hf"))
     assert len(fill("paris is the [MASK] of france.")) == 5
     # Spelled special tokens: the special token here (fill-mask needs it), text in the shards (TRAINING.md).
@@ -181,7 +183,8 @@ def test_save_hf_replaces_only_an_earlier_export_and_honours_the_umask(tmp_path,
     assert not torch.equal(exported, model.state_dict()[name][: len(exported)])
     assert {p.name: p.stat().st_mode & 0o777 for p in out.iterdir()} == {
         "config.json": 0o644, "model.safetensors": 0o644, "tokenizer.json": 0o644, "tokenizer_config.json": 0o644,
-        "vocab.txt": 0o644}
+        "vocab.txt": 0o644, "export_info.json": 0o644}
+    assert json.loads((out / "export_info.json").read_text()) == {"written_by": "bert-pretraining (modeling.save_hf)"}
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "run"]
 
 
@@ -190,14 +193,21 @@ def test_save_hf_keeps_a_folder_that_only_shares_file_names_and_cleans_up_after_
     mine = tmp_path / "mine"  # a user's folder: its vocab.txt is not an export's
     mine.mkdir()
     (mine / "vocab.txt").write_text("my words\n")
-    with pytest.raises(ValueError, match=r"mine: holds vocab.txt but no earlier export \(config.json and "):
+    with pytest.raises(ValueError, match=r"mine: holds vocab.txt but no export_info.json, so it is no export "):
         modeling.save_hf(model, mine, vocab_file=bert_vocab)
     assert (mine / "vocab.txt").read_text() == "my words\n"
+    # A model that transformers saved (a fine-tuned one, say) has an export's file names, but is not one.
+    tuned = tmp_path / "tuned"
+    modeling.to_hf_model(model).save_pretrained(tuned)
+    before = {p.name: p.read_bytes() for p in tuned.iterdir()}
+    with pytest.raises(ValueError, match=r"tuned: holds config.json, model.safetensors but no export_info.json"):
+        modeling.save_hf(model, tuned, vocab_file=bert_vocab)
+    assert {p.name: p.read_bytes() for p in tuned.iterdir()} == before
     # Killed between the swap's two renames: the old export sits in .hf.old and hf is gone.
     modeling.save_hf(model, tmp_path / "hf", vocab_file=bert_vocab)
     os.replace(tmp_path / "hf", tmp_path / ".hf.old")
     modeling.save_hf(model, tmp_path / "hf", vocab_file=bert_vocab)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "mine", "tuned"]
 
 
 def test_load_hf_from_a_transformers_model(tmp_path):
