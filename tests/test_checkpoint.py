@@ -1077,7 +1077,7 @@ def test_a_universal_copy_is_reused_only_if_its_files_check_out(tmp_path):
                         "zero/bert.pooler.dense.weight/fp32.pt": {"size": 64, "crc32": zlib.crc32(b"w" * 64)}}
 
 
-VERIFY_ON_ONE_RANK = """
+VERIFY_ON_A_RANK = """
 import sys
 from pathlib import Path
 
@@ -1086,8 +1086,8 @@ import torch.distributed as dist
 from training import checkpoint
 from training.accelerator import leave
 
-ckpt_dir, port = Path(sys.argv[1]), sys.argv[2]
-dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+ckpt_dir, port, rank, world = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 state = checkpoint.read_state(ckpt_dir / "step00000010")
 for module_only in (True, False):
     try:
@@ -1107,15 +1107,35 @@ def test_a_rerun_that_loads_only_the_weights_reads_only_their_file(tmp_path):
     _save(tmp_path, 10)
     partition = tmp_path / "step00000010" / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
     partition.write_bytes(b"o" * 49 + b"x")  # same size
-    root = Path(__file__).resolve().parents[1]
-
-    def verify() -> list[str]:
-        proc = subprocess.run([sys.executable, "-c", VERIFY_ON_ONE_RANK, str(tmp_path), str(free_port())], cwd=root,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        return proc.stdout.splitlines()
-
-    assert verify() == ["ok", f"{partition}: CRC-32 differs from the one saved: the checkpoint is corrupt. Point "
-                               f"{tmp_path / LATEST} at an older tag"]
+    assert _verify_on_ranks(tmp_path, 1) == [["ok", f"{partition}: CRC-32 differs from the one saved: the checkpoint "
+                                                   f"is corrupt. Point {tmp_path / LATEST} at an older tag"]]
     (tmp_path / "step00000010" / "mp_rank_00_model_states.pt").write_bytes(b"m" * 109 + b"x")
-    assert verify()[0].startswith(f"{tmp_path / 'step00000010' / 'mp_rank_00_model_states.pt'}: CRC-32 differs")
+    assert _verify_on_ranks(tmp_path, 1)[0][0].startswith(
+        f"{tmp_path / 'step00000010' / 'mp_rank_00_model_states.pt'}: CRC-32 differs")
+
+
+def _verify_on_ranks(ckpt_dir: Path, world: int) -> list[list[str]]:
+    """VERIFY_ON_A_RANK on `world` ranks; the lines each printed (every rank must exit 0)."""
+    root, port = Path(__file__).resolve().parents[1], str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-c", VERIFY_ON_A_RANK, str(ckpt_dir), port, str(rank), str(world)],
+                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(root)}) for rank in range(world)]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-2000:]
+    return [out.splitlines() for out, _ in outputs]
+
+
+def test_two_ranks_check_the_crc_of_every_file_between_them(tmp_path):
+    """The ranks share the CRC checks: whichever rank a changed file falls to, every rank fails with its name."""
+    _save(tmp_path, 10)
+    tag_dir = tmp_path / "step00000010"
+    for path in sorted(tag_dir.glob("*.pt")):
+        good = path.read_bytes()
+        path.write_bytes(good[:-1] + b"x")  # same size
+        error = f"{path}: CRC-32 differs from the one saved: the checkpoint is corrupt. Point {tmp_path / LATEST} at " \
+                "an older tag"
+        expected = "ok" if path.name != "mp_rank_00_model_states.pt" else error  # module_only reads the weights only
+        assert _verify_on_ranks(tmp_path, 2) == [[expected, error]] * 2, path.name
+        path.write_bytes(good)
+    assert _verify_on_ranks(tmp_path, 2) == [["ok", "ok"]] * 2
