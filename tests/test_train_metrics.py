@@ -287,11 +287,12 @@ print("LOADER_WORKERS", json.dumps(loader_workers))
 """
 
 
-def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards, tmp_path):
-    """1 rank, fp32, 2 micro batches of 2 per step: the throughput window gets the step's whole global batch,
-    and the logged rates follow from its sequences per second. The same short run shows that --num_workers reaches
-    the training loader and --keep_checkpoints the checkpoints kept (both non-default here), which no other test
-    outside the slow ones can see."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards, tmp_path, ranks):
+    """fp32, 2 micro batches of 2 per step on each rank: the throughput window gets the step's whole global batch
+    (every rank's), and the logged rates follow from its sequences per second. The same short run shows that
+    --num_workers reaches the training loader and --keep_checkpoints the checkpoints kept (both non-default here),
+    which no other test outside the slow ones can see."""
     import os
     import subprocess
     import sys
@@ -307,25 +308,30 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
                               "steps_per_print": 10**6}))
     model = ROOT / "configs" / "models" / "bert-tiny.json"
     out = tmp_path / "run"
-    env = os.environ | {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
-                        "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.run(
+    port = str(free_port())
+    procs = [subprocess.Popen(
         [sys.executable, "-c", COUNTED_RUN, "--deepspeed", "--deepspeed_config", str(ds), "--input_dir",
          str(phase1_shards), "--output_dir", str(out), "--config_file", str(model), "--max_steps", "4",
          "--log_freq", "1", "--num_workers", "1", "--num_eval_samples", "0", "--optimizer", "adamw",
-         "--learning_rate", "1e-4", "--num_steps_per_checkpoint", "1", "--keep_checkpoints", "2"], cwd=ROOT, env=env,
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    counted = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("COUNTED ")).split(" ", 1)[1])
-    assert counted == [4, 4, 4, 4]  # 2 micro batches x 2 sequences x 1 rank per step
+         "--learning_rate", "1e-4", "--num_steps_per_checkpoint", "1", "--keep_checkpoints", "2"], cwd=ROOT,
+        env=os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
+                          "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(ranks)]
+    outputs = [proc.communicate(timeout=600) for proc in procs]
+    for proc, (_, err) in zip(procs, outputs):
+        assert proc.returncode == 0, err[-3000:]
+    batch = 2 * 2 * ranks  # 2 micro batches x 2 sequences x the ranks, per step
+    for stdout, _ in outputs:
+        counted = json.loads(next(x for x in stdout.splitlines() if x.startswith("COUNTED ")).split(" ", 1)[1])
+        assert counted == [batch] * 4
+        workers = json.loads(next(x for x in stdout.splitlines() if x.startswith("LOADER_WORKERS ")).split(" ", 1)[1])
+        assert workers == [1]  # --num_workers 1, not the default 2
     records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     assert [records[s]["seq_per_s"] for s in (1, 2, 3, 4)] == [None, None, 100.0, 100.0]  # warm-up: 2 steps
     flops = training_flops_per_sequence(BertConfig.from_json_file(model), 128, 20)
     assert records[3]["tokens_per_s"] == 100.0 * 128
-    assert records[3]["tflops_per_device"] == flops * 100.0 / 1 / 1e12
-    assert [records[s]["consumed_samples"] for s in (1, 2, 3, 4)] == [4, 8, 12, 16]
-    workers = json.loads(next(x for x in proc.stdout.splitlines() if x.startswith("LOADER_WORKERS ")).split(" ", 1)[1])
-    assert workers == [1]  # --num_workers 1, not the default 2
+    assert records[3]["tflops_per_device"] == flops * 100.0 / ranks / 1e12
+    assert [records[s]["consumed_samples"] for s in (1, 2, 3, 4)] == [batch, 2 * batch, 3 * batch, 4 * batch]
     # a checkpoint every step, the newest 2 kept (the default keeps 3)
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.is_dir()) == ["step00000003", "step00000004"]
 
