@@ -280,6 +280,18 @@ def test_dynamic_masks_of_a_row_differ_from_epoch_to_epoch(dynamic_shards):
     assert changed >= 48
 
 
+def test_dynamic_masks_follow_the_seed(dynamic_shards):
+    """Unshuffled, every seed puts the same rows at the same positions: only the seed can change their masks."""
+    runs = [open_split(dynamic_shards, "training", 128, 20, VOCAB, seed=seed, shuffle=False) for seed in (1, 2, 1)]
+    changed = 0
+    for position in range(50):
+        first, other, again = (ds[position] for ds in runs)
+        assert np.array_equal(first["masked_lm_labels"] != IGNORE_INDEX, other["masked_lm_labels"] != IGNORE_INDEX)
+        assert all(np.array_equal(first[k], again[k]) for k in first)
+        changed += not np.array_equal(first["masked_lm_positions"], other["masked_lm_positions"])
+    assert changed >= 48
+
+
 def test_dynamic_masking_follows_the_shards_recipe(phase1_shards, tmp_path):
     """--masked_lm_prob and --whole_word_masking, recorded in dynamic shards, drive the loader's masks."""
     instances = tmp_path / "instances"

@@ -281,9 +281,16 @@ def recording_loader(dataset, sampler, micro_batch, num_workers, **kwargs):
     loader_workers.append(num_workers)
     return make_loader(dataset, sampler, micro_batch, num_workers, **kwargs)
 run_pretraining.make_loader = recording_loader
+seeds = []
+micro_step_seed = run_pretraining.micro_step_seed
+def recording_seed(*args):
+    seeds.append(micro_step_seed(*args))
+    return seeds[-1]
+run_pretraining.micro_step_seed = recording_seed
 run_pretraining.train(run_pretraining.parse_args(sys.argv[1:]))
 print("COUNTED", json.dumps(counted))
 print("LOADER_WORKERS", json.dumps(loader_workers))
+print("SEEDS", json.dumps(seeds))
 """
 
 
@@ -320,12 +327,16 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
     outputs = [proc.communicate(timeout=600) for proc in procs]
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
+    def printed(stdout: str, key: str) -> list:
+        return json.loads(next(x for x in stdout.splitlines() if x.startswith(f"{key} ")).split(" ", 1)[1])
+
     batch = 2 * 2 * ranks  # 2 micro batches x 2 sequences x the ranks, per step
     for stdout, _ in outputs:
-        counted = json.loads(next(x for x in stdout.splitlines() if x.startswith("COUNTED ")).split(" ", 1)[1])
-        assert counted == [batch] * 4
-        workers = json.loads(next(x for x in stdout.splitlines() if x.startswith("LOADER_WORKERS ")).split(" ", 1)[1])
-        assert workers == [1]  # --num_workers 1, not the default 2
+        assert printed(stdout, "COUNTED") == [batch] * 4
+        assert printed(stdout, "LOADER_WORKERS") == [1]  # --num_workers 1, not the default 2
+    # dropout masks: a seed of its own for every micro batch of every rank
+    seeds = [printed(stdout, "SEEDS") for stdout, _ in outputs]
+    assert all(len(s) == 2 * 4 for s in seeds) and len({x for s in seeds for x in s}) == 2 * 4 * ranks
     records = {r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
     assert [records[s]["seq_per_s"] for s in (1, 2, 3, 4)] == [None, None, 100.0, 100.0]  # warm-up: 2 steps
     flops = training_flops_per_sequence(BertConfig.from_json_file(model), 128, 20)

@@ -968,6 +968,46 @@ def test_a_step_with_nonfinite_gradients_is_skipped_and_taken_again(phase1_shard
     assert (state["consumed_samples"], state["skipped_steps"]) == (20, 1)
     rerun = ok(run(ranks, cli))  # loads the final checkpoint, schedule check included
     assert "done: step 4 of 4" in rerun.stderr
+    # Resumed from step 2, past the skip: the stream continues at its 12th sample, not at 2 steps' 8.
+    (out / "checkpoints" / "latest").write_text("step00000002")
+    ok(run(ranks, cli))
+    again = records(out)
+    assert [again[s]["consumed_samples"] for s in (3, 4)] == [16, 20]
+    assert [again[s]["loss"] for s in (3, 4)] == [recs[s]["loss"] for s in (3, 4)]
+
+
+@pytest.mark.slow
+def test_a_nonfinite_loss_on_one_rank_drops_that_micro_batch_on_every_rank(phase1_shards, tmp_path):
+    """2 ranks, a micro batch of 2 each: the MLM loss is infinite where one token is a label (its output bias
+    is -inf), which one sample holds, so the loss is non-finite on the one rank that reads it. Both ranks drop
+    their micro batch of that micro step and take the next (each rank deciding alone, the ranks fall out of
+    step in their collectives)."""
+    from modeling import save_hf
+    from training.loader import open_split
+
+    steps = 4
+    dataset = open_split(phase1_shards, "training", 128, 20, TINY["vocab_size"], OVERFLOW_SEED, shuffle=True)
+    labels = [{int(t) for t in dataset[i]["masked_lm_labels"] if t > 0} for i in range((steps + 2) * OVERFLOW_BATCH)]
+    # a label of one sample of the first two steps only, among every sample the run may read
+    position, token = next((i, t) for i in range(2 * OVERFLOW_BATCH) for t in sorted(labels[i])
+                           if sum(t in sample for sample in labels) == 1)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(**TINY))
+    with torch.no_grad():
+        model.cls.predictions.bias[token] = float("-inf")
+    init = save_hf(model, tmp_path / "init")
+    ds = ds_config(tmp_path / "ds.json", bf16=False, train_batch_size=OVERFLOW_BATCH,
+                   train_micro_batch_size_per_gpu=2)
+    out = tmp_path / "run"
+    cli = overflow_args(phase1_shards, out, init, ds, steps, optimizer="adamw")
+    ok(run(2, cli, timeout=180))
+    recs = records(out)
+    dropped = position // OVERFLOW_BATCH + 1  # the step whose window holds the sample
+    assert [recs[s]["skipped_batches"] for s in range(1, steps + 1)] == [int(s >= dropped)
+                                                                        for s in range(1, steps + 1)]
+    assert [recs[s]["consumed_samples"] for s in range(1, steps + 1)] == [
+        OVERFLOW_BATCH * (s + (s >= dropped)) for s in range(1, steps + 1)]
+    assert all(math.isfinite(recs[s]["loss"]) for s in range(1, steps + 1))
 
 
 @pytest.mark.slow
