@@ -11,9 +11,11 @@ import pytest
 from data.create import (
     CreateConfig,
     MaskingVocab,
+    capped_masking,
     create_instances,
     derive_seed,
     held_out,
+    mask_rows,
     plan_pairs,
     truncate_pairs,
     validate,
@@ -203,6 +205,53 @@ def test_masking_vocab_of_the_bert_vocab(bert_vocab):
     pieces = np.flatnonzero(vocab.is_continuation)
     assert len(pieces) == 5828 and all(tokens[i].startswith("##") and len(tokens[i]) > 2 for i in pieces)
     assert not vocab.is_continuation[tokens.index("#")]
+
+
+def _rows(n: int, seq: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`n` rows [CLS] words [SEP] padding of random lengths (ids 1000-1999): ids, candidates, token counts."""
+    rng = np.random.default_rng(seed)
+    total = rng.integers(3, seq + 1, n)
+    ids = rng.integers(1000, 2000, (n, seq)).astype(np.int32)
+    col = np.arange(seq)
+    ids[:, 0] = 101
+    ids[np.arange(n), total - 1] = 102
+    ids[col >= total[:, None]] = 0
+    return ids, (col > 0) & (col < total[:, None] - 1), total
+
+
+def test_every_row_gets_its_share_of_predictions_and_at_least_one(bert_vocab):
+    """min(max_predictions, max(1, round(tokens x masked_lm_prob))) per row: at 0.01, rows under 50 tokens still
+    get one, as in the reference (a row without one has no MLM loss)."""
+    vocab = MaskingVocab.from_file(bert_vocab)
+    for prob in (0.01, 0.15, 0.5):
+        ids, candidates, total = _rows(400, 128, 1)
+        positions, labels = mask_rows(ids, candidates, total, 20, prob, False, vocab, np.random.default_rng(2))
+        expected = np.minimum(20, np.maximum(1, np.round(total * prob).astype(int)))
+        expected = np.minimum(expected, candidates.sum(axis=1))  # a 3-token row has one word to mask
+        assert np.array_equal(np.count_nonzero(labels, axis=1), expected), prob
+        assert (total < 50).sum() > 100  # the rows that 0.01 x tokens rounds to 0
+
+
+def test_a_random_replacement_may_be_any_replacement_id(bert_vocab):
+    """The draw covers every id it may take, the last included."""
+    vocab = MaskingVocab.from_file(bert_vocab)
+    two = MaskingVocab(vocab.cls, vocab.sep, vocab.mask, vocab.size, vocab.is_continuation,
+                       np.array([7, 8], np.int32))
+    ids, candidates, total = _rows(2000, 32, 3)
+    before = ids.copy()
+    mask_rows(ids, candidates, total, 30, 0.9, False, two, np.random.default_rng(4))
+    changed = ids[(ids != before) & (ids != vocab.mask)]
+    assert set(np.unique(changed).tolist()) == {7, 8}
+    assert abs((changed == 8).mean() - 0.5) < 0.05
+
+
+def test_the_predictions_cap_binds_only_above_what_masked_lm_prob_asks_for():
+    """round(0.15 x 133) = 20 predictions fit a cap of 20; 137 tokens ask for 21."""
+    assert capped_masking(133, 20, 0.15, "the default") is None
+    assert capped_masking(128, 20, 0.15, "the default") is None
+    assert capped_masking(137, 20, 0.15, "the default").startswith(
+        "the default --max_predictions_per_seq 20 would mask at most 20 of 137 tokens (14.6%), fewer than "
+        "--masked_lm_prob 0.15 asks for (21)")
 
 
 def _synthetic_part(n_docs: int, sentences_per_doc: int = 12, sentence_len: int = 20) -> TokenizedPart:

@@ -19,7 +19,7 @@ import pytest
 from data.download import DownloadConfig, download, dump_url
 from data.download import main as download_main
 from data.stage import PipelineError
-from tests.conftest import LAST_MODIFIED, lock_held_elsewhere
+from tests.conftest import LAST_MODIFIED, lock_held_elsewhere, record_fsyncs
 from training.accelerator import free_port
 
 DATE = "20241201"
@@ -321,6 +321,32 @@ def test_a_body_without_a_length_is_confirmed_whole_by_a_range_request(wiki_mirr
     site.requests.clear()
     assert download(_cfg(mirror, tmp_path)).read_bytes() == data
     assert [r for p, r in site.requests if p == _dump_path()] == [None, f"bytes={len(data)}-"]  # 416: the end
+
+
+def test_a_resumed_answer_without_a_length_cut_short_is_resumed_again(wiki_mirror, multistream_sample, tmp_path):
+    """A 206 without Content-Length ends when the connection closes: its Content-Range total says whether it
+    ended at the file's end or was dropped (without a checksum, nothing else would tell)."""
+    mirror, site = wiki_mirror
+    data = multistream_sample.read_bytes()
+    del site.files[_sums_path()]
+    site.no_length, site.cut_after, site.cuts = True, 400_000, 2
+    assert download(_cfg(mirror, tmp_path, retries=3)).read_bytes() == data
+    assert [r for p, r in site.requests if p == _dump_path()] == [None, "bytes=400000-", "bytes=800000-"]
+
+
+def test_the_dump_and_its_record_reach_the_disk_before_the_dump_gets_its_name(wiki_mirror, multistream_sample,
+                                                                              tmp_path, monkeypatch):
+    """After a power loss, the final name must not stand for bytes never written, and a final file must never be
+    left without its record (it would be taken for one put there by hand, and used unverified)."""
+    mirror, _ = wiki_mirror
+    events = record_fsyncs(monkeypatch)
+    path = download(_cfg(mirror, tmp_path))
+    assert path.read_bytes() == multistream_sample.read_bytes()
+    at = {event: i for i, event in enumerate(events)}  # the last index of each
+    named = at[("replace", str(path))]
+    assert at[("fsync", str(tmp_path / f"{NAME}.part"))] < named
+    assert at[("replace", str(tmp_path / RECORD))] < named
+    assert at[("fsync", str(tmp_path))] > named
 
 
 def test_an_unconfirmable_end_without_a_checksum_is_an_error(wiki_mirror, multistream_sample, tmp_path):

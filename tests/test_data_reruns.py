@@ -28,10 +28,12 @@ from data.prepare import PrepareConfig, prepare
 from data.prepare import main as prepare_main
 from data.segment import SegmentConfig, segment
 from data.segment import main as segment_main
+from data.shard import ShardConfig, shard
 from data.shard import main as shard_main
 from data.stage import COMPLETE_FILE, PARAMS_FILE, PipelineError
 from data.tokens import TokenizeConfig, tokenize
 from data.tokens import main as tokens_main
+from data.vocab import VocabConfig, build_vocab
 from data.vocab import main as vocab_main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -506,6 +508,32 @@ def test_a_refusal_names_the_settings_that_differ_and_every_directory_to_delete(
     shutil.rmtree(instances)
     shutil.rmtree(hdf5)
     assert prepare(settings(sample_dump, out, bert_vocab, articles_per_part=50)).shards == {"training": 2, "test": 1}
+
+
+@pytest.mark.parametrize(("change", "line"), [
+    ({"name": "bookcorpus"}, 'name: made with "wikicorpus_en", now "bookcorpus"'),
+    ({"compression": "gzip"}, 'compression: made with nothing, now "gzip"'),
+])
+def test_shards_asked_for_under_another_name_or_compression_are_refused(phase1_shards, tmp_path, change, line):
+    """Each setting of the shard stage decides its files: a rerun that changes one was told its shards were
+    complete and kept the old ones."""
+    out = copy_run(phase1_shards, tmp_path / "out")
+    same = ShardConfig(out / "instances", out / "hdf5", num_shards=2, num_test_shards=1)
+    assert shard(same).shards == {"training": 2, "test": 1}  # the same settings: done already
+    with pytest.raises(PipelineError, match=re.escape(f"{out / 'hdf5'} holds output made with other settings:\n"
+                                                      f"  {line}")):
+        shard(ShardConfig(**{**same.__dict__, **change}))
+
+
+@pytest.mark.parametrize(("change", "line"), [({"min_frequency": 50}, "min_frequency: made with 2, now 50"),
+                                              ({"limit_alphabet": 200}, "limit_alphabet: made with 1000, now 200")])
+def test_a_trained_vocab_asked_for_with_other_training_settings_is_refused(phase1_shards, tmp_path, change, line):
+    cfg = VocabConfig(tmp_path / "vocab", corpus_dir=phase1_shards / "text" / "sentences", vocab_size=1500)
+    first = build_vocab(cfg)
+    assert build_vocab(cfg).path.read_bytes() == first.path.read_bytes()
+    with pytest.raises(PipelineError, match=re.escape(f"{tmp_path / 'vocab' / 'vocab_training'} holds output made with other "
+                                                      f"settings:\n  {line}")):
+        build_vocab(VocabConfig(**{**cfg.__dict__, **change}))
 
 
 # --- 6: an output directory that cannot be one is a one-line error ---------------------------------------------

@@ -61,6 +61,23 @@ def test_layout_keys_dtypes_shapes_and_attributes(phase1_shards, dynamic_shards)
                                          "lower_case": 1}
 
 
+def _rows(arrays: dict[str, np.ndarray]) -> list[bytes]:
+    """Each instance as the bytes of all its fields, sorted: a split's instances as a multiset."""
+    keys = sorted(FORMAT_DTYPES)
+    n = len(arrays["input_ids"])
+    return sorted(b"".join(arrays[k][i].astype(np.int64).tobytes() for k in keys) for i in range(n))
+
+
+def test_each_split_holds_exactly_the_instances_made_for_it(phase1_shards):
+    """The test shards are the held-out documents' instances, the training shards the others': no instance
+    lost, repeated or moved across, which would leak training text into the evaluation."""
+    for split in ("training", "test"):
+        parts = sorted((phase1_shards / "instances" / split).glob("part-*"))
+        made = {k: np.concatenate([np.load(d / f"{k}.npy") for d in parts]) for k in FORMAT_DTYPES}
+        assert len(made["input_ids"]) > 300, split
+        assert _rows(_read(phase1_shards, split)) == _rows(made), split
+
+
 def test_training_shards_are_balanced_within_one_percent(phase1_shards):
     sizes = []
     for path in sorted((phase1_shards / "hdf5" / "training").glob("*.hdf5")):

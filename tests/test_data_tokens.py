@@ -136,6 +136,24 @@ def test_edge_cases_give_bert_uncased_tokens(bert_vocab, lower_case, sentence, t
     assert ids.tolist() == [vocab[t] for t in tokens]
 
 
+def test_cased_tokens_of_an_uncased_vocab_never_match_lower_cased_text(bert_vocab, tmp_path):
+    """An uncased vocab may hold a few cased tokens (data.vocab tolerates 1%): lower-cased text never reaches
+    them, in the dictionary lookups as in the Rust tokenizer."""
+    lines = bert_vocab.read_text(encoding="utf-8").splitlines()
+    assert lines[1:3] == ["[unused0]", "[unused1]"]
+    lines[1:3] = ["Paris", "The"]
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    sentences = ["Paris is The capital", "PARIS the paris"]
+    ids, lengths = WordPieceTokenizer(vocab, True).tokenize_sentences(sentences)
+    ref_ids, ref_lengths = rust_reference(sentences, vocab, True)
+    np.testing.assert_array_equal(lengths, ref_lengths)
+    np.testing.assert_array_equal(ids, ref_ids)
+    assert 1 not in ids and 2 not in ids and ids.tolist()[0] == lines.index("paris")
+    cased, _ = WordPieceTokenizer(vocab, False).tokenize_sentences(["Paris The"])
+    assert cased.tolist() == [1, 2]
+
+
 def test_every_python_separator_splits_or_joins_as_bert_does(bert_vocab):
     tokenizer = WordPieceTokenizer(bert_vocab, True)
     rust = make_tokenizer(bert_vocab, True)
