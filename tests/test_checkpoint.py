@@ -672,6 +672,75 @@ def test_a_copy_and_a_replaced_directory_reach_the_disk_before_their_names(tmp_p
                                                           "vocab.txt"]
 
 
+def test_a_directory_swap_killed_after_both_renames_is_finished_by_the_next(tmp_path):
+    """Killed after its second rename, a swap leaves the new directory in place and the old one in .<name>.old:
+    the next swap removes that first (a rename onto a non-empty directory fails)."""
+    from training.atomic import replace_dir
+
+    old, trash = tmp_path / "hf", tmp_path / ".hf.old"
+    for directory, text in ((old, "second"), (trash, "first")):
+        directory.mkdir()
+        (directory / "config.json").write_text(text)
+    new = tmp_path / ".hf.tmp"
+    new.mkdir()
+    (new / "config.json").write_text("third")
+    replace_dir(new, old)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"] and (old / "config.json").read_text() == "third"
+
+
+INIT_FROM_A_RUN = """
+import sys
+from pathlib import Path
+
+import torch.distributed as dist
+
+from modeling import BertForPreTraining
+from tests.test_modeling import small_config
+from training.accelerator import leave
+from training.checkpoint import CheckpointError
+from training.weights import load_initial_weights
+
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)
+try:
+    load_initial_weights(BertForPreTraining(small_config()), Path(sys.argv[1]))
+except CheckpointError as e:
+    print(e)
+dist.destroy_process_group()
+leave(0)
+"""
+
+
+def test_phase2_from_a_run_whose_checkpoint_is_damaged_at_its_size_is_refused_as_damaged(tmp_path):
+    """--init_checkpoint <a phase-1 run> checks the CRC of every file of its tag, as a resume does: a changed
+    byte is named as damage, not left to whatever reading the file makes of it."""
+    from tests.test_modeling import small_config
+
+    run = tmp_path / "run"
+    _save(run / "checkpoints", 10)
+    small_config().to_json_file(run / "model_config.json")
+    states = run / "checkpoints" / "step00000010" / "mp_rank_00_model_states.pt"
+    states.write_bytes(b"m" * 109 + b"x")  # same size
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", INIT_FROM_A_RUN, str(run), str(free_port())], cwd=root,
+                          capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith(f"{states}: CRC-32 differs from the one saved: the checkpoint is corrupt"), \
+        proc.stdout
+
+
+def test_the_architecture_fields_are_every_field_but_dropout_init_and_padding():
+    """What an override or a phase-1 config is compared on: every field that changes the function of the
+    weights (a config with other heads loads the same tensors into another model)."""
+    import dataclasses
+
+    from modeling import BertConfig
+    from training.weights import ARCHITECTURE
+
+    fields = {f.name for f in dataclasses.fields(BertConfig)}
+    assert set(ARCHITECTURE) == fields - {"hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range",
+                                          "pad_vocab_size_multiple"}
+
+
 def test_a_file_system_that_refuses_to_fsync_a_directory_is_not_an_error(tmp_path, monkeypatch):
     """Some refuse it with EINVAL (PostgreSQL allows that too); since the data stages flush their directories,
     such a file system would have failed every stage. Any other error is raised."""
