@@ -439,6 +439,55 @@ def test_zero2_partitions_the_later_layers_gradients_and_holds_a_reduce_bucket()
     assert one.transient - eight.transient == later - later // 8
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_zero2_reduce_bucket_is_part_of_the_peak(precision):
+    """Without BF16_Optimizer, ZeRO-1/2 hold reduce_bucket_size elements for the reduction all through training."""
+    config = _config("bert-large")
+    kwargs = dict(device=planner.get_device("gaudi2"), zero_stage=2, micro_batch=8, seq_len=128,
+                  precision=precision)
+    full, none = (planner.plan_memory(config, bucket_elements=n, **kwargs) for n in (500_000_000, 0))
+    g_bytes = 2 if precision == "bf16" else 4
+    assert full.buffers == 500_000_000 * g_bytes and none.buffers == 0
+    assert full.peak - none.peak == 500_000_000 * g_bytes
+
+
+def test_a_longer_checkpoint_interval_recomputes_that_many_layers_and_holds_fewer_later_gradients():
+    config = _config("bert-large")
+    kwargs = dict(micro_batch=8, seq_len=128, max_predictions=20, precision="bf16", device=planner.get_device("gaudi2"),
+                  checkpoint_activations=True)
+    one, four = (planner.activation_bytes(config, **kwargs, checkpoint_interval=n) for n in (1, 4))
+    assert four.recompute == 4 * one.recompute > 0
+    plans = [planner.plan_memory(config, zero_stage=2, micro_batch=8, seq_len=128, precision="fp32",
+                                 device=planner.get_device("gaudi2"), checkpoint_activations=True,
+                                 checkpoint_interval=n) for n in (1, 4)]
+    h, i = config.hidden_size, config.intermediate_size
+    layer_params = 4 * (h * h + h) + (h * i + i) + (i * h + h) + 4 * h
+    fp32 = [planner.activation_bytes(config, micro_batch=8, seq_len=128, max_predictions=20, precision="fp32",
+                                     device=planner.get_device("gaudi2"), checkpoint_activations=True,
+                                     checkpoint_interval=n) for n in (1, 4)]
+    # the encoder backward's working memory: 3 fewer later layers' fp32 gradients, 3 more layers recomputed
+    assert plans[1].transient - plans[0].transient == -3 * layer_params * 4 + fp32[1].recompute - fp32[0].recompute
+
+
+def test_the_verdict_counts_the_headroom_and_the_mfu_the_model_flops(capsys):
+    """A peak between the usable memory and the device's does not fit; with recomputation, time and MFU are
+    still those of the model FLOPs (3x forward), as published MFUs are."""
+    args = ["--config_file", str(ROOT / "configs/models/bert-large.json"), "--device", "gaudi2", "--micro_batch",
+            "8", "--precision", "bf16", "--checkpoint_activations", "--throughput", "30", "--sequences", "1e6"]
+    assert planner.main([*args, "--device_memory", "1000GiB"]) == 0
+    out = capsys.readouterr().out
+    peak = max(float(x) for x in re.findall(r"peak [a-z ]+?([0-9.]+) GiB", out))
+    for headroom, verdict in (("0.5", "DOES NOT FIT"), ("0", "FITS")):
+        assert planner.main([*args, "--device_memory", f"{peak * 1.5:.2f}GiB", "--headroom", headroom]) == 0
+        assert f"verdict      {verdict};" in capsys.readouterr().out
+    config, device = _config("bert-large"), planner.get_device("gaudi2")
+    flops = planner.training_flops_per_sequence(config, 128, 20)
+    assert flops < planner.training_flops_per_sequence(config, 128, 20, True)
+    tflops = device.peak_tflops["bf16"]
+    assert f"implies {planner.implied_mfu(30, flops, tflops):.1%} of {tflops:g} TFLOP/s" in out
+    assert "MFU 40%: " in out and f"({tflops * 1e12 * 0.4 / flops:,.0f} seq/s in total)" in out  # 1 device
+
+
 def test_largest_micro_batch_reaches_its_limit_and_seq_len_is_checked():
     config = _config("bert-tiny")
     kwargs = dict(device=planner.get_device("gaudi3"), seq_len=128)
