@@ -233,6 +233,11 @@ def test_a_bf16_weight_is_its_master_rounded_in_any_mode():
     tiny = torch.tensor([0.0, -0.0, 1e-39, -1e-39])
     assert rounds_to(tiny, torch.tensor([-0.0, 0.0, 0.0, -0.0]).bfloat16()) and rounds_to(tiny, tiny.bfloat16())
     assert not rounds_to(torch.tensor([1e-37]), torch.tensor([0.0]).bfloat16())
+    # A master that bf16 holds exactly (a LayerNorm's 1.0, a bias's 0.5) has one rounding: itself.
+    exact = torch.tensor([1.0, 0.5])
+    assert rounds_to(exact, exact.bfloat16())
+    for wrong in ([1.0078125, 0.5], [0.99609375, 0.5], [1.0, 0.50390625]):
+        assert not rounds_to(exact, torch.tensor(wrong).bfloat16()), wrong
 
 
 def test_the_tokenizer_case_comes_from_the_run_record_then_the_flag_then_the_vocab(tmp_path: Path, bert_vocab):
@@ -263,6 +268,19 @@ def test_the_tokenizer_case_comes_from_the_run_record_then_the_flag_then_the_voc
                 tokenizer_case(tmp_path, vocab, flag)
     record.unlink()  # the way past a damaged record, as its message says
     assert tokenizer_case(tmp_path, vocab, False) == (False, "as --do_lower_case/--no_do_lower_case says")
+
+
+def test_a_run_that_kept_case_exports_a_tokenizer_that_keeps_case(zero_run: Path, tmp_path: Path):
+    """The case the run recorded reaches the tokenizer files, though its vocab (BERT's uncased) looks uncased."""
+    from transformers import AutoTokenizer
+
+    run = tmp_path / "run"
+    shutil.copytree(zero_run, run, ignore=shutil.ignore_patterns("tensorboard"))
+    (run / "tokenization.json").write_text('{"lower_case": false}\n')
+    done = export(run, tmp_path / "hf")
+    assert done.tokenizer.startswith("keeps case, as the run's shards were made")
+    assert json.loads((tmp_path / "hf" / "tokenizer_config.json").read_text())["do_lower_case"] is False
+    assert AutoTokenizer.from_pretrained(tmp_path / "hf").tokenize("The the") == ["[UNK]", "the"]
 
 
 def test_a_file_given_as_the_checkpoint_is_named_a_file(tmp_path: Path):
