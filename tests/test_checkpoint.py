@@ -486,18 +486,24 @@ leave(0)  # no interpreter teardown, where finished ranks have aborted (training
 """
 
 
-def _save_on_two_ranks(ckpt_dir: Path, fault: str) -> list[str]:
-    """SAVE_ON_A_RANK on ranks 0 and 1; what each printed (both must exit 0)."""
+def _on_ranks(script: str, world: int, argv) -> list[str]:
+    """`script` in `world` processes, rank r with the arguments `argv(r, port)`; what each printed (every rank
+    must exit 0)."""
     port = str(free_port())
     root = Path(__file__).resolve().parents[1]
-    procs = [subprocess.Popen([sys.executable, "-c", SAVE_ON_A_RANK, str(rank), str(ckpt_dir), port,
-                               repr(_state(20)["identity"]), fault], cwd=root, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([sys.executable, "-c", script, *argv(rank, port)], cwd=root, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
-             for rank in (0, 1)]
+             for rank in range(world)]
     outputs = [proc.communicate(timeout=120) for proc in procs]
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-2000:]
     return [out for out, _ in outputs]
+
+
+def _save_on_two_ranks(ckpt_dir: Path, fault: str) -> list[str]:
+    """SAVE_ON_A_RANK on ranks 0 and 1; what each printed."""
+    return _on_ranks(SAVE_ON_A_RANK, 2, lambda rank, port: [str(rank), str(ckpt_dir), port,
+                                                            repr(_state(20)["identity"]), fault])
 
 
 def test_a_rank_that_cannot_read_back_the_tag_fails_the_save_on_every_rank(tmp_path):
@@ -1184,15 +1190,9 @@ def test_a_rerun_that_loads_only_the_weights_reads_only_their_file(tmp_path):
 
 
 def _verify_on_ranks(ckpt_dir: Path, world: int) -> list[list[str]]:
-    """VERIFY_ON_A_RANK on `world` ranks; the lines each printed (every rank must exit 0)."""
-    root, port = Path(__file__).resolve().parents[1], str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-c", VERIFY_ON_A_RANK, str(ckpt_dir), port, str(rank), str(world)],
-                              cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env={**os.environ, "PYTHONPATH": str(root)}) for rank in range(world)]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err[-2000:]
-    return [out.splitlines() for out, _ in outputs]
+    """VERIFY_ON_A_RANK on `world` ranks; the lines each printed."""
+    outputs = _on_ranks(VERIFY_ON_A_RANK, world, lambda rank, port: [str(ckpt_dir), port, str(rank), str(world)])
+    return [out.splitlines() for out in outputs]
 
 
 def test_two_ranks_check_the_crc_of_every_file_between_them(tmp_path):

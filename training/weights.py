@@ -10,6 +10,7 @@ through DeepSpeed's documented `safe_set_full_fp32_param`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -220,10 +221,10 @@ def set_fp32_masters(engine, weights: dict[str, torch.Tensor]) -> None:
 _SUPPORTED = ("point it at the --output_dir of a finished phase-1 run, a Hugging Face BERT directory, a "
               "ckpt_<step>.pt of NVIDIA's or Habana's run_pretraining.py (or the directory holding them), or a "
               "DeepSpeed checkpoint folder of Habana's deepspeed-bert (or a tag directory in it)")
-# Fields that make two BERTs the same function of their weights (dropout and init do not).
-ARCHITECTURE = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                 "hidden_act", "max_position_embeddings", "type_vocab_size", "layer_norm_eps", "pre_layer_norm",
-                 "next_sentence_prediction", "layer_norm_large_model")
+# Fields that make two BERTs the same function of their weights: every BertConfig field but dropout, init and the
+# vocabulary's padding (a field added later is compared unless it is added here).
+ARCHITECTURE = tuple(f.name for f in dataclasses.fields(BertConfig) if f.name not in (
+    "hidden_dropout_prob", "attention_probs_dropout_prob", "initializer_range", "pad_vocab_size_multiple"))
 
 
 def load_initial_weights(model: BertForPreTraining, init_dir: Path, vocab_file: Path | None = None,
