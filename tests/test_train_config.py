@@ -62,6 +62,9 @@ def test_batch_sizes_resolve_like_deepspeed(config, world, expected):
     ({"gradient_accumulation_steps": 4}, 1, "set train_batch_size or train_micro_batch_size_per_gpu"),
     ({"train_micro_batch_size_per_gpu": 0}, 1, "'train_micro_batch_size_per_gpu' must be a positive integer"),
     ({"train_batch_size": 6.5}, 1, "'train_batch_size' must be a positive integer"),
+    # JSON true is a Python bool, an int subclass, and would count as 1
+    ({"train_micro_batch_size_per_gpu": True}, 1,
+     "'train_micro_batch_size_per_gpu' must be a positive integer, got True"),
 ])
 def test_batch_sizes_that_do_not_divide_name_the_file_and_fields(config, world, message):
     with pytest.raises(RunConfigError, match=f"^ds.json: .*{message}"):
