@@ -607,3 +607,108 @@ def test_init_checkpoint_may_be_a_reference_ckpt_file(tmp_path: Path):
     proc = _launch(["--preset", "bert-large-phase2", "--nodes", "1", "--input_dir", str(tmp_path), "--output_dir",
                     str(tmp_path / "run"), "--init_checkpoint", str(ckpt), "--dry_run"])
     assert _flag(_command(proc), "--init_checkpoint") == str(ckpt)
+
+
+def test_relative_paths_are_the_callers_though_launch_cds_to_the_root(tmp_path: Path):
+    """launch.sh cds to the project root before it builds the command: a relative --input_dir, --init_checkpoint or
+    --hostfile (run_16nodes.sh's usage line shows `--hostfile hostfile`) would then name a path under the root."""
+    (tmp_path / "shards").mkdir()
+    (tmp_path / "phase1").mkdir()
+    (tmp_path / "hostfile").write_text("gaudi-a slots=8\ngaudi-b slots=8\n")
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "run_2nodes.sh"), "--preset", "bert-large-phase2",
+                           "--hostfile", "hostfile", "--input_dir", "shards", "--init_checkpoint", "phase1",
+                           "--output_dir", "run", "--dry_run"], capture_output=True, text=True, env=_env(),
+                          cwd=tmp_path, timeout=120)
+    cmd = _command(proc)
+    assert _flag(cmd, "--hostfile") == str(tmp_path / "hostfile") and _flag(cmd, "--master_addr") == "gaudi-a"
+    run_args = cmd[cmd.index(str(ROOT / "run_pretraining.py")) + 1:]
+    assert _flag(run_args, "--input_dir") == str(tmp_path / "shards")
+    assert _flag(run_args, "--init_checkpoint") == str(tmp_path / "phase1")
+    assert _flag(run_args, "--output_dir") == str(tmp_path / "run")
+    assert (tmp_path / "run" / "launch" / "deepspeed_config.json").is_file()
+
+
+def test_torchrun_starts_the_resolved_devices_per_node(tmp_path: Path):
+    """--nproc_per_node is the run's devices per node (here 2, not the preset's 8): torchrun starts that many ranks,
+    which the DeepSpeed config's accumulation was resolved for."""
+    cmd = _command(_launch(["--preset", "bert-1.5b-phase1", "--nodes", "2", "--launcher", "torchrun", "--node_rank",
+                            "1", "--master_addr", "node-a", "--set", "devices_per_node=2", "--input_dir",
+                            str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"]))
+    assert cmd[:3] == [sys.executable, "-m", "torch.distributed.run"]
+    assert (_flag(cmd, "--nnodes"), _flag(cmd, "--nproc_per_node"), _flag(cmd, "--node_rank")) == ("2", "2", "1")
+    ds = json.loads((tmp_path / "run" / "launch" / "deepspeed_config.json").read_text())
+    assert ds["gradient_accumulation_steps"] == 96  # 12288 / (32 x 2 nodes x 2 devices)
+
+
+def _env_file_lines(tmp_path: Path, env: dict, cwd: Path | None = None) -> list[str]:
+    """The deepspeed launcher's environment file of a 2-host dry run."""
+    proc = subprocess.run(["bash", str(LAUNCH), "--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "a,b",
+                           "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"],
+                          capture_output=True, text=True, env=env, cwd=cwd or ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return (tmp_path / "run" / "launch" / "deepspeed_env").read_text().splitlines()
+
+
+def test_hpu_variables_the_user_exported_win_over_hpu_env_defaults(tmp_path: Path):
+    """hpu_env.sh sets lazy mode and the recipe cache only where the user has not: an eager-mode run
+    (PT_HPU_LAZY_MODE=0) or a cache on another local disk must reach every node as exported."""
+    lines = _env_file_lines(tmp_path, _env(PT_HPU_LAZY_MODE="0",
+                                           PT_HPU_RECIPE_CACHE_CONFIG="/scratch/cache,true,1024"))
+    assert "PT_HPU_LAZY_MODE=0" in lines and "PT_HPU_LAZY_MODE=1" not in lines
+    assert [line for line in lines if line.startswith("PT_HPU_RECIPE_CACHE_CONFIG=")] == \
+        ["PT_HPU_RECIPE_CACHE_CONFIG=/scratch/cache,true,1024"]
+
+
+def test_env_file_carries_habana_and_log_families_the_accelerator_and_console(tmp_path: Path):
+    """Habana's module selection and its log levels, DeepSpeed's accelerator choice and Habana's console switch are
+    read on every node; DeepSpeed forwards none of them itself."""
+    lines = _env_file_lines(tmp_path, _env(HABANA_VISIBLE_MODULES="0,1", LOG_LEVEL_ALL="3", ENABLE_CONSOLE="true",
+                                           DS_ACCELERATOR="hpu"))
+    for line in ("HABANA_VISIBLE_MODULES=0,1", "LOG_LEVEL_ALL=3", "ENABLE_CONSOLE=true", "DS_ACCELERATOR=hpu"):
+        assert lines.count(line) == 1, line
+
+
+def test_an_absolute_ds_env_file_is_read_itself(tmp_path: Path):
+    """DeepSpeed joins DS_ENV_FILE to ~ and to the working directory, and os.path.join keeps an absolute name as
+    it is: that one file is read, and ./.deepspeed_env (not named) is not."""
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    (caller / ".deepspeed_env").write_text("SITE_VAR=from the default name\n")
+    site = tmp_path / "site" / "cluster.env"
+    site.parent.mkdir()
+    site.write_text("SITE_VAR=from cluster.env\n")
+    lines = _env_file_lines(tmp_path, _env(HOME=str(tmp_path / "home"), DS_ENV_FILE=str(site)), cwd=caller)
+    assert lines[-1] == "SITE_VAR=from cluster.env" and "SITE_VAR=from the default name" not in lines
+
+
+def test_a_forwarded_value_with_a_line_break_is_refused(tmp_path: Path):
+    """DeepSpeed's environment file is one NAME=VALUE per line: a value with a line break would reach the other
+    nodes cut, and its second line would be read as another variable."""
+    proc = subprocess.run(["bash", str(LAUNCH), "--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts", "a,b",
+                           "--input_dir", str(tmp_path), "--output_dir", str(tmp_path / "run"), "--dry_run"],
+                          capture_output=True, text=True, env=_env(HCCL_SOCKET_IFNAME="eth0\nNCCL_DEBUG=INFO"),
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().endswith("launch.sh: error: HCCL_SOCKET_IFNAME holds a line break, which DeepSpeed's "
+                                        "environment file cannot carry to the other nodes")
+    assert not (tmp_path / "run" / "launch" / "deepspeed_env").exists()
+
+
+def test_slurm_resolves_the_preset_in_the_project_root_from_any_directory(tmp_path: Path):
+    """The outer step resolves the preset before launch.sh's cd to the root: `python -m training.presets` must run
+    there, or an interpreter without this checkout installed (a container's) finds no `training` module."""
+    real = sys.executable
+    stub = tmp_path / "python"
+    record = tmp_path / "presets_cwd.txt"
+    stub.write_text(f'#!/usr/bin/env bash\n[[ "$1 $2" != "-m training.presets" ]] || echo "$PWD" >> {record}\n'
+                    f'exec {real} "$@"\n')
+    stub.chmod(0o755)
+    caller = tmp_path / "caller"
+    caller.mkdir()
+    proc = subprocess.run(["bash", str(LAUNCH), "--preset", "bert-large-phase1", "--nodes", "2", "--launcher", "slurm",
+                           "--input_dir", ".", "--output_dir", "run", "--dry_run"], capture_output=True, text=True,
+                          env=_env(PYTHON=str(stub), SLURM_JOB_ID="77", SLURM_JOB_NUM_NODES="2",
+                                   SLURM_JOB_CPUS_PER_NODE="96(x2)"), cwd=caller, timeout=120)
+    assert _command(proc)[0] == "srun"
+    assert record.read_text().splitlines() == [str(ROOT)]
+    assert (caller / "run" / "launch" / "deepspeed_config.json").is_file()
