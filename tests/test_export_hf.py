@@ -115,14 +115,18 @@ def test_transformers_loads_the_export_and_agrees(zero_export, phase1_shards: Pa
 
 
 def test_universal_checkpoint_exports_the_same_weights(zero_run: Path, zero_export, tmp_path: Path):
-    tag_dir = locate(zero_run).tag_dir
-    universal = tmp_path / "checkpoints" / f"{tag_dir.name}_universal"
+    """A universal copy (made where a run resumes on another world size) lies beside the run's complete tags; it
+    has no run_state.json of its own and is complete once renamed into place, so it is exported as it is."""
+    run = tmp_path / "run"
+    shutil.copytree(zero_run, run)
+    tag_dir = locate(run).tag_dir
+    universal = run / "checkpoints" / f"{tag_dir.name}_universal"
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
                     "--output_folder", str(universal), "--num_extract_workers", "1", "--num_merge_workers", "1"],
                    check=True, capture_output=True, timeout=300)
     _, weights = zero_export
     hf = tmp_path / "hf"
-    source = export(universal, hf, config_file=zero_run / "model_config.json", vocab_file=zero_run / "vocab.txt").weights
+    source = export(universal, hf).weights
     assert "universal checkpoint" in source
     exported, _ = read_weights(locate(universal))
     for name, value in exported.items():

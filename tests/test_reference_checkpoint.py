@@ -124,6 +124,16 @@ def test_apex_fp16_master_weights_are_taken_when_they_are_the_masters(tmp_path):
     save_theirs(tmp_path / "ckpt_1234.pt", rounded, masters[::-1])
     assert load_initial_weights(model, tmp_path / "ckpt_1234.pt").endswith(", float32 model weights)")
     assert torch.equal(model.bert.pooler.dense.weight, source.bert.pooler.dense.weight.half().float())
+    # Two masters of one shape swapped (the query and key weights): every shape fits, the values do not.
+    i, j = (next(n for n, m in enumerate(masters) if torch.equal(m, theirs[f"bert.encoder.layer.0.attention.self.{k}"]))
+            for k in ("query.weight", "key.weight"))
+    swapped = list(masters)
+    swapped[i], swapped[j] = masters[j], masters[i]
+    assert swapped[i].shape == swapped[j].shape and not torch.equal(swapped[i], swapped[j])
+    save_theirs(tmp_path / "ckpt_1234.pt", rounded, swapped)
+    assert load_initial_weights(model, tmp_path / "ckpt_1234.pt").endswith(", float32 model weights)")
+    assert torch.equal(model.bert.encoder.layer[0].attention.self.key.weight,
+                       source.bert.encoder.layer[0].attention.self.key.weight.half().float())
     # Habana's HPU checkpoints have no 'master params' at all.
     torch.save({"model": their_state_dict(source), "optimizer": {}, "files": [0], "epoch": 1, "data_loader": None},
                tmp_path / "habana.pt")
