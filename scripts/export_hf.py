@@ -57,6 +57,7 @@ from training.checkpoint import (
     UNIVERSAL_SUFFIX,
     CheckpointError,
     is_set_aside_incomplete,
+    is_tag_name,
     pick_complete_tag,
     read_state,
     verify_files,
@@ -108,9 +109,13 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
             raise ExportError(f"{checkpoints}: no 'latest' file, so no checkpoint was completed there; "
                               + pick_complete_tag(checkpoints, "pass --tag with", "the run saved none yet"))
         tag = latest.read_text().strip()
-        if not tag or not (checkpoints / tag).is_dir():
-            named = f"names {tag!r}, but {checkpoints / tag} does not exist" if tag else "is empty"
+        if not is_tag_name(tag) or not (checkpoints / tag).is_dir():
+            named = ("is empty" if not tag else f"holds {tag!r}, not a tag name" if not is_tag_name(tag)
+                     else f"names {tag!r}, but {checkpoints / tag} does not exist")
             raise ExportError(f"{latest} {named}; " + another_tag(checkpoints, "pass --tag with (or point 'latest' at)"))
+    elif not is_tag_name(tag):
+        raise ExportError(f"--tag {tag!r} is not a tag name; pass the name of a directory in {checkpoints}, or pass "
+                          "the tag directory itself as the checkpoint")
     if not (checkpoints / tag).is_dir():
         raise ExportError(f"{checkpoints / tag}: no such checkpoint tag; {another_tag(checkpoints, 'pass --tag with')}")
     return CheckpointLocation(run_dir, checkpoints, tag)

@@ -349,6 +349,17 @@ def test_latest_pointing_at_incomplete_tag_is_a_loud_error_and_deletes_nothing(t
     assert {tag: sorted(p.name for p in (tmp_path / f"{tag}.incomplete").iterdir()) for tag in files} == files
 
 
+@pytest.mark.parametrize("tag", ["..", ".", "../../other_run/checkpoints/step00000010"])
+def test_latest_holding_a_path_is_not_a_tag(tmp_path, tag):
+    """'..' named the run's directory and a path another run's checkpoint: the first was reported as an incomplete
+    checkpoint, the second resumed from another run. Neither is a tag of this directory."""
+    _save(tmp_path, 10)
+    (tmp_path / LATEST).write_text(tag + "\n")
+    with pytest.raises(CheckpointError, match=rf"^{re.escape(str(tmp_path / LATEST))}: {re.escape(repr(tag))} is not "
+                                              r"a tag name; write into it one of the complete tags: step00000010$"):
+        find_resume(tmp_path)
+
+
 def test_latest_naming_a_missing_tag_names_the_complete_ones(tmp_path):
     """It said "Point 'latest' at a complete tag" without naming any, where TRAINING.md promises them named."""
     _save(tmp_path, 10)

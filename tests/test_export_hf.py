@@ -314,6 +314,18 @@ def test_latest_naming_a_missing_tag_says_so_and_names_the_complete_ones(tmp_pat
     with pytest.raises(ExportError, match=r"latest is empty; pass --tag with \(or point 'latest' at\) one of the "
                                           r"complete tags: step00000002, step00000004$"):
         locate(tmp_path / "run")
+    # '..' was read as the tag '..', i.e. the run's directory, and a path as another run's tag
+    for tag in ("..", "../../other/checkpoints/step00000002"):
+        (tmp_path / "other" / "checkpoints" / "step00000002").mkdir(parents=True, exist_ok=True)
+        (checkpoints / "latest").write_text(tag + "\n")
+        with pytest.raises(ExportError, match=rf"latest holds {re.escape(repr(tag))}, not a tag name; pass --tag with "
+                                              r"\(or point 'latest' at\) one of the complete tags: step00000002, "
+                                              r"step00000004$"):
+            locate(tmp_path / "run")
+        with pytest.raises(ExportError, match=rf"^--tag {re.escape(repr(tag))} is not a tag name; pass the name of a "
+                                              rf"directory in {re.escape(str(checkpoints))}, or pass the tag directory "
+                                              "itself as the checkpoint$"):
+            locate(tmp_path / "run", tag)
 
 
 @pytest.mark.parametrize("tag", ["step00000098", "20"])

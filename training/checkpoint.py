@@ -88,6 +88,12 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
+def is_tag_name(tag: str) -> bool:
+    """A name of a directory beside `latest`: '..', '.' or a path would name the run's directory, the
+    checkpoints directory itself or another run's."""
+    return bool(tag) and "/" not in tag and os.sep not in tag and tag not in (".", "..")
+
+
 def read_latest(ckpt_dir: Path) -> str | None:
     path = ckpt_dir / LATEST
     if not path.exists():
@@ -95,6 +101,9 @@ def read_latest(ckpt_dir: Path) -> str | None:
     tag = path.read_text().strip()
     if not tag:
         raise CheckpointError(f"{path} is empty; write the tag to resume from into it (e.g. step00000100)")
+    if not is_tag_name(tag):
+        raise CheckpointError(f"{path}: {tag!r} is not a tag name; " + pick_complete_tag(
+            ckpt_dir, "write into it", "write the name of a tag directory beside it into it (e.g. step00000100)"))
     return tag
 
 

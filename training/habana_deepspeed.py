@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from modeling import BertConfig, BertForPreTraining
-from training.checkpoint import LATEST, MODEL_STATES, RUN_STATE, CheckpointError
+from training.checkpoint import LATEST, MODEL_STATES, RUN_STATE, CheckpointError, is_tag_name
 from training.reference_checkpoint import load_their_weights, our_names, their_parameters
 
 FIX = ("pass a --config_file describing their model: their config's sizes, the NSP head "
@@ -49,7 +49,7 @@ def deepspeed_tag(init: Path) -> tuple[Path, str] | None:
         fix = (f"write one of its tags ({', '.join(tags)}) into {latest} or point --init_checkpoint at that tag's "
                "directory" if tags else "it holds no tag with model states; point --init_checkpoint at a complete "
                "checkpoint folder")
-        if not tag or "/" in tag or tag in (".", ".."):
+        if not is_tag_name(tag):
             raise CheckpointError(f"{latest}: {tag!r} is not a tag name; {fix}")
         tag_dir, chosen = init / tag, f"; tag {tag} named by {latest}"
         if not tag_dir.is_dir():
