@@ -930,6 +930,17 @@ def test_init_weights_from_a_run_with_another_vocab_is_refused(tmp_path):
         weights.load_initial_weights(modeling.BertForPreTraining(small_config()), run, shards_vocab)
 
 
+def test_a_vocab_that_extends_another_differs_where_the_shorter_ends():
+    """Tokens appended to a vocabulary (words added to bert-base's) leave every shared id the same: the first
+    difference is the first id only one of them has, not id 0."""
+    base = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "w0"]
+    assert weights.vocab_difference(base + ["w1"], base) == ("7 tokens, against 6",
+                                                             "token id 6 is 'w1' there, absent here")
+    assert weights.vocab_difference(base, base + ["w1"]) == ("6 tokens, against 7",
+                                                             "token id 6 is absent there, 'w1' here")
+    assert weights.vocab_difference(base, list(base)) is None
+
+
 def test_init_weights_trained_on_text_of_another_case_are_refused(tmp_path):
     """Phase 2 on shards whose text was lower-cased differently from the text --init_checkpoint was trained on:
     the run's tokenization.json, or a Hugging Face tokenizer's do_lower_case, against the shards' lower_case."""

@@ -655,6 +655,14 @@ def test_a_run_that_completed_no_checkpoint_is_refused_and_a_missing_last_partit
     aside.rename(killed / "checkpoints" / tag)
     (killed / "run_info.json").unlink()  # now another DeepSpeed run's directory, as far as can be told
     partition = killed / "checkpoints" / tag / "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    # one partition more than the run had ranks: another save's, left among these
+    extra = shutil.copy(partition, partition.with_name("bf16_zero_pp_rank_2_mp_rank_00_optim_states.pt"))
+    with pytest.raises(ExportError) as refused:
+        export(killed, tmp_path / "hf", tag=tag)
+    assert str(refused.value) == (
+        f"{killed.resolve() / 'checkpoints' / tag}: 3 optimizer partition(s) for a run of 2 data-parallel ranks "
+        "(files of another save are mixed in); the checkpoint is incomplete; export another tag with --tag")
+    Path(extra).unlink()
     partition.unlink()
     with pytest.raises(ExportError) as refused:
         export(killed, tmp_path / "hf", tag=tag)
