@@ -54,6 +54,20 @@ def test_mark_step_runs_the_lazy_graph_only_in_lazy_mode(monkeypatch):
     assert calls == ["mark_step"]
 
 
+def test_manual_seed_seeds_the_device_generator_too(monkeypatch):
+    """torch.manual_seed seeds CUDA's generators but not the HPU's: dropout on a Gaudi drew from an unseeded
+    generator. The device's is seeded through DeepSpeed's accelerator wherever the device is not the CPU."""
+    seeded = []
+    ds_accelerator = types.ModuleType("deepspeed.accelerator")
+    ds_accelerator.get_accelerator = lambda: types.SimpleNamespace(manual_seed=seeded.append)
+    monkeypatch.setitem(sys.modules, "deepspeed.accelerator", ds_accelerator)
+    with torch.random.fork_rng(devices=[]):
+        for name, seed in (("hpu", 1234), ("cuda", 99), ("cpu", 77)):
+            _acc(name, False).manual_seed(seed)
+            assert torch.initial_seed() == seed, name
+        assert seeded == [1234, 99]
+
+
 def test_cpu_peak_memory_is_in_bytes():
     held = torch.ones(64 * 2**20, dtype=torch.uint8)  # 64 MiB, written, so resident
     peak = _acc("cpu", False).max_memory_bytes()
