@@ -289,6 +289,18 @@ def test_instances_of_a_part_are_shuffled(bert_vocab):
     assert abs(np.corrcoef(np.arange(len(first_doc)), first_doc)[0, 1]) < 0.3
 
 
+def test_parts_of_the_same_text_draw_their_own_pairs_and_masks(bert_vocab):
+    """Every draw is seeded by (seed, part, split): without the part, two parts of the same text (a corpus given
+    twice, a dump's duplicated articles) drew the same pair plan, truncation and masks."""
+    part = _synthetic_part(20)
+    cfg = CreateConfig(Path("."), bert_vocab, Path("."), dupe_factor=1, test_fraction=0.0)
+    vocab = MaskingVocab.from_file(bert_vocab)
+    first, second, again = (create_instances(part, index, cfg, vocab)["training"] for index in (0, 1, 0))
+    assert min(len(first["input_ids"]), len(second["input_ids"])) > 50
+    assert not np.array_equal(first["input_ids"], second["input_ids"])
+    assert all(np.array_equal(first[key], again[key]) for key in first)
+
+
 def test_the_default_predictions_that_would_cap_the_masking_are_refused(phase1_shards, bert_vocab, tmp_path, capsys):
     """python -m data.create --max_seq_length 512 took the default 20 predictions: 4% of the tokens masked, while
     the shards' masked_lm_prob attribute said 0.15. Given explicitly, the cap is kept."""
