@@ -109,10 +109,16 @@ def locate(path: Path, tag: str | None = None) -> CheckpointLocation:
             raise ExportError(f"{checkpoints}: no 'latest' file, so no checkpoint was completed there; "
                               + pick_complete_tag(checkpoints, "pass --tag with", "the run saved none yet"))
         tag = latest.read_text().strip()
-        if not is_tag_name(tag) or not (checkpoints / tag).is_dir():
-            named = ("is empty" if not tag else f"holds {tag!r}, not a tag name" if not is_tag_name(tag)
-                     else f"names {tag!r}, but {checkpoints / tag} does not exist")
-            raise ExportError(f"{latest} {named}; " + another_tag(checkpoints, "pass --tag with (or point 'latest' at)"))
+        if not tag:
+            wrong = "is empty"
+        elif not is_tag_name(tag):
+            wrong = f"holds {tag!r}, not a tag name"
+        elif not (checkpoints / tag).is_dir():
+            wrong = f"names {tag!r}, but {checkpoints / tag} does not exist"
+        else:
+            wrong = None
+        if wrong:
+            raise ExportError(f"{latest} {wrong}; " + another_tag(checkpoints, "pass --tag with (or point 'latest' at)"))
     elif not is_tag_name(tag):
         raise ExportError(f"--tag {tag!r} is not a tag name; pass the name of a directory in {checkpoints}, or pass "
                           "the tag directory itself as the checkpoint")
