@@ -249,16 +249,21 @@ def test_deepspeed_launcher_refuses_paths_pdsh_would_split(tmp_path: Path):
                       "--dry_run"], env=_env(PYTHON=str(python))))
 
 
+def _stand_in_python(tmp_path: Path, body: str) -> Path:
+    """An interpreter (PYTHON) that runs the bash `body`, then this interpreter with its arguments."""
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\n{body}\nexec {sys.executable} "$@"\n')
+    stub.chmod(0o755)
+    return stub
+
+
 def test_deepspeed_launcher_starts_in_the_root_with_the_env_file_exported(tmp_path: Path):
     """Not a dry run: the interpreter is a stand-in that records what the launcher was started with. DeepSpeed's
     runner reads DS_ENV_FILE from its environment, so launch.sh must export it, not only set it; and it starts
     the remote ranks in its own working directory, which must be the project root wherever launch.sh is called."""
-    real = sys.executable
-    stub = tmp_path / "python"
     record = tmp_path / "started.txt"
-    stub.write_text(f'#!/usr/bin/env bash\nif [[ "$1 $2" == "-m training.presets" || "$1" == -c ]]; then exec {real} "$@"; fi\n'
-                    f'printf "%s\\n" "DS_ENV_FILE=${{DS_ENV_FILE:-}}" "PWD=$PWD" "$@" > {record}\n')
-    stub.chmod(0o755)
+    stub = _stand_in_python(tmp_path, f'if [[ "$1 $2" != "-m training.presets" && "$1" != -c ]]; then\n'
+                                      f'  printf "%s\\n" "DS_ENV_FILE=${{DS_ENV_FILE:-}}" "PWD=$PWD" "$@" > {record}; exit 0\nfi')
     out = tmp_path / "run"
     proc = subprocess.run(["bash", str(LAUNCH), "--preset", "bert-1.5b-phase1", "--nodes", "2", "--hosts",
                            "gaudi-a,gaudi-b", "--input_dir", ".", "--output_dir", "run"], capture_output=True, text=True,
@@ -697,12 +702,8 @@ def test_a_forwarded_value_with_a_line_break_is_refused(tmp_path: Path):
 def test_slurm_resolves_the_preset_in_the_project_root_from_any_directory(tmp_path: Path):
     """The outer step resolves the preset before launch.sh's cd to the root: `python -m training.presets` must run
     there, or an interpreter without this checkout installed (a container's) finds no `training` module."""
-    real = sys.executable
-    stub = tmp_path / "python"
     record = tmp_path / "presets_cwd.txt"
-    stub.write_text(f'#!/usr/bin/env bash\n[[ "$1 $2" != "-m training.presets" ]] || echo "$PWD" >> {record}\n'
-                    f'exec {real} "$@"\n')
-    stub.chmod(0o755)
+    stub = _stand_in_python(tmp_path, f'[[ "$1 $2" != "-m training.presets" ]] || echo "$PWD" >> {record}')
     caller = tmp_path / "caller"
     caller.mkdir()
     proc = subprocess.run(["bash", str(LAUNCH), "--preset", "bert-large-phase1", "--nodes", "2", "--launcher", "slurm",
