@@ -270,22 +270,17 @@ def check_vocab_target(output_dir: Path) -> None:
                             "move it away, or pass another --output_dir")
 
 
-def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> PrepareResult:
-    """Run every stage, each skipping work already done; `report` gets a line as each stage ends, so that a
-    run that fails still shows what the stages before the failure did."""
-    start = time.perf_counter()
+def check_settings(cfg: PrepareConfig) -> CreateConfig:
+    """Every check of `cfg` that needs no stage's output (PipelineError), before any long stage runs; returns the
+    create stage's settings. The tokens directory and the vocab are known only after their stages."""
     text_dir = cfg.text_dir or cfg.output_dir / "text"
-    # The tokens directory and the vocab are known only after their stages; validate the rest now.
     create_cfg = CreateConfig(
         input_dir=text_dir, vocab_file=Path(cfg.vocab_file or text_dir), output_dir=cfg.output_dir / "instances",
         max_seq_length=cfg.max_seq_length, max_predictions_per_seq=cfg.max_predictions_per_seq,
         dupe_factor=cfg.dupe_factor, short_seq_prob=cfg.short_seq_prob, masked_lm_prob=cfg.masked_lm_prob,
         whole_word_masking=cfg.whole_word_masking, static_masking=cfg.static_masking,
         test_fraction=cfg.test_fraction, seed=cfg.seed, workers=cfg.workers)
-    validate(create_cfg)  # before any long stage runs, like the given vocab's special tokens
-    warning = long_sequence_warning(cfg.max_seq_length)
-    if warning:
-        report(warning)
+    validate(create_cfg)
     check_shard_counts(cfg.num_shards, cfg.num_test_shards, cfg.test_fraction)
     check_articles_per_part(cfg.articles_per_part)
     check_name(cfg.name)
@@ -293,6 +288,18 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
         check_case(load_vocab(Path(cfg.vocab_file)), cfg.lower_case)
     else:
         check_training_settings(cfg.vocab_size, cfg.limit_alphabet)
+    return create_cfg
+
+
+def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> PrepareResult:
+    """Run every stage, each skipping work already done; `report` gets a line as each stage ends, so that a
+    run that fails still shows what the stages before the failure did."""
+    start = time.perf_counter()
+    text_dir = cfg.text_dir or cfg.output_dir / "text"
+    create_cfg = check_settings(cfg)
+    warning = long_sequence_warning(cfg.max_seq_length)
+    if warning:
+        report(warning)
     dump = dump_source(cfg.input)
     if isinstance(dump, Path):
         check_dump(dump)  # a dump refused after the directories are made left an empty <text_dir> behind

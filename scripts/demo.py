@@ -23,8 +23,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from data.cli import HelpFormatter, file_in_the_way, positive_int, usable_cores
+
+if TYPE_CHECKING:
+    from data.prepare import PrepareConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_MODEL = ROOT / "configs" / "models" / "bert-demo.json"
@@ -68,24 +72,33 @@ def _banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
+def prepare_config(cfg: DemoConfig) -> PrepareConfig:
+    """The data pipeline's settings for the demo's dump."""
+    from data.prepare import PrepareConfig
+
+    return PrepareConfig(input=cfg.output_dir / "dump" / "demowiki-pages-articles-multistream.xml.bz2",
+                         output_dir=cfg.output_dir / "data", vocab_file=None, vocab_size=cfg.vocab_size,
+                         max_seq_length=128, max_predictions_per_seq=20, dupe_factor=5, num_shards=2,
+                         num_test_shards=1, seed=cfg.seed, workers=min(2, usable_cores()), test_fraction=0.05,
+                         articles_per_part=400)
+
+
 def make_data(cfg: DemoConfig) -> tuple[Path, Path, Path]:
     """Steps 1-2: the dump and the shards; returns (dump, shards dir, model config for this vocab)."""
     from data.demo_dump import generate_demo_dump
-    from data.prepare import PrepareConfig, prepare
+    from data.prepare import prepare
     from data.vocab import load_vocab
     from modeling import BertConfig
 
-    dump = cfg.output_dir / "dump" / "demowiki-pages-articles-multistream.xml.bz2"
+    settings = prepare_config(cfg)
+    dump = settings.input
     _banner(f"1/5 generating a MediaWiki dump with {cfg.articles} articles")
     stats = generate_demo_dump(dump, articles=cfg.articles, seed=cfg.seed)
     print(f"{dump}: {stats.articles} articles, {stats.redirects} redirects, "
           f"{stats.other_namespace} template/category pages ({stats.bytes_xml / 1e6:.1f} MB of XML)")
     _banner("2/5 data pipeline: extract, segment, train a WordPiece vocab, create instances, shard")
-    data_dir = cfg.output_dir / "data"
-    result = prepare(PrepareConfig(input=dump, output_dir=data_dir, vocab_file=None, vocab_size=cfg.vocab_size,
-                                   max_seq_length=128, max_predictions_per_seq=20, dupe_factor=5, num_shards=2,
-                                   num_test_shards=1, seed=cfg.seed, workers=min(2, usable_cores()),
-                                   test_fraction=0.05, articles_per_part=400))
+    data_dir = settings.output_dir
+    result = prepare(settings)
     # The model's vocab is the vocab the pipeline trained (a small corpus may give fewer tokens than asked).
     model = BertConfig.from_json_file(DEMO_MODEL).to_dict()
     model["vocab_size"] = load_vocab(result.vocab_file).size
@@ -274,14 +287,19 @@ def main(argv: list[str] | None = None) -> int:
     blocker = file_in_the_way(args.output_dir.resolve())
     if blocker is not None:
         parser.error(f"--output_dir {args.output_dir}: {blocker} is a file, not a directory; pass a directory")
-    problem = settings_problem(args.output_dir.resolve(), {"articles": args.articles, "vocab_size": args.vocab_size,
-                                                           "max_steps": max_steps, "seed": args.seed})
-    if problem:
-        parser.error(problem)
     cfg = DemoConfig(output_dir=args.output_dir.resolve(), articles=args.articles, vocab_size=args.vocab_size,
                      max_steps=args.max_steps, processes=args.processes, seed=args.seed, log_freq=args.log_freq)
+    from data.prepare import check_settings
     from data.stage import PipelineError
 
+    try:  # before the settings are recorded: a refused --seed or --vocab_size would stay in the record
+        check_settings(prepare_config(cfg))
+    except PipelineError as e:
+        parser.error(str(e))
+    problem = settings_problem(cfg.output_dir, {"articles": args.articles, "vocab_size": args.vocab_size,
+                                                "max_steps": max_steps, "seed": args.seed})
+    if problem:
+        parser.error(problem)
     try:
         run_demo(cfg)
     except (DemoError, PipelineError) as e:

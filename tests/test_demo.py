@@ -77,6 +77,9 @@ def test_check_learning_fails_loudly_when_nothing_is_learned():
         check_learning(_records([8.0, 6.0, 7.0, 7.0, 7.0, 7.0, 6.0, 8.0], [0.1] * 8))
     table = progress_table(good, rows=2).splitlines()
     assert len(table) == 3 and table[1].split()[:2] == ["1", "8.000"] and table[2].split()[:2] == ["4", "6.000"]
+    # The first record has no throughput yet where a step is logged before any was timed (--log_freq 1 or 2)
+    good[0]["seq_per_s"] = None
+    assert progress_table(good, rows=2).splitlines()[1].split()[-1] == "0"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -84,6 +87,11 @@ def test_check_learning_fails_loudly_when_nothing_is_learned():
     (["--processes", "0"], "argument --processes: must be >= 1, got 0"),
     (["--log_freq", "0"], "argument --log_freq: must be >= 1, got 0"),
     (["--articles", "1"], "--articles must be >= 4 (the dump has one article of each kind), got 1"),
+    (["--articles", "3"], "--articles must be >= 4 (the dump has one article of each kind), got 3"),
+    # refused by the data pipeline's checks, before the settings are recorded: a refused value had stayed in
+    # demo_settings.json, and the corrected rerun was refused as "made with other settings"
+    (["--seed", "-1"], "seed must be >= 0"),
+    (["--vocab_size", "5"], "--vocab_size 5 leaves no room for word pieces"),
     (["--processes", "3"], "--processes 3 does not divide the demo preset's global batch of 32 sequences; pass one "
                            "of 1, 2, 4, 8, 16, 32"),
     (["--output_dir", "{file}/demo"], "{file} is a file, not a directory; pass a directory"),
@@ -107,6 +115,21 @@ def test_bad_flags_are_refused_before_the_pipeline_runs(args: list[str], message
         demo.main(["--output_dir", str(tmp_path / "out")] + [a.format(file=file) for a in args])
     assert exit_info.value.code == 2
     assert message.format(file=file) in capsys.readouterr().err
+    assert not (tmp_path / "out" / "demo_settings.json").exists()
+
+
+def test_a_failed_demo_says_so_and_exits_1(tmp_path: Path, monkeypatch, capsys):
+    """`make demo` must fail where the pipeline or a check of what was learned failed, with one line, no traceback."""
+    import scripts.demo as demo
+    from data.stage import PipelineError
+
+    for error in (PipelineError("the dump is truncated"), DemoError("the loss did not fall")):
+        def fail(cfg, error=error):
+            raise error
+
+        monkeypatch.setattr(demo, "run_demo", fail)
+        assert demo.main(["--output_dir", str(tmp_path / "out")]) == 1
+        assert capsys.readouterr().err == f"demo failed: {error}\n"
 
 
 def test_every_process_count_the_demo_takes_keeps_its_global_batch():
