@@ -45,7 +45,8 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if [[ -z ${PYTHON:-} ]]; then
     if [[ -x $ROOT/.venv/bin/python ]]; then PYTHON=$ROOT/.venv/bin/python; else PYTHON=python3; fi
 fi
-WORKERS=${WORKERS:-$(nproc)}
+# nproc would print OMP_NUM_THREADS where it is set (1 under many schedulers and containers): the cores are wanted.
+WORKERS=${WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)}
 NUM_SHARDS=${NUM_SHARDS:-256}
 TEST_SHARDS=${TEST_SHARDS:-8}
 TEST_FRACTION=${TEST_FRACTION:-0.02}

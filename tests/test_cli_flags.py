@@ -266,6 +266,44 @@ def test_prepare_wikicorpus_script_refuses_download_settings_beside_a_given_dump
     assert f"--input\n{tmp_path / 'dump.xml.bz2'}\n" in record.read_text()
 
 
+def test_prepare_wikicorpus_script_defaults_absolute_paths_usage_and_a_failed_phase(tmp_path):
+    """Absolute paths pass as given (a test of relative ones alone let '/data/out' become '$PWD//data/out'); the
+    defaults are the documented ones, the workers every usable core (nproc alone gave OMP_NUM_THREADS, often 1);
+    a wrong argument count prints the usage; a failed phase 1 stops the script."""
+    record = tmp_path / "calls.txt"
+    stub = tmp_path / "python"
+    stub.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$@" >> {record}\necho "---" >> {record}\n'
+                    'exit "${STUB_EXIT:-0}"\n')
+    stub.chmod(0o755)
+    script = str(ROOT / "scripts" / "prepare_wikicorpus.sh")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("DUMP", "DUMP_DATE", "MIRROR", "NO_VERIFY", "WORKERS", "NUM_SHARDS", "TEST_SHARDS",
+                        "TEST_FRACTION")} | {"PYTHON": str(stub), "OMP_NUM_THREADS": "1"}
+    out, vocab = tmp_path / "abs out", tmp_path / "vocab.txt"
+    proc = subprocess.run(["bash", script, str(out), str(vocab)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    calls = [call.strip("\n").split("\n") for call in record.read_text().split("---\n") if call]
+    assert calls[0] == ["-m", "data.prepare", "--dump_date", "20261101", "--mirror", "https://dumps.wikimedia.org",
+                        "--vocab_file", str(vocab), "--phase", "1", "--output_dir", str(out / "phase1"), "--text_dir",
+                        str(out / "text"), "--num_shards", "256", "--num_test_shards", "8", "--test_fraction", "0.02",
+                        "--workers", str(len(os.sched_getaffinity(0)))]
+    assert len(calls) == 2
+    record.unlink()
+    failed = subprocess.run(["bash", script, str(out)], cwd=tmp_path, env=env | {"STUB_EXIT": "1"},
+                            capture_output=True, text=True, timeout=60)
+    assert failed.returncode == 1 and record.read_text().count("--phase\n") == 1  # phase 2 never started
+    record.unlink()
+    for args in ([], ["out", "vocab.txt", "extra"]):
+        wrong = subprocess.run(["bash", script, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                               timeout=60)
+        assert wrong.returncode == 2 and "scripts/prepare_wikicorpus.sh OUTPUT_DIR [VOCAB_FILE]" in wrong.stderr, args
+        assert not record.exists(), args
+    leading_zero = subprocess.run(["bash", script, "out"], cwd=tmp_path, env=env | {"WORKERS": "08"},
+                                  capture_output=True, text=True, timeout=60)
+    assert (leading_zero.returncode, leading_zero.stderr) == (0, "")  # not bash's "value too great for base"
+
+
 @pytest.mark.parametrize("nodes", [1, 2, 4, 8, 16])
 def test_each_run_n_nodes_wrapper_passes_its_node_count(nodes):
     script = ROOT / "scripts" / ("run_1node.sh" if nodes == 1 else f"run_{nodes}nodes.sh")
