@@ -113,6 +113,11 @@ class PrepareConfig:
     hdf5_compression: str | None = None
     verify_download: bool = True  # check a downloaded dump against its published checksum file
 
+    @property
+    def text_root(self) -> Path:
+        """Where the text stages write: --text_dir, else <output_dir>/text."""
+        return self.text_dir or self.output_dir / "text"
+
 
 # What a stage did in this run: all of its work, the rest of the work of an interrupted run, or nothing
 # (its output was complete before the run).
@@ -273,7 +278,7 @@ def check_vocab_target(output_dir: Path) -> None:
 def check_settings(cfg: PrepareConfig) -> CreateConfig:
     """Every check of `cfg` that needs no stage's output (PipelineError), before any long stage runs; returns the
     create stage's settings. The tokens directory and the vocab are known only after their stages."""
-    text_dir = cfg.text_dir or cfg.output_dir / "text"
+    text_dir = cfg.text_root
     create_cfg = CreateConfig(
         input_dir=text_dir, vocab_file=Path(cfg.vocab_file or text_dir), output_dir=cfg.output_dir / "instances",
         max_seq_length=cfg.max_seq_length, max_predictions_per_seq=cfg.max_predictions_per_seq,
@@ -295,7 +300,7 @@ def prepare(cfg: PrepareConfig, report: Callable[[str], None] = print) -> Prepar
     """Run every stage, each skipping work already done; `report` gets a line as each stage ends, so that a
     run that fails still shows what the stages before the failure did."""
     start = time.perf_counter()
-    text_dir = cfg.text_dir or cfg.output_dir / "text"
+    text_dir = cfg.text_root
     create_cfg = check_settings(cfg)
     warning = long_sequence_warning(cfg.max_seq_length)
     if warning:
