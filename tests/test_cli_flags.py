@@ -188,12 +188,22 @@ def test_min_frequency_and_workers_reach_the_vocab_trainer(tmp_path, monkeypatch
 
 
 def test_demo_dump_flags(tmp_path, capsys):
-    from data.demo_dump import main
+    from data.demo_dump import generate_demo_dump, main
 
     assert main(["--output", str(tmp_path / "seed3.xml.bz2"), "--articles", "5", "--seed", "3"]) == 0
     assert ": 5 articles, " in capsys.readouterr().out
-    assert main(["--output", str(tmp_path / "default.xml.bz2"), "--articles", "5"]) == 0
-    assert (tmp_path / "seed3.xml.bz2").read_bytes() != (tmp_path / "default.xml.bz2").read_bytes()
+    assert main(["--output", str(tmp_path / "default-seed.xml.bz2"), "--articles", "5"]) == 0
+    assert (tmp_path / "seed3.xml.bz2").read_bytes() != (tmp_path / "default-seed.xml.bz2").read_bytes()
+    capsys.readouterr()
+    # The defaults are the documented 400 articles and seed 12345.
+    assert main(["--output", str(tmp_path / "default.xml.bz2")]) == 0
+    assert ": 400 articles, " in capsys.readouterr().out
+    reference = generate_demo_dump(tmp_path / "reference.xml.bz2", articles=400, seed=12345).path
+    assert (tmp_path / "default.xml.bz2").read_bytes() == reference.read_bytes()
+    capsys.readouterr()
+    assert main(["--output", str(tmp_path / "two.xml.bz2"), "--articles", "2"]) == 2
+    assert capsys.readouterr().err == "error: articles must be >= 4 (one of each kind), got 2\n"
+    assert not (tmp_path / "two.xml.bz2").exists()
 
 
 # ----------------------------------------------------------------------------- scripts

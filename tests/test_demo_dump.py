@@ -79,6 +79,44 @@ def test_the_pipeline_extractor_strips_everything(dump: Path):
     assert len(text.split()) > 60 * 50
 
 
+def test_every_kind_of_article_is_written_and_animals_fill_in_for_the_rivers_that_ran_out(dump: Path):
+    """The kinds take turns (city, river, person, animal); 60 articles draw 20 cities but 5 rivers, so the 10
+    river turns after those are animals."""
+    root = ET.fromstring(bz2.decompress(dump.read_bytes()))
+    boxes = {"{{Infobox settlement": "city", "{{Infobox river": "river", "{{Infobox person": "person",
+             "{{Speciesbox": "animal"}
+    kinds: dict[str, int] = {}
+    for page in root.findall(f"{NS}page"):
+        text = page.findtext(f"{NS}revision/{NS}text")
+        if page.findtext(f"{NS}ns") == "0" and page.find(f"{NS}redirect") is None:
+            kind = boxes[text.split("\n", 1)[0]]
+            kinds[kind] = kinds.get(kind, 0) + 1
+    assert kinds == {"city": 15, "river": 5, "person": 15, "animal": 25}
+
+
+def test_the_temporary_file_is_beside_the_output_and_goes_on_a_failure(tmp_path: Path, monkeypatch):
+    """Beside it, so that the final rename stays on one file system; a failed write leaves the old dump as it
+    was and no temporary file."""
+    import data.demo_dump as demo_dump
+
+    output = tmp_path / "dumps" / "demo.xml.bz2"
+    output.parent.mkdir()
+    output.write_bytes(b"the dump of an earlier run")
+    written_in = []
+
+    def fail(f, header, pages, footer):
+        written_in.append(Path(f.name).parent)
+        f.write(header)
+        next(iter(pages))
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(demo_dump, "write_multistream", fail)
+    with pytest.raises(OSError, match="No space left"):
+        generate_demo_dump(output, articles=8)
+    assert written_in == [output.parent]
+    assert list(output.parent.iterdir()) == [output] and output.read_bytes() == b"the dump of an earlier run"
+
+
 def test_rejects_too_few_articles(tmp_path: Path):
     with pytest.raises(ValueError, match="articles must be >= 4"):
         generate_demo_dump(tmp_path / "x.xml.bz2", articles=2)
