@@ -54,6 +54,7 @@ def test_demo_end_to_end_reduced(tmp_path: Path):
     for where in ("dump", "HDF5 shards", "TensorBoard", "checkpoint", "Hugging Face model"):
         assert any(line.strip().startswith(where) for line in summary), where
     assert len({line.index(" /") for line in summary if line.strip()}) == 1  # the paths start in one column
+    assert f"    checkpoint       {run / 'checkpoints' / 'step00000032'}" in summary  # the tag `latest` names
 
 
 def _records(losses: list[float], accuracies: list[float]) -> list[dict]:
@@ -166,3 +167,70 @@ def test_a_rerun_with_other_settings_is_refused_before_it_touches_the_output(tmp
             f"settings (make demo DEMO_ARGS=\"... --output_dir results/demo-2\"), or delete {out} (make clean) to "
             "start over") in capsys.readouterr().err
     assert demo.main(["--output_dir", str(tmp_path / "demo-2"), "--max_steps", "600", "--articles", "2400"]) == 0
+
+
+@pytest.mark.parametrize("record", ['{"articles": 1200, "vocab_size": 2048, "max_steps": 300}', '[1200, 2048, 300, 1]',
+                                    '{"articles": 1200,'])
+def test_a_settings_record_this_demo_did_not_write_is_refused(record: str, tmp_path: Path, monkeypatch, capsys):
+    """A record without a key, of another shape or cut short is neither taken as matching nor a traceback."""
+    import scripts.demo as demo
+
+    monkeypatch.setattr(demo, "run_demo", lambda cfg: pytest.fail("the demo started"))
+    out = tmp_path / "demo"
+    out.mkdir()
+    (out / "demo_settings.json").write_text(record)
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--output_dir", str(out)])
+    assert exit_info.value.code == 2
+    assert (f"{out / 'demo_settings.json'} is not a record this demo wrote; delete {out} (make clean) to start "
+            "over") in capsys.readouterr().err
+    assert (out / "demo_settings.json").read_text() == record
+
+
+def test_a_run_that_logged_nothing_is_a_demo_error(tmp_path: Path):
+    from scripts.demo import read_metrics
+
+    with pytest.raises(DemoError, match=f"{tmp_path / 'metrics.jsonl'} is missing: the training run logged nothing"):
+        read_metrics(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 10, "loss": 7.5}\n\n{"step": 20, "loss": 7.0}\n')
+    assert read_metrics(tmp_path) == [{"step": 10, "loss": 7.5}, {"step": 20, "loss": 7.0}]
+
+
+def test_training_is_launched_on_cpu_with_one_thread_per_rank_unless_told_otherwise(tmp_path: Path, monkeypatch):
+    """What the demo hands launch.sh: this interpreter, one OpenMP thread per rank (2 ranks on 2 cores), DeepSpeed's
+    CPU accelerator unless the caller chose one, and the micro batch that keeps the preset's global batch."""
+    import scripts.demo as demo
+    from scripts.demo import DemoConfig, train
+
+    started = []
+
+    def launched(cmd, env, cwd):
+        started.append((cmd, env, cwd))
+        return subprocess.CompletedProcess(cmd, returncode)
+
+    monkeypatch.setattr(demo.subprocess, "run", launched)
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
+    returncode = 0
+    cfg = DemoConfig(output_dir=tmp_path, processes=4, seed=7, log_freq=5)
+    assert train(cfg, tmp_path / "data", tmp_path / "model.json") == tmp_path / "run"
+    cmd, env, cwd = started.pop()
+    assert (env["PYTHON"], env["OMP_NUM_THREADS"], env["DS_ACCELERATOR"], cwd) == (sys.executable, "1", "cpu", ROOT)
+    assert cmd[:2] == ["bash", str(ROOT / "scripts" / "launch.sh")]
+    assert cmd[cmd.index("--devices_per_node") + 1] == "4" and cmd[cmd.index("--output_dir") + 1] == str(tmp_path / "run")
+    sets = [cmd[i + 1] for i, arg in enumerate(cmd) if arg == "--set"]
+    assert sets == [f"model_config={tmp_path / 'model.json'}", "micro_batch_per_device=8"]  # no max_steps: the preset's
+    assert cmd[cmd.index("--") + 1:] == ["--log_freq", "5", "--eval_freq", "50", "--seed", "7", "--num_workers", "1"]
+
+    monkeypatch.setenv("DS_ACCELERATOR", "hpu")
+    train(DemoConfig(output_dir=tmp_path, max_steps=40), tmp_path / "data", tmp_path / "model.json")
+    cmd, env, _ = started.pop()
+    assert env["DS_ACCELERATOR"] == "hpu" and "max_steps=40" in cmd and "micro_batch_per_device=16" in cmd
+
+    returncode = 1
+    with pytest.raises(DemoError, match=f"training failed .*; its files are in {tmp_path / 'run'}"):
+        train(cfg, tmp_path / "data", tmp_path / "model.json")
+    started.clear()
+    with pytest.raises(DemoError, match="3 processes do not divide the demo preset's global batch"):
+        train(DemoConfig(output_dir=tmp_path, processes=3), tmp_path / "data", tmp_path / "model.json")
+    assert started == []
