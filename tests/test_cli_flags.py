@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import types
@@ -234,6 +235,7 @@ def test_prepare_wikicorpus_script_passes_its_settings_to_both_phases(tmp_path):
     ("file:///data/enwiki.xml.bz2", "", ["--input", "file:///data/enwiki.xml.bz2"]),  # was "$PWD/file:/data/..."
     ("HTTPS://mirror.example/enwiki.xml.bz2", "1", ["--input", "HTTPS://mirror.example/enwiki.xml.bz2", "--no_verify"]),
     ("", "1", ["--dump_date", "20261101", "--mirror", "https://dumps.wikimedia.org", "--no_verify"]),
+    ("", "0", ["--dump_date", "20261101", "--mirror", "https://dumps.wikimedia.org"]),  # verified
     ("dump.xml.bz2", "1", "error: environment variable NO_VERIFY applies to a dump this script downloads, and "
                           "DUMP=dump.xml.bz2 is a local file; unset NO_VERIFY\n"),
     ("", "yes", "error: environment variable NO_VERIFY must be 1 or 0, got 'yes'\n"),
@@ -253,6 +255,7 @@ def test_prepare_wikicorpus_script_passes_dump_urls_as_they_are_and_no_verify(tm
     assert proc.returncode == 0, proc.stderr
     calls = [call.strip("\n").split("\n") for call in record.read_text().split("---\n") if call]
     assert len(calls) == 2 and all(call[2:2 + len(passed)] == passed for call in calls)
+    assert all(("--no_verify" in call) == (no_verify == "1") for call in calls)
 
 
 @pytest.mark.parametrize("var, value", [("DUMP_DATE", "20240101"), ("MIRROR", "https://mirror.example")])
@@ -312,6 +315,31 @@ def test_prepare_wikicorpus_script_defaults_absolute_paths_usage_and_a_failed_ph
     leading_zero = subprocess.run(["bash", script, "out"], cwd=tmp_path, env=env | {"WORKERS": "08"},
                                   capture_output=True, text=True, timeout=60)
     assert (leading_zero.returncode, leading_zero.stderr) == (0, "")  # not bash's "value too great for base"
+
+
+def test_prepare_wikicorpus_script_runs_the_checkouts_venv_else_python3(tmp_path):
+    """Without PYTHON, the venv `make venv` made beside the script, not whatever python3 comes first on PATH (which
+    need not have the pipeline's packages); python3 where there is no venv."""
+    project = tmp_path / "project"
+    (project / "scripts").mkdir(parents=True)
+    shutil.copy(ROOT / "scripts" / "prepare_wikicorpus.sh", project / "scripts")
+    record = tmp_path / "calls.txt"
+    stub = f'#!/usr/bin/env bash\necho "$0 $PWD" >> {record}\n'
+    on_path = tmp_path / "bin" / "python3"
+    venv = project / ".venv" / "bin" / "python"
+    for interpreter in (on_path, venv):
+        interpreter.parent.mkdir(parents=True)
+        interpreter.write_text(stub)
+        interpreter.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "DUMP_DATE", "MIRROR", "NO_VERIFY")}
+    env |= {"DUMP": "dump.xml.bz2", "PATH": f"{on_path.parent}:{env['PATH']}"}
+    script = ["bash", str(project / "scripts" / "prepare_wikicorpus.sh"), "out"]
+    assert subprocess.run(script, cwd=tmp_path, env=env, timeout=60).returncode == 0
+    assert record.read_text() == f"{venv} {project}\n" * 2  # both phases, in the project root
+    record.unlink()
+    shutil.rmtree(project / ".venv")
+    assert subprocess.run(script, cwd=tmp_path, env=env, timeout=60).returncode == 0
+    assert record.read_text() == f"{on_path} {project}\n" * 2
 
 
 @pytest.mark.parametrize("nodes", [1, 2, 4, 8, 16])

@@ -491,7 +491,10 @@ def test_prepare_wikicorpus_script_takes_no_option_for_its_output_dir(arg, code,
 
 @pytest.mark.parametrize("var, value, rule", [("WORKERS", "abc", "an integer >= 1"), ("NUM_SHARDS", "0", "an integer >= 1"),
                                               ("TEST_SHARDS", "x", "an integer >= 0"),
-                                              ("TEST_FRACTION", "2", "a number in [0, 1)")])
+                                              ("TEST_FRACTION", "2", "a number in [0, 1)"),
+                                              ("TEST_FRACTION", "1", "a number in [0, 1)"),
+                                              ("TEST_FRACTION", "1.0", "a number in [0, 1)"),
+                                              ("TEST_FRACTION", "-0.1", "a number in [0, 1)")])
 def test_prepare_wikicorpus_script_names_the_environment_variable_that_is_wrong(var, value, rule, tmp_path):
     """The error named data.prepare's flag (--workers, --num_shards, ...), which the user never gave."""
     env = dict(os.environ, DUMP="/nonexistent/dump.xml.bz2", PYTHON=sys.executable, **{var: value})
@@ -507,6 +510,10 @@ def test_prepare_wikicorpus_script_names_the_environment_variable_that_is_wrong(
                            "nowhere; set TEST_FRACTION=0 too, to train on every document"),
     ({"TEST_FRACTION": "0.0"}, "TEST_FRACTION is 0.0 but TEST_SHARDS is 8: no document is held out for the test "
                                "shards; set TEST_SHARDS=0 too, or a TEST_FRACTION above 0"),
+    ({"TEST_FRACTION": ".0"}, "TEST_FRACTION is .0 but TEST_SHARDS is 8: no document is held out for the test "
+                              "shards; set TEST_SHARDS=0 too, or a TEST_FRACTION above 0"),
+    ({"TEST_FRACTION": "0"}, "TEST_FRACTION is 0 but TEST_SHARDS is 8: no document is held out for the test "
+                             "shards; set TEST_SHARDS=0 too, or a TEST_FRACTION above 0"),
 ])
 def test_prepare_wikicorpus_script_names_the_variable_that_disagrees_with_the_other(settings, message, tmp_path):
     """TEST_SHARDS=0 alone got data.prepare's error, which names --num_test_shards and --test_fraction."""
