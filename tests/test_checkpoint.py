@@ -30,6 +30,7 @@ from training.checkpoint import (
     make_room,
     read_latest,
     recover,
+    remove_unfinished,
     tag_for,
     verify_files,
 )
@@ -107,6 +108,11 @@ def test_keep_last_k_and_drop_unfinished(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == ["step00000020", "step00000030"]
     assert read_latest(tmp_path) == "step00000030"
     assert not (tmp_path / "latest_universal").exists()  # it named the pruned copy
+    (tmp_path / "step00000030_universal").mkdir()
+    for pointer in ("step00000030_universal", "", ".", "..", f"../{tmp_path.name}"):  # directories, not a copy
+        (tmp_path / "latest_universal").write_text(pointer + "\n")
+        remove_unfinished(tmp_path)
+        assert (tmp_path / "latest_universal").exists() == (pointer == "step00000030_universal"), pointer
 
 
 def test_rewound_timeline_is_neither_pruned_nor_overwritten(tmp_path):

@@ -318,8 +318,10 @@ def remove_unfinished(ckpt_dir: Path) -> None:
         elif path.name == base:
             _set_aside(ckpt_dir, base, INCOMPLETE, f"was committed but has no {RUN_STATE}; its weights are kept")
     pointer = ckpt_dir / LATEST_UNIVERSAL
-    if pointer.is_file() and not (ckpt_dir / pointer.read_text().strip()).is_dir():
-        pointer.unlink()
+    if pointer.is_file():
+        copy = pointer.read_text().strip()
+        if not (is_tag_name(copy) and (ckpt_dir / copy).is_dir()):  # '', '.' or '..' would name a directory too
+            pointer.unlink()
 
 
 def make_room(ckpt_dir: Path, tag: str) -> None:
