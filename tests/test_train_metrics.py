@@ -261,7 +261,7 @@ def test_duration_format_beyond_a_day():
     assert format_duration(3 * 86400 + 3661) == "73:01:01"
 
 
-# run_pretraining.train on 1 rank with a Throughput that records what it is fed and reports a fixed rate,
+# run_pretraining's command on each rank with a Throughput that records what it is fed and reports a fixed rate,
 # in a child process: DeepSpeed keeps its process group in module globals, which the test process must not hold.
 COUNTED_RUN = """
 import json, sys
@@ -287,10 +287,17 @@ def recording_seed(*args):
     seeds.append(micro_step_seed(*args))
     return seeds[-1]
 run_pretraining.micro_step_seed = recording_seed
-run_pretraining.train(run_pretraining.parse_args(sys.argv[1:]))
-print("COUNTED", json.dumps(counted))
-print("LOADER_WORKERS", json.dumps(loader_workers))
-print("SEEDS", json.dumps(seeds))
+main = run_pretraining.main
+def main_then_print(argv=None):
+    code = main(argv)
+    print("COUNTED", json.dumps(counted))
+    print("LOADER_WORKERS", json.dumps(loader_workers))
+    print("SEEDS", json.dumps(seeds))
+    return code
+run_pretraining.main = main_then_print
+# The command's own ending: an error in the run is a traceback and exit 1 past the DataLoader workers (left to
+# the interpreter, the process waited for them for good)
+run_pretraining.script()
 """
 
 
@@ -324,9 +331,14 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
         env=os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(ranks)]
-    outputs = [proc.communicate(timeout=600) for proc in procs]
+    try:
+        outputs = [proc.communicate(timeout=600) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
+
     def printed(stdout: str, key: str) -> list:
         return json.loads(next(x for x in stdout.splitlines() if x.startswith(f"{key} ")).split(" ", 1)[1])
 
