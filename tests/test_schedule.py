@@ -104,6 +104,16 @@ def test_the_habana_decay_runs_above_nvidias_by_the_documented_ratio(preset, rat
     assert round(min(ratios), 2) == ratio
 
 
+def test_the_nvidia_warmup_ends_before_the_step_whose_progress_is_the_warmup_proportion():
+    """NVIDIA's scheduler warms up while (step + 1) / total < warm-up: the step at exactly the proportion decays
+    (no preset lands on it); past the last step the rate stays 0, not a complex number (power 0.5)."""
+    cfg = ScheduleConfig(base_lr=1.0, total_steps=100, warmup_proportion=0.1, power=0.5, decay_style="nvidia")
+    assert lr_at(cfg, 8) == pytest.approx(0.9)  # progress 0.09: warm-up
+    assert lr_at(cfg, 9) == pytest.approx(0.9 ** 0.5)  # progress 0.1: decay, (1 - 0.1) ** 0.5
+    assert lr_at(cfg, 9) == pytest.approx(_nvidia_poly_warmup(1.0, 0.1, 100, 0.5, 9))
+    assert lr_at(cfg, 100) == 0.0 and lr_at(cfg, 101) == 0.0
+
+
 def test_the_nvidia_style_has_no_constant_phase():
     with pytest.raises(ValueError, match="--constant_proportion 0.3 with --lr_decay_style nvidia: NVIDIA's scheduler "
                                          "has no constant phase"):
@@ -243,5 +253,11 @@ def test_every_schedule_saved_with_the_old_meaning_keeps_its_decay_step():
                 assert converted.constant_end == old_end, (total, warmup, end)
     cfg = saved_schedule({"config": {"base_lr": 1.0, "total_steps": 15, "warmup_proportion": 0.1,
                                      "constant_proportion": 0.3, "power": 1.0}})[0]
+    # the length is the decimal the refusal tells the user to pass (not 0.19999999999999998), which then resumes
+    assert cfg.constant_proportion == 0.2
+    today = ScheduleConfig(base_lr=1.0, total_steps=15, warmup_proportion=0.1, constant_proportion=0.2, power=1.0)
+    WarmupConstantDecay(_optimizer(), today).load_state_dict(
+        {"step_count": 3, "config": {"base_lr": 1.0, "total_steps": 15, "warmup_proportion": 0.1,
+                                     "constant_proportion": 0.3, "power": 1.0}})
     assert cfg.constant_end == 4  # the decay starts at step 4 (at the peak), as it did
     assert [round(lr_at(cfg, s), 4) for s in range(3, 7)] == [1.0, 1.0, 0.9091, 0.8182]

@@ -215,6 +215,31 @@ def test_a_run_killed_after_its_checkpoint_keeps_every_logged_step_in_tensorboar
     assert scalars["eval/loss"] == [(8, 0.5)]
 
 
+def test_a_rebuild_killed_midway_is_redone_from_the_logs_alone(tmp_path):
+    """A start killed while it rebuilt TensorBoard left events in the staging directory; the next start's rebuild
+    begins with an empty one, or those steps would appear twice once it is swapped in."""
+    from torch.utils.tensorboard import SummaryWriter
+
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0 / s}) + "\n"
+                                                    for s in range(1, 7)))
+    with SummaryWriter(log_dir=str(tmp_path / ".tensorboard.tmp")) as partial:  # the killed rebuild's 2 steps
+        for s in (1, 2):
+            partial.add_scalar("train/loss", 1.0 / s, s)
+    MetricsWriter(tmp_path, total_steps=10, start_step=4, enabled=True).close()
+    assert tensorboard_scalars(tmp_path / "tensorboard") == {
+        "train/loss": [(s, pytest.approx(1.0 / s)) for s in range(1, 5)]}
+    assert not (tmp_path / ".tensorboard.tmp").exists()
+
+
+def test_the_evaluated_steps_are_those_of_eval_jsonl_up_to_the_checkpoint(tmp_path):
+    """What a resumed run reads to know whether its final evaluation is still to do."""
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in range(1, 5)))
+    (tmp_path / "eval.jsonl").write_text("".join(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in (2, 6)))
+    writer = MetricsWriter(tmp_path, total_steps=10, start_step=4, enabled=True)
+    writer.close()
+    assert [s for s in range(1, 8) if writer.evaluated(s)] == [2]  # not 1-4 (metrics.jsonl), not 6 (past step 4)
+
+
 def test_a_start_from_scratch_over_an_earlier_runs_records_says_so(tmp_path, capsys):
     """Its checkpoints deleted, a run's rerun trained again from step 0 without a word."""
     MetricsWriter(tmp_path, total_steps=10, start_step=0, enabled=True).close()  # a first start: nothing to say
