@@ -199,14 +199,43 @@ def _same_parts(a: Path, b: Path, pattern: str) -> bool:
     return [p.read_bytes() for p in sorted(a.glob(pattern))] == [p.read_bytes() for p in sorted(b.glob(pattern))]
 
 
-def test_a_resumed_segmentation_counts_the_parts_an_earlier_run_wrote(phase1_shards, tmp_path):
-    """Parts on disk are reused, and counted as the run that wrote them counted them."""
+def test_a_resumed_segmentation_counts_the_parts_an_earlier_run_wrote(phase1_shards, tmp_path, monkeypatch):
+    """Parts on disk are reused, not segmented again, and counted as the run that wrote them counted them."""
+    import data.segment
+
     whole, sentences = phase1_shards / "text" / "sentences", tmp_path / "sentences"
     summary = _killed_before_part(whole, sentences, "part-00001.txt")  # killed before its second part
-    result = segment(SegmentConfig(phase1_shards / "text" / "extracted", sentences))
+    segmented = []
+    segment_text = data.segment.segment_text
+    monkeypatch.setattr(data.segment, "segment_text", lambda text: segmented.append(text) or segment_text(text))
+    result = segment(SegmentConfig(phase1_shards / "text" / "extracted", sentences, workers=1))  # calls seen here
+    assert len(segmented) == 1  # part 1 alone, the one the killed run had not written
     assert (result.documents, result.sentences) == (summary["documents"], summary["sentences"]) == (105, 18587)
     assert result.text_bytes == summary["text_bytes"]
     assert _same_parts(sentences, whole, "part-*.txt")
+
+
+def test_a_segmented_part_whose_write_fails_is_not_left_to_be_reused_cut_short(phase1_shards, tmp_path, monkeypatch):
+    """A full disk (or a kill) while a part is written leaves no part under its name, which a rerun would take
+    for a finished one."""
+    import errno
+
+    extracted, sentences = phase1_shards / "text" / "extracted", tmp_path / "sentences"
+    write_file = stage.write_file
+
+    def full_disk_in_part_1(path, data):
+        if "part-00001" in path.name:
+            write_file(path, bytes(data)[: len(data) // 2])
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        write_file(path, data)
+
+    monkeypatch.setattr(stage, "write_file", full_disk_in_part_1)
+    with pytest.raises(OSError, match="No space left"):
+        segment(SegmentConfig(extracted, sentences, workers=1))
+    assert not (sentences / "part-00001.txt").exists()
+    monkeypatch.undo()
+    segment(SegmentConfig(extracted, sentences))
+    assert _same_parts(sentences, phase1_shards / "text" / "sentences", "part-*.txt")
 
 
 def test_a_resumed_tokenization_counts_the_parts_an_earlier_run_wrote(phase1_shards, tmp_path):
@@ -701,6 +730,82 @@ def report_and_wait(_):
     time.sleep(120)
 list(bounded_map(report_and_wait, range(2), 2))
 """
+
+
+def _pid(_) -> int:
+    return os.getpid()
+
+
+def test_bounded_map_with_one_worker_runs_in_this_process():
+    """As its docstring says, and as the tests that patch a stage's functions in this process rely on."""
+    assert set(bounded_map(_pid, range(3), 1)) == {os.getpid()}
+    assert set(bounded_map(_pid, iter(range(3)), 1)) == {os.getpid()}
+
+
+def test_bounded_map_starts_its_workers_before_it_reads_the_input():
+    """A producer may start threads (the dump read-ahead does); a fork while one of them holds a lock can deadlock
+    the child."""
+    import multiprocessing
+
+    seen = []
+
+    def items():
+        seen.append(len(multiprocessing.active_children()))
+        yield from range(4)
+
+    assert len(list(bounded_map(_pid, items(), 2))) == 4 and seen == [2]
+
+
+def _fail_0_else_sleep(x: int) -> int:
+    if x == 0:
+        time.sleep(0.2)  # the other tasks are submitted by then
+        raise ValueError("task 0 failed")
+    time.sleep(0.5)
+    return x
+
+
+def test_a_tasks_error_reaches_the_caller_once_the_running_tasks_have_ended():
+    """They end first (one that fails removes its temporary files): none is left writing after the error."""
+    import multiprocessing
+
+    with pytest.raises(ValueError, match="task 0 failed"):
+        list(bounded_map(_fail_0_else_sleep, range(4), 2))
+    assert multiprocessing.active_children() == []
+
+
+# Ctrl-C while the pool waits for the running tasks after another task's error.
+_INTERRUPTED_AFTER_AN_ERROR = """
+import os, signal, time
+from data.parallel import bounded_map
+from data.stage import cli_call
+signal.signal(signal.SIGINT, signal.default_int_handler)
+def task(i):
+    os.write(1, b"start %d\\n" % i)
+    if i == 0:
+        time.sleep(0.3)
+        raise ValueError("task 0 failed")
+    time.sleep(60)
+    return i
+cli_call(lambda _: list(bounded_map(task, range(4), 2)), None)
+"""
+
+
+def test_ctrl_c_while_the_running_tasks_end_after_an_error_stops_them_at_once(tmp_path):
+    out = tmp_path / "out"
+    with out.open("w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTED_AFTER_AN_ERROR], cwd=ROOT, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while out.read_text().count("start") < 3:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.01)
+    time.sleep(1)  # task 0 has failed: the parent waits in the pool's shutdown for the 60 s tasks
+    os.killpg(proc.pid, signal.SIGINT)  # the process group this test started
+    try:
+        _, err = proc.communicate(timeout=20)  # not the tasks' 60 s
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
 
 
 # Ctrl-C in a terminal: SIGINT to the whole process group, while two workers are in their first task.

@@ -460,6 +460,16 @@ def test_atomic_path_flushes_what_it_renames_first_then_the_directory(tmp_path, 
     assert (part / "sub" / "mask.npy").read_bytes() == b"mask" and json.loads(record.read_text()) == {"done": True}
 
 
+def test_an_oserror_without_an_errno_keeps_its_message(tmp_path):
+    """Given a path, it had become "[Errno None] None: <path>"."""
+    from training.atomic import named
+
+    error = OSError("the event file writer failed")
+    assert named(error, tmp_path / "x") is error
+    full = named(OSError(28, "No space left on device"), tmp_path / "x")
+    assert (type(full), full.errno, full.filename) == (OSError, 28, str(tmp_path / "x"))
+
+
 @pytest.mark.parametrize("error", [FileNotFoundError(errno.ENOENT, "No such file or directory", "out/x"),
                                    ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"),
                                    OSError("some other failure")])

@@ -385,6 +385,20 @@ def test_not_a_dump_truncated_bz2_and_empty_corpus_are_named(sample_dump, tmp_pa
         extract(ExtractConfig(only_redirects, tmp_path / "d"))
 
 
+def test_articles_that_give_no_sentence_are_an_empty_corpus(tmp_path):
+    """An article whose text is a zero-width space is extracted but splits into no sentence: the segmentation says
+    the corpus is empty, not the tokenization a stage later."""
+    from data.segment import SegmentConfig, segment
+
+    dump = tmp_path / "zw.xml"
+    dump.write_text("<mediawiki><page><title>Alpha</title><ns>0</ns><id>1</id><revision><id>1</id><text>\u200b"
+                    "</text></revision></page></mediawiki>\n", encoding="utf-8")
+    assert extract(ExtractConfig(dump, tmp_path / "extracted", workers=1)).articles == 1
+    with pytest.raises(PipelineError, match="the extracted corpus is empty"):
+        segment(SegmentConfig(tmp_path / "extracted", tmp_path / "sentences"))
+    assert not (tmp_path / "sentences" / COMPLETE_FILE).exists()
+
+
 def test_a_corpus_too_small_for_a_sentence_pair_is_named(bert_vocab, tmp_path):
     """One article of one sentence makes no pair: data.create says so, instead of finishing with no instances."""
     dump = tmp_path / "one.xml"

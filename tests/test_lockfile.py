@@ -345,3 +345,41 @@ def test_the_training_runs_lock_that_cannot_be_taken_is_an_error_for_every_rank(
     lock, error = _try_lock(path)
     assert lock is None and error == (f"cannot lock {path} ({os.strerror(errno.EISDIR)}); make --output_dir "
                                       f"{path.parent} writable (or free space there), or pass another --output_dir")
+
+
+def test_a_newcomer_that_locks_while_the_holder_releases_keeps_the_file_at_the_path(tmp_path, monkeypatch):
+    """The file is removed before its lock is given up: unlocked first, a newcomer could lock the file that is
+    then removed, and a third process lock a new one at the path while the newcomer still held its own."""
+    path = tmp_path / "lock"
+    lock = lockfile.acquire(path)
+    close, procs = os.close, []
+
+    def close_then_a_newcomer_locks(fd):
+        close(fd)
+        if fd == lock.fd:
+            monkeypatch.setattr(os, "close", close)  # once: the newcomer's pipes may reuse the number
+            procs.append(_holder(path))
+            assert procs[0].stdout.readline() == "held\n"
+
+    monkeypatch.setattr(os, "close", close_then_a_newcomer_locks)
+    try:
+        lock.release()
+        assert len(procs) == 1
+        procs.append(_holder(path))
+        assert procs[1].stdout.readline().startswith("busy ")  # the newcomer holds the file at the path
+    finally:
+        for proc in procs:
+            _end(proc)
+
+
+def test_a_lock_refused_with_eacces_is_busy(tmp_path, monkeypatch):
+    """POSIX lets a held lock be answered with EACCES as well as EAGAIN (Linux answers EAGAIN)."""
+    (tmp_path / "lock").write_text("host h pid 42\n")
+
+    def held_elsewhere(fd, operation):
+        raise OSError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(fcntl, "lockf", held_elsewhere)
+    with pytest.raises(lockfile.Busy) as exc:
+        lockfile.acquire(tmp_path / "lock")
+    assert exc.value.pid == 42
