@@ -28,7 +28,7 @@ R = TypeVar("R")
 def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Iterator[R]:
     """Yield fn(item) for each item, in input order. workers <= 1 runs in this process. A worker that dies (a
     signal: the out-of-memory killer, kill -9) is a PipelineError. Ctrl-C, or a caller that drops the generator,
-    stops the workers at once; a task's error lets the other running tasks end first."""
+    stops the workers at once; a task's error lets the tasks already handed to the workers end first."""
     if isinstance(items, Sized):
         workers = min(workers, len(items))  # with fork, every worker is started, busy or not
     if workers <= 1:
@@ -60,8 +60,9 @@ def bounded_map(fn: Callable[[T], R], items: Iterable[T], workers: int) -> Itera
         raise
     finally:
         try:
-            # After a task's error: the other running tasks end first (one that fails removes its temporary files);
-            # a no-op for workers stopped above.
+            # After a task's error: the tasks handed to the workers end first (one that fails removes its temporary
+            # files); a no-op for workers stopped above. The executor hands a worker's next task over while it runs
+            # the last, so cancel_futures drops few: up to 2 x workers - 1 tasks may still run after the error.
             pool.shutdown(wait=True, cancel_futures=True)
         except KeyboardInterrupt:
             _stop_workers(others)
