@@ -263,6 +263,16 @@ def to_reference_format(src: Path, dst: Path) -> None:
             fout.create_dataset(key, data=fin[key][()].astype("int64"))
 
 
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Each process's (stdout, stderr) once it has ended; every process is killed if one does not end in time (a
+    rank that waits for a failed peer would otherwise outlive the test)."""
+    try:
+        return [proc.communicate(timeout=timeout) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()  # a no-op for a process that has ended
+
+
 def drain(loader) -> None:
     """Iterate a DataLoader to its end, as training does (training.loader.batches_of)."""
     from training.loader import batches_of

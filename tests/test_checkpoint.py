@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import record_fsyncs
+from tests.conftest import communicate_all, record_fsyncs
 from training import checkpoint, weights
 from training.accelerator import free_port
 from training.checkpoint import (
@@ -511,7 +511,7 @@ def _on_ranks(script: str, world: int, argv) -> list[str]:
     procs = [subprocess.Popen([sys.executable, "-c", script, *argv(rank, port)], cwd=root, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(root)})
              for rank in range(world)]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
+    outputs = communicate_all(procs, timeout=120)
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-2000:]
     return [out for out, _ in outputs]
@@ -635,11 +635,7 @@ def test_a_conversion_stopped_by_a_full_disk_fails_every_rank_and_gives_the_spac
     procs = [subprocess.Popen([sys.executable, "-c", CONVERT_ON_A_FULL_DISK, str(rank), str(tmp_path), port],
                               cwd=root, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               env={**os.environ, "PYTHONPATH": str(root)}) for rank in (0, 1)]
-    try:
-        outputs = [proc.communicate(timeout=60) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    outputs = communicate_all(procs, timeout=60)
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-2000:]
         assert out.startswith(f"CheckpointError: converting {tmp_path / 'step00000010'} to a universal checkpoint "

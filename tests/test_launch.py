@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import communicate_all
 from training.accelerator import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,15 +55,7 @@ def run_two_nodes(input_dir: Path, output_dir: Path) -> tuple[list[str], list[st
                 "--output_dir", str(output_dir), "--", "--log_freq", "1", "--num_workers", "0"]
         procs.append(subprocess.Popen(["bash", str(LAUNCH), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, env=_env(), cwd=ROOT))
-    logs = []
-    try:
-        for proc in procs:
-            out, _ = proc.communicate(timeout=400)
-            logs.append(out)
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
+    logs = [out for out, _ in communicate_all(procs, timeout=400)]
     for rank, (proc, log) in enumerate(zip(procs, logs)):
         assert proc.returncode == 0, f"node {rank} failed:\n{log[-4000:]}"
     return logs[0], logs[1]

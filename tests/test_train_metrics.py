@@ -337,7 +337,7 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
     import sys
 
     from modeling import BertConfig
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, communicate_all
     from training.accelerator import free_port
     from training.planner import training_flops_per_sequence
 
@@ -356,11 +356,7 @@ def test_the_run_counts_every_sequence_of_a_step_in_its_throughput(phase1_shards
         env=os.environ | {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(ranks),
                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "DS_ACCELERATOR": "cpu"},
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(ranks)]
-    try:
-        outputs = [proc.communicate(timeout=600) for proc in procs]
-    finally:
-        for proc in procs:
-            proc.kill()
+    outputs = communicate_all(procs, timeout=600)
     for proc, (_, err) in zip(procs, outputs):
         assert proc.returncode == 0, err[-3000:]
 
